@@ -1,0 +1,109 @@
+"""The rollout batch: one typed record that flows through a PPO step.
+
+Shapes (B sequences on this data-parallel rank, P prompt tokens, R response tokens):
+
+    prompts         [B, P]  left padded with pad_token_id
+    responses       [B, R]  right padded after EOS
+    input_ids       [B, P+R]
+    attention_mask  [B, P+R] 1 on real prompt and response tokens
+    response_mask   [B, R]  float, 1 on real response tokens (EOS included)
+
+Fields filled as the step proceeds: old_log_probs, ref_log_probs, values (each [B, R]),
+token_level_scores / token_level_rewards / advantages / returns ([B, R]). Per-sequence host data
+(uid of the prompt group, data_source, ground truth, extra_info) lives in ``meta``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_TENSOR_FIELDS = (
+    "prompts",
+    "responses",
+    "input_ids",
+    "attention_mask",
+    "response_mask",
+    "old_log_probs",
+    "ref_log_probs",
+    "values",
+    "token_level_scores",
+    "token_level_rewards",
+    "advantages",
+    "returns",
+)
+
+
+@dataclass
+class SeqMeta:
+    """Host-side data of one sequence."""
+
+    uid: str
+    """Prompt id shared by the rollout.n samples of one prompt (GRPO/RLOO groups)."""
+    data_source: str = ""
+    ground_truth: Any = None
+    extra_info: dict = field(default_factory=dict)
+
+
+@dataclass
+class RolloutBatch:
+    prompts: torch.Tensor
+    responses: torch.Tensor
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_mask: torch.Tensor
+    meta: list[SeqMeta]
+    old_log_probs: torch.Tensor | None = None
+    ref_log_probs: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    token_level_scores: torch.Tensor | None = None
+    token_level_rewards: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+
+    @classmethod
+    def from_tokens(
+        cls, prompts: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor, response_mask: torch.Tensor,
+        meta: list[SeqMeta],
+    ) -> RolloutBatch:
+        """Assemble from left-padded prompts [B, P] and right-padded responses [B, R]."""
+        return cls(
+            prompts=prompts,
+            responses=responses,
+            input_ids=torch.cat([prompts, responses], dim=1),
+            attention_mask=torch.cat([prompt_mask.long(), response_mask.long()], dim=1),
+            response_mask=response_mask.float(),
+            meta=meta,
+        )
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def response_length(self) -> int:
+        return self.responses.shape[1]
+
+    def select(self, index: torch.Tensor | list[int] | slice) -> RolloutBatch:
+        """Rows ``index`` of every tensor (and of meta)."""
+        if isinstance(index, slice):
+            meta = self.meta[index]
+        else:
+            idx = index.tolist() if isinstance(index, torch.Tensor) else list(index)
+            meta = [self.meta[i] for i in idx]
+            index = torch.as_tensor(idx, dtype=torch.long)
+        kw = {}
+        for name in _TENSOR_FIELDS:
+            t = getattr(self, name)
+            kw[name] = None if t is None else t[index.to(t.device) if isinstance(index, torch.Tensor) else index]
+        return RolloutBatch(meta=meta, **kw)
+
+    def split(self, size: int) -> list[RolloutBatch]:
+        """Consecutive chunks of ``size`` sequences (the last may be shorter)."""
+        return [self.select(slice(i, i + size)) for i in range(0, len(self), size)]
+
+    def to(self, device: torch.device) -> RolloutBatch:
+        kw = {n: (None if getattr(self, n) is None else getattr(self, n).to(device)) for n in _TENSOR_FIELDS}
+        return dataclasses.replace(self, **kw)

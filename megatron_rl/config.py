@@ -1,0 +1,620 @@
+"""Typed configuration: one dataclass per section, verl's key names, validated as a whole.
+
+Loading order: dataclass defaults <- a YAML file <- dotted command-line overrides
+(``actor_rollout_ref.actor.optim.lr=1e-6``). Unknown keys fail with a did-you-mean suggestion, wrong
+types name the key, and :func:`validate` checks the combinations (batch sizes against the
+data-parallel size, parallel sizes against the model's head counts) before any process group starts.
+
+    cfg = load_config("yaml/cpu_demo.yaml", ["trainer.total_training_steps=3"])
+    validate(cfg, world_size=2)
+
+``python -m megatron_rl.config yaml/X.yaml key=value ...`` prints the fully resolved config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the key and the fix."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)
+    """Parquet files of training prompts in verl's format (prompt, data_source, reward_model, ...)."""
+    val_files: list[str] = field(default_factory=list)
+    """Parquet files of validation prompts; empty disables validation."""
+    tokenizer: str | None = None
+    """Tokenizer directory; defaults to actor_rollout_ref.model.path."""
+    prompt_key: str = "prompt"
+    """Column holding the chat messages of each prompt."""
+    max_prompt_length: int = 512
+    """Longest prompt in tokens after the chat template; longer ones are filtered or truncated."""
+    max_response_length: int = 512
+    """Most tokens generated per response."""
+    train_batch_size: int = 1024
+    """Prompts per PPO step (over all data-parallel ranks, before rollout.n samples each)."""
+    val_batch_size: int | None = None
+    """Prompts per validation batch; None means the whole validation set at once."""
+    shuffle: bool = True
+    """Shuffle the training prompts each epoch."""
+    seed: int = 1
+    """Seed of the prompt sampler."""
+    filter_overlong_prompts: bool = False
+    """Drop prompts longer than max_prompt_length (the count is logged) instead of truncating."""
+    truncation: str = "error"
+    """What to do with an overlong prompt when it is not filtered: error | left | right."""
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""
+    """HF model directory, torch_dist checkpoint or legacy Megatron-LM checkpoint (auto-detected)."""
+    tokenizer_path: str | None = None
+    """Tokenizer directory if it is not beside the weights."""
+    trust_remote_code: bool = False
+    """Passed to transformers when loading the tokenizer."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Final learning rate of a decaying schedule."""
+    lr_warmup_steps: int = -1
+    """Linear warmup steps; -1 derives them from lr_warmup_steps_ratio."""
+    lr_warmup_steps_ratio: float = 0.0
+    """Warmup length as a fraction of the total optimizer steps (used when lr_warmup_steps < 0)."""
+    lr_decay_style: str = "constant"
+    """Schedule after warmup: constant | cosine | linear."""
+    weight_decay: float = 0.01
+    """AdamW weight decay (not applied to biases and norms)."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """Adam betas."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Clip the global gradient norm (over all TP/PP/DP shards) to this value; 0 disables."""
+    total_training_steps: int = -1
+    """Optimizer steps of the schedule; set by the trainer from the data, leave at -1."""
+
+
+@dataclass
+class MegatronConfig:
+    tensor_model_parallel_size: int = 1
+    """Tensor-parallel size of this model."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline-parallel size of this model."""
+    use_distributed_optimizer: bool = True
+    """Shard optimizer states over data-parallel ranks (GPU)."""
+    param_offload: bool = False
+    """Move parameters to host memory while the rollout engine runs."""
+    optimizer_offload: bool = False
+    """Move optimizer states to host memory while the rollout engine runs."""
+    grad_offload: bool = False
+    """Move gradient buffers to host memory while the rollout engine runs."""
+    seed: int = 42
+    """Seed of the model-parallel RNG streams."""
+    params_dtype: str = "bfloat16"
+    """Parameter dtype of the Megatron model: float32 | bfloat16 | float16 (float32 on CPU)."""
+    use_sdpa_attention: bool = True
+    """Use torch's scaled_dot_product_attention as the core attention (fused, same math)."""
+
+
+@dataclass
+class ActorConfig:
+    ppo_mini_batch_size: int = 256
+    """Prompts per optimizer step (over all DP ranks, before rollout.n)."""
+    ppo_micro_batch_size_per_gpu: int = 4
+    """Sequences per forward/backward on one GPU; gradients accumulate over micro-batches."""
+    ppo_epochs: int = 1
+    """Passes over the rollout batch per PPO step."""
+    shuffle: bool = False
+    """Shuffle sequences between mini-batches."""
+    clip_ratio: float = 0.2
+    """PPO clip range (both sides unless clip_ratio_low/high are set)."""
+    clip_ratio_low: float | None = None
+    """Lower clip range; defaults to clip_ratio."""
+    clip_ratio_high: float | None = None
+    """Upper clip range (clip-higher); defaults to clip_ratio."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip bound for negative advantages; must be > 1."""
+    loss_agg_mode: str = "token-mean"
+    """token-mean | seq-mean-token-sum | seq-mean-token-mean."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus coefficient."""
+    use_kl_loss: bool = False
+    """Add KL(actor || ref) to the actor loss (GRPO style) instead of shaping rewards."""
+    kl_loss_coef: float = 0.001
+    """Coefficient of the KL loss."""
+    kl_loss_type: str = "low_var_kl"
+    """KL estimator of the KL loss: kl | abs | mse | low_var_kl (k1 | k2 | k3 also accepted)."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and learning-rate schedule."""
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    """Parallel layout and memory options."""
+
+
+@dataclass
+class RefConfig:
+    log_prob_micro_batch_size_per_gpu: int = 8
+    """Sequences per forward when computing reference log-probs."""
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    """Parallel layout of the reference model (TP/PP must equal the actor's)."""
+
+
+@dataclass
+class ValKwargs:
+    temperature: float = 0.0
+    """Validation sampling temperature (0 = greedy)."""
+    top_p: float = 1.0
+    """Validation nucleus sampling."""
+    top_k: int = -1
+    """Validation top-k (-1 = off)."""
+    n: int = 1
+    """Samples per validation prompt."""
+    do_sample: bool = False
+    """Sample during validation (False = greedy)."""
+
+
+@dataclass
+class RolloutConfig:
+    name: str = "sglang"
+    """Rollout engine: sglang (GPU) | hf (transformers, CPU or GPU)."""
+    n: int = 1
+    """Responses sampled per prompt (GRPO/RLOO need n > 1)."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling."""
+    top_k: int = -1
+    """Top-k sampling (-1 = off)."""
+    do_sample: bool = True
+    """Sample (False = greedy)."""
+    ignore_eos: bool = False
+    """Keep generating past EOS (benchmarks only)."""
+    dtype: str = "bfloat16"
+    """Engine weight dtype."""
+    tensor_model_parallel_size: int = 1
+    """Tensor-parallel size of the rollout engine (may differ from training TP)."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory for the engine's weights and KV cache (SGLang mem_fraction_static)."""
+    max_num_batched_tokens: int = 8192
+    """Most tokens in one prefill batch of the engine."""
+    free_cache_engine: bool = True
+    """Release the engine's memory during training (colocated hybrid engine)."""
+    enable_cuda_graph: bool = True
+    """Capture CUDA graphs for decoding (SGLang)."""
+    log_prob_micro_batch_size_per_gpu: int = 8
+    """Sequences per forward when recomputing old log-probs."""
+    update_weights_bucket_megabytes: int = 512
+    """Size of the buckets in which weights are streamed into the engine."""
+    calculate_log_probs: bool = False
+    """Also return the engine's log-probs of sampled tokens (diagnostics)."""
+    val_kwargs: ValKwargs = field(default_factory=ValKwargs)
+    """Sampling parameters of validation."""
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    hybrid_engine: bool = True
+    """Actor and rollout engine share processes and GPUs (the only mode)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Policy model to train."""
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    """Policy optimisation."""
+    ref: RefConfig = field(default_factory=RefConfig)
+    """Reference policy for the KL term."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Generation."""
+
+
+@dataclass
+class CriticConfig:
+    enable: bool | None = None
+    """Train a critic; None means: when algorithm.adv_estimator needs one (gae)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Critic trunk; path defaults to actor_rollout_ref.model.path."""
+    ppo_mini_batch_size: int | None = None
+    """Prompts per critic optimizer step; defaults to the actor's."""
+    ppo_micro_batch_size_per_gpu: int = 4
+    """Sequences per critic forward/backward on one GPU."""
+    ppo_epochs: int | None = None
+    """Critic passes per PPO step; defaults to the actor's."""
+    shuffle: bool = False
+    """Shuffle sequences between mini-batches."""
+    cliprange_value: float = 0.5
+    """Clip range of the value loss."""
+    loss_agg_mode: str = "token-mean"
+    """token-mean | seq-mean-token-sum | seq-mean-token-mean."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    """Optimizer and learning-rate schedule of the critic."""
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    """Parallel layout of the critic (TP/PP must equal the actor's)."""
+
+
+@dataclass
+class KLCtrlConfig:
+    type: str = "fixed"
+    """KL coefficient controller: fixed | adaptive."""
+    kl_coef: float = 0.001
+    """Initial (or fixed) KL coefficient of the reward penalty."""
+    horizon: int = 10000
+    """Adaptive controller horizon."""
+    target_kl: float = 0.1
+    """Adaptive controller target KL."""
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "gae"
+    """gae | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline."""
+    gamma: float = 1.0
+    """Discount factor."""
+    lam: float = 1.0
+    """GAE lambda."""
+    norm_adv_by_std_in_grpo: bool = True
+    """GRPO: divide by the group's standard deviation."""
+    use_kl_in_reward: bool = False
+    """Subtract a KL penalty from token rewards."""
+    kl_penalty: str = "kl"
+    """KL estimator of the reward penalty: kl | abs | mse | low_var_kl."""
+    kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
+    """KL coefficient controller."""
+
+
+@dataclass
+class RewardModelConfig:
+    enable: bool = False
+    """A learned reward model (not supported yet: rewards come from rule functions)."""
+    reward_manager: str = "naive"
+    """How scores are computed from decoded responses."""
+
+
+@dataclass
+class CustomRewardFunctionConfig:
+    path: str | None = None
+    """Python file holding a reward function; None uses the built-in rules by data_source."""
+    name: str = "compute_score"
+    """Function name in that file: f(data_source, solution_str, ground_truth, extra_info) -> float."""
+
+
+@dataclass
+class TrainerConfig:
+    project_name: str = "megatron_rl"
+    """Project name (logger sinks, checkpoint directory)."""
+    experiment_name: str = "ppo"
+    """Run name."""
+    logger: list[str] = field(default_factory=lambda: ["console"])
+    """Sinks: console | jsonl | tensorboard | wandb."""
+    total_epochs: int = 1
+    """Passes over the training prompts."""
+    total_training_steps: int | None = None
+    """Stop after this many PPO steps (overrides total_epochs when set)."""
+    critic_warmup: int = 0
+    """Steps in which only the critic is trained."""
+    test_freq: int = -1
+    """Validate every this many steps (-1 = never)."""
+    val_before_train: bool = False
+    """Validate once before the first step."""
+    save_freq: int = -1
+    """Save a checkpoint every this many steps (-1 = only at the end if save_at_end)."""
+    save_at_end: bool = True
+    """Save after the last step."""
+    default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"
+    """Checkpoint directory."""
+    resume_mode: str = "auto"
+    """auto (latest in default_local_dir) | disable | resume_path (trainer.resume_from_path)."""
+    resume_from_path: str | None = None
+    """Checkpoint to resume from when resume_mode=resume_path."""
+    max_ckpt_to_keep: int | None = None
+    """Keep only the newest this many checkpoints (None keeps all)."""
+    nnodes: int = 1
+    """Nodes of the job (informational; the world comes from torchrun)."""
+    n_gpus_per_node: int = 8
+    """Processes per node (informational; the world comes from torchrun)."""
+    device: str = "auto"
+    """auto (cuda when available) | cuda | cpu."""
+    log_dir: str | None = None
+    """Where JSONL/TensorBoard logs go; defaults to default_local_dir/logs."""
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------------
+
+
+def _known_keys(cls: type, prefix: str = "") -> dict[str, Any]:
+    """Dotted key -> dataclass field type, for every leaf and section."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        out[key] = f.type
+        ftype = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+        sub = ftype() if ftype is not None else None
+        if dataclasses.is_dataclass(sub):
+            out.update(_known_keys(type(sub), key + "."))
+    return out
+
+
+def _flatten(d: Any, prefix: str = "") -> list[str]:
+    if not isinstance(d, dict) or not d:
+        return [prefix[:-1]] if prefix else []
+    keys: list[str] = []
+    for k, v in d.items():
+        keys.extend(_flatten(v, f"{prefix}{k}."))
+    return keys
+
+
+def _check_keys(raw: dict, source: str) -> None:
+    known = _known_keys(Config)
+    for key in _flatten(raw):
+        if key not in known:
+            near = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+            hint = f" Did you mean '{near[0]}'?" if near else ""
+            raise ConfigError(f"Unknown config key '{key}' (from {source}).{hint}")
+
+
+def load_config(yaml_path: str | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults <- YAML file <- dotted overrides; returns a typed, resolved :class:`Config`."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    merged = OmegaConf.structured(Config)
+    layers = []
+    if yaml_path:
+        if not os.path.exists(yaml_path):
+            raise ConfigError(f"Config file not found: {yaml_path}")
+        layers.append((OmegaConf.load(yaml_path), yaml_path))
+    if overrides:
+        bad = [o for o in overrides if "=" not in o]
+        if bad:
+            raise ConfigError(f"Overrides must look like key=value; got {bad}")
+        layers.append((OmegaConf.from_dotlist(list(overrides)), "command line"))
+    for layer, source in layers:
+        _check_keys(OmegaConf.to_container(layer, resolve=False), source)
+        try:
+            merged = OmegaConf.merge(merged, layer)
+        except OmegaConfBaseException as e:
+            key = getattr(e, "full_key", None) or "?"
+            raise ConfigError(f"Bad value for '{key}' (from {source}): {e.msg.splitlines()[0]}") from None
+    try:
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"Config could not be resolved at '{getattr(e, 'full_key', '?')}': {e.msg}") from None
+    _fill_derived(cfg)
+    return cfg
+
+
+def _fill_derived(cfg: Config) -> None:
+    """Defaults that are defined in terms of other keys (one source of truth for each value)."""
+    arr = cfg.actor_rollout_ref
+    if not cfg.critic.model.path:
+        cfg.critic.model.path = arr.model.path
+    if cfg.critic.ppo_mini_batch_size is None:
+        cfg.critic.ppo_mini_batch_size = arr.actor.ppo_mini_batch_size
+    if cfg.critic.ppo_epochs is None:
+        cfg.critic.ppo_epochs = arr.actor.ppo_epochs
+    if cfg.critic.enable is None:
+        cfg.critic.enable = cfg.algorithm.adv_estimator == "gae"
+    if cfg.data.tokenizer is None:
+        cfg.data.tokenizer = arr.model.tokenizer_path or arr.model.path
+    if arr.actor.clip_ratio_low is None:
+        arr.actor.clip_ratio_low = arr.actor.clip_ratio
+    if arr.actor.clip_ratio_high is None:
+        arr.actor.clip_ratio_high = arr.actor.clip_ratio
+    if cfg.trainer.log_dir is None:
+        cfg.trainer.log_dir = os.path.join(cfg.trainer.default_local_dir, "logs")
+
+
+# --------------------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------------------
+
+_CHOICES = {
+    "data.truncation": ("error", "left", "right"),
+    "actor_rollout_ref.rollout.name": ("sglang", "hf"),
+    "actor_rollout_ref.actor.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
+    "critic.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
+    "actor_rollout_ref.actor.kl_loss_type": ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"),
+    "algorithm.kl_penalty": ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"),
+    "algorithm.adv_estimator": ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"),
+    "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
+    "actor_rollout_ref.actor.optim.lr_decay_style": ("constant", "cosine", "linear"),
+    "critic.optim.lr_decay_style": ("constant", "cosine", "linear"),
+    "trainer.resume_mode": ("auto", "disable", "resume_path"),
+    "trainer.device": ("auto", "cuda", "cpu"),
+    "actor_rollout_ref.actor.megatron.params_dtype": ("float32", "bfloat16", "float16"),
+    "actor_rollout_ref.rollout.dtype": ("float32", "bfloat16", "float16"),
+}
+
+
+def get_key(cfg: Config, key: str) -> Any:
+    obj: Any = cfg
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def validate(cfg: Config, world_size: int, model_dims: dict[str, int] | None = None) -> None:
+    """Check the config as a whole for a job of ``world_size`` processes.
+
+    ``model_dims`` (num_attention_heads, num_key_value_heads, num_layers, vocab_size) comes from the
+    model's own config; when None it is read from actor_rollout_ref.model.path if that exists.
+    Raises :class:`ConfigError` naming the key and the fix.
+    """
+    for key, choices in _CHOICES.items():
+        value = get_key(cfg, key)
+        if value not in choices:
+            raise ConfigError(f"{key}={value!r} is not one of {list(choices)}.")
+    for sink in cfg.trainer.logger:
+        if sink not in ("console", "jsonl", "tensorboard", "wandb"):
+            raise ConfigError(f"trainer.logger: unknown sink {sink!r}; use console, jsonl, tensorboard, wandb.")
+
+    arr = cfg.actor_rollout_ref
+    actor, rollout = arr.actor, arr.rollout
+    if not arr.model.path:
+        raise ConfigError("actor_rollout_ref.model.path is empty: point it at an HF model directory.")
+
+    mp = actor.megatron
+    tp, pp = mp.tensor_model_parallel_size, mp.pipeline_model_parallel_size
+    for name, m in (("actor_rollout_ref.ref", arr.ref.megatron), ("critic", cfg.critic.megatron)):
+        if (m.tensor_model_parallel_size, m.pipeline_model_parallel_size) != (tp, pp):
+            raise ConfigError(
+                f"{name}.megatron.tensor/pipeline_model_parallel_size = "
+                f"{m.tensor_model_parallel_size}/{m.pipeline_model_parallel_size} differ from the actor's "
+                f"{tp}/{pp}; all models share one parallel layout: set them equal."
+            )
+    if tp < 1 or pp < 1 or world_size % (tp * pp):
+        raise ConfigError(
+            f"World size {world_size} is not divisible by tensor_model_parallel_size x "
+            f"pipeline_model_parallel_size = {tp} x {pp}: change actor_rollout_ref.actor.megatron.* "
+            f"or the number of processes."
+        )
+    dp = world_size // (tp * pp)
+    rtp = rollout.tensor_model_parallel_size
+    if rtp < 1 or world_size % rtp:
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={rtp} does not divide the world size "
+            f"{world_size}."
+        )
+
+    def divisible(key: str, value: int, by: int, why: str) -> None:
+        if value <= 0 or value % by:
+            raise ConfigError(f"{key}={value} must be a positive multiple of {by} ({why}).")
+
+    divisible("data.train_batch_size", cfg.data.train_batch_size, dp, f"data-parallel size {dp}")
+    divisible(
+        "actor_rollout_ref.actor.ppo_mini_batch_size", actor.ppo_mini_batch_size, dp, f"data-parallel size {dp}"
+    )
+    if cfg.data.train_batch_size % actor.ppo_mini_batch_size:
+        raise ConfigError(
+            f"data.train_batch_size={cfg.data.train_batch_size} is not a multiple of "
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={actor.ppo_mini_batch_size}."
+        )
+    seqs_per_rank = actor.ppo_mini_batch_size * rollout.n // dp
+    divisible(
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+        seqs_per_rank,
+        actor.ppo_micro_batch_size_per_gpu,
+        "it must divide ppo_mini_batch_size x rollout.n / data-parallel size"
+        f" = {seqs_per_rank}; lower ppo_micro_batch_size_per_gpu",
+    )
+    if cfg.critic.enable:
+        crit_mb = cfg.critic.ppo_mini_batch_size
+        divisible("critic.ppo_mini_batch_size", crit_mb, dp, f"data-parallel size {dp}")
+        if cfg.data.train_batch_size % crit_mb:
+            raise ConfigError(
+                f"data.train_batch_size={cfg.data.train_batch_size} is not a multiple of "
+                f"critic.ppo_mini_batch_size={crit_mb}."
+            )
+        crit_seqs = crit_mb * rollout.n // dp
+        if crit_seqs % cfg.critic.ppo_micro_batch_size_per_gpu:
+            raise ConfigError(
+                f"critic.ppo_micro_batch_size_per_gpu={cfg.critic.ppo_micro_batch_size_per_gpu} must divide "
+                f"critic.ppo_mini_batch_size x rollout.n / data-parallel size = {crit_seqs}."
+            )
+    if cfg.algorithm.adv_estimator in ("grpo", "rloo") and rollout.n < 2:
+        raise ConfigError(
+            f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares samples of one prompt: "
+            "set actor_rollout_ref.rollout.n >= 2."
+        )
+    if actor.clip_ratio_c <= 1.0:
+        raise ConfigError(f"actor_rollout_ref.actor.clip_ratio_c={actor.clip_ratio_c} must be > 1.0.")
+    if not 0.0 < rollout.gpu_memory_utilization <= 1.0:
+        raise ConfigError("actor_rollout_ref.rollout.gpu_memory_utilization must be in (0, 1].")
+    if rollout.update_weights_bucket_megabytes <= 0:
+        raise ConfigError("actor_rollout_ref.rollout.update_weights_bucket_megabytes must be > 0.")
+    for key in ("data.max_prompt_length", "data.max_response_length"):
+        if get_key(cfg, key) <= 0:
+            raise ConfigError(f"{key} must be > 0.")
+    if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
+        raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path.")
+    if cfg.reward_model.enable:
+        raise ConfigError(
+            "reward_model.enable=True: learned reward models are not supported; use rule rewards or "
+            "custom_reward_function.path."
+        )
+
+    if model_dims is None:
+        model_dims = _read_model_dims(arr.model.path)
+    if model_dims:
+        _validate_against_model(model_dims, tp, pp, rtp)
+
+
+def _read_model_dims(path: str) -> dict[str, int] | None:
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_file):
+        return None
+    with open(cfg_file) as f:
+        hf = json.load(f)
+    heads = hf.get("num_attention_heads")
+    return {
+        "num_attention_heads": heads,
+        "num_key_value_heads": hf.get("num_key_value_heads") or heads,
+        "num_layers": hf.get("num_hidden_layers"),
+    }
+
+
+def _validate_against_model(dims: dict[str, int], tp: int, pp: int, rollout_tp: int) -> None:
+    heads, kv, layers = dims["num_attention_heads"], dims["num_key_value_heads"], dims["num_layers"]
+    for key, size in (
+        ("actor_rollout_ref.actor.megatron.tensor_model_parallel_size", tp),
+        ("actor_rollout_ref.rollout.tensor_model_parallel_size", rollout_tp),
+    ):
+        if heads % size or kv % size:
+            raise ConfigError(
+                f"{key}={size} must divide the model's attention heads ({heads}) and key/value heads ({kv}); "
+                f"choose one of {[d for d in range(1, kv + 1) if heads % d == 0 and kv % d == 0]}."
+            )
+    if layers % pp:
+        raise ConfigError(
+            f"actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={pp} must divide the model's "
+            f"{layers} layers."
+        )
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Print the fully resolved config: ``python -m megatron_rl.config [file.yaml] [key=value ...]``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    yaml_path = argv.pop(0) if argv and "=" not in argv[0] else None
+    from omegaconf import OmegaConf
+
+    try:
+        cfg = load_config(yaml_path, argv)
+    except ConfigError as e:
+        sys.exit(f"config error: {e}")
+    print(OmegaConf.to_yaml(OmegaConf.create(to_dict(cfg))), end="")
+
+
+if __name__ == "__main__":
+    main()

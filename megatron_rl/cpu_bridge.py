@@ -1,0 +1,130 @@
+"""What megatron-core 0.16.1 needs to run on a machine without CUDA, in one place.
+
+megatron-core assumes CUDA in three ways that matter for our models and schedules:
+
+1. ``torch.cuda.current_device()`` names the device of new tensors (RoPE tables, p2p buffers, ~60
+   sites) and ``torch.cuda.synchronize()`` follows pipeline p2p ops. On CPU we make the first return
+   the CPU device and the second a no-op.
+2. Factory calls with ``device="cuda"`` or an int device (schedules.py's token counters, the
+   tied-embedding ``.cuda()`` in LanguageModule) are redirected to the CPU by :class:`CpuDeviceMode`,
+   a TorchFunctionMode entered around model construction and every forward/backward.
+3. The CUDA RNG tracker (forked by attention dropout on every forward) is replaced by
+   :class:`CpuRNGStatesTracker`, which keeps the same named streams on the CPU generator.
+
+Causal masks are always passed explicitly (``get_default_causal_mask`` allocates on "cuda").
+Everything here is inert when CUDA is available; :func:`install` checks the megatron-core version it
+was written against and refuses another one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+SUPPORTED_MCORE = "0.16.1"
+_installed = False
+
+
+def _to_cpu_device(device: object) -> object:
+    if isinstance(device, int):
+        return torch.device("cpu")
+    if isinstance(device, str) and device.startswith("cuda"):
+        return torch.device("cpu")
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.device("cpu")
+    return device
+
+
+class CpuDeviceMode(TorchFunctionMode):
+    """Redirects CUDA device arguments of torch calls to the CPU (see the module docstring)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if "device" in kwargs:
+            kwargs["device"] = _to_cpu_device(kwargs["device"])
+        if func in (torch.Tensor.to,) and len(args) > 1 and not isinstance(args[1], torch.Tensor):
+            args = (args[0], _to_cpu_device(args[1]), *args[2:])
+        return func(*args, **kwargs)
+
+
+class CpuRNGStatesTracker:
+    """Named RNG streams on the CPU generator, with the interface of megatron's CUDA tracker."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+        self._is_initialized = False
+
+    def is_initialized(self) -> bool:
+        return self._is_initialized
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return dict(self.states_)
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self._is_initialized = True
+        self.states_ = states
+
+    def add(self, name: str, seed: int) -> None:
+        if seed in self.seeds_ or name in self.states_:
+            raise RuntimeError(f"RNG stream {name!r} / seed {seed} already exists")
+        self._is_initialized = True
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng") -> Iterator[None]:
+        outer = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outer)
+
+
+def install() -> None:
+    """Check the megatron-core version and, without CUDA, patch the two torch.cuda calls it makes."""
+    global _installed
+    if _installed:
+        return
+    import megatron.core
+
+    version = getattr(megatron.core, "__version__", None)
+    if version != SUPPORTED_MCORE:
+        raise RuntimeError(
+            f"megatron-rl is written against megatron-core {SUPPORTED_MCORE}, found {version}: "
+            f"pip install megatron-core=={SUPPORTED_MCORE}"
+        )
+    if not torch.cuda.is_available():
+        torch.cuda.current_device = lambda: torch.device("cpu")
+        torch.cuda.synchronize = lambda device=None: None
+    _installed = True
+
+
+def seed_model_parallel_rng(seed: int, tp_rank: int) -> None:
+    """Megatron's named RNG streams (data-parallel, tensor-parallel, expert) for this rank."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    if torch.cuda.is_available():
+        mrandom.model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank, ep_rank=0, etp_rank=0)
+        return
+    tracker = CpuRNGStatesTracker()
+    tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    tracker.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
+    tracker.add(mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024)
+    mrandom._CUDA_RNG_STATE_TRACKER = tracker
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+
+
+def device_mode() -> contextlib.AbstractContextManager:
+    """CpuDeviceMode without CUDA, a no-op context with it."""
+    return contextlib.nullcontext() if torch.cuda.is_available() else CpuDeviceMode()

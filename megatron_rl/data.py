@@ -1,0 +1,344 @@
+"""Prompt data: verl-format parquet -> tokenized prompts -> per-rank batches -> left-padded tensors.
+
+Row format (identical to verl's, so datasets preprocessed for verl load unchanged). One parquet row is
+one prompt:
+
+    prompt        list[{"role": str, "content": str}]  chat messages, rendered with the tokenizer's chat
+                                                        template plus the generation prompt
+    data_source   str                                   selects the reward function, e.g. "openai/gsm8k"
+    reward_model  {"style": "rule", "ground_truth": str} ground_truth is handed to the reward function
+    extra_info    dict, optional                        e.g. {"split": "train", "index": 7}; handed to the
+                                                        reward function as is
+    ability       str, optional                         e.g. "math"; not used by training
+
+Data flow:
+
+    PromptDataset(files, tokenizer, max_prompt_length)
+        reads every file with pyarrow, renders and tokenizes all prompts up front (so an overlong or
+        malformed row fails at start-up, not hours into a run), then drops or truncates overlong prompts
+    ResumableDistributedSampler(len(dataset), train_batch_size, dp_rank, dp_size, seed)
+        yields, per step, this data-parallel rank's slice of the global batch of row positions;
+        state_dict()/load_state_dict() resume mid-epoch at the exact next batch
+    collate_left_pad([dataset[i] for i in indices], pad_token_id)
+        -> input_ids [B, P], attention_mask [B, P], left padded so generation appends on the right
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+logger = logging.getLogger(__name__)
+
+TRUNCATION_MODES = ("error", "left", "right", "middle")
+
+_FORMAT_HINT = (
+    "verl's format expects columns 'prompt' (list of {'role', 'content'} chat messages), "
+    "'data_source' (str), 'reward_model' ({'style': 'rule', 'ground_truth': str}) "
+    "and optionally 'extra_info' (dict) and 'ability' (str)"
+)
+
+
+@dataclass
+class PromptItem:
+    """One tokenized prompt and what its reward function needs."""
+
+    prompt_ids: list[int]
+    data_source: str
+    ground_truth: Any
+    extra_info: dict[str, Any] = field(default_factory=dict)
+    index: int = 0
+    """Row position in the concatenation of the input files, counted before overlong rows are dropped."""
+
+
+def _as_file_list(files: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[str]:
+    if isinstance(files, (str, os.PathLike)):
+        return [os.fspath(files)]
+    return [os.fspath(f) for f in files]
+
+
+def _read_rows(path: str, prompt_key: str) -> list[dict[str, Any]]:
+    if not Path(path).is_file():
+        raise FileNotFoundError(
+            f"data file {path!r} does not exist (check data.train_files / data.val_files)"
+        )
+    table: pa.Table = pq.read_table(path)
+    for column in (prompt_key, "data_source", "reward_model"):
+        if column not in table.column_names:
+            raise ValueError(
+                f"{path}: missing column {column!r} (found {table.column_names}). {_FORMAT_HINT}. "
+                "If the prompt column has another name, set data.prompt_key."
+            )
+    wanted = [c for c in (prompt_key, "data_source", "reward_model", "extra_info") if c in table.column_names]
+    return table.select(wanted).to_pylist()
+
+
+class PromptDataset(torch.utils.data.Dataset):
+    """Tokenized prompts from one or more verl-format parquet files (see the module docstring).
+
+    ``filter_overlong_prompts=True`` drops prompts longer than ``max_prompt_length`` tokens (counted in
+    ``num_filtered``, row positions in ``filtered_indices``). Otherwise ``truncation`` decides:
+    "error" raises, "left" keeps the last tokens, "right" the first, "middle" both ends.
+    """
+
+    def __init__(
+        self,
+        files: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+        tokenizer: Any,
+        max_prompt_length: int,
+        truncation: str = "error",
+        filter_overlong_prompts: bool = True,
+        prompt_key: str = "prompt",
+    ) -> None:
+        if truncation not in TRUNCATION_MODES:
+            raise ValueError(f"data.truncation must be one of {TRUNCATION_MODES}, got {truncation!r}")
+        if max_prompt_length < 1:
+            raise ValueError(f"data.max_prompt_length must be >= 1, got {max_prompt_length}")
+        self.files = _as_file_list(files)
+        if not self.files:
+            raise ValueError("PromptDataset needs at least one parquet file")
+        self.max_prompt_length = max_prompt_length
+        self.truncation = truncation
+        self.filter_overlong_prompts = filter_overlong_prompts
+        self.prompt_key = prompt_key
+
+        rows: list[dict[str, Any]] = []
+        sources: list[str] = []
+        for path in self.files:
+            file_rows = _read_rows(path, prompt_key)
+            rows.extend(file_rows)
+            sources.extend([path] * len(file_rows))
+
+        texts = [self._render(tokenizer, row[prompt_key], i, sources[i]) for i, row in enumerate(rows)]
+        # The chat template already wrote any BOS/system markup; letting encode add specials would
+        # duplicate them.
+        encoded = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+
+        self._items: list[PromptItem] = []
+        self.filtered_indices: list[int] = []
+        for i, (row, ids) in enumerate(zip(rows, encoded, strict=True)):
+            ids = list(ids)
+            if len(ids) > max_prompt_length:
+                if filter_overlong_prompts:
+                    self.filtered_indices.append(i)
+                    continue
+                ids = self._truncate(ids, i)
+            reward_model = row["reward_model"]
+            if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
+                raise ValueError(
+                    f"{sources[i]}: row {i} has reward_model={reward_model!r} without a 'ground_truth'. "
+                    f"{_FORMAT_HINT}"
+                )
+            self._items.append(
+                PromptItem(
+                    prompt_ids=ids,
+                    data_source=row["data_source"],
+                    ground_truth=reward_model["ground_truth"],
+                    extra_info=_clean_extra_info(row.get("extra_info")),
+                    index=i,
+                )
+            )
+        self.num_rows_read = len(rows)
+        if self.filtered_indices:
+            logger.warning(
+                "Filtered %d of %d prompts longer than data.max_prompt_length=%d tokens from %s "
+                "(set data.filter_overlong_prompts=false to truncate them instead)",
+                len(self.filtered_indices),
+                len(rows),
+                max_prompt_length,
+                self.files,
+            )
+
+    @property
+    def num_filtered(self) -> int:
+        return len(self.filtered_indices)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, idx: int) -> PromptItem:
+        return self._items[idx]
+
+    def _render(self, tokenizer: Any, messages: Any, row: int, path: str) -> str:
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and "role" in m and "content" in m for m in messages
+        ):
+            raise ValueError(
+                f"{path}: row {row} column {self.prompt_key!r} is {messages!r}, expected a list of "
+                f"{{'role', 'content'}} chat messages. {_FORMAT_HINT}"
+            )
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    def _truncate(self, ids: list[int], row: int) -> list[int]:
+        limit = self.max_prompt_length
+        if self.truncation == "left":
+            return ids[-limit:]
+        if self.truncation == "right":
+            return ids[:limit]
+        if self.truncation == "middle":
+            head = limit // 2
+            return ids[:head] + ids[len(ids) - (limit - head) :]
+        raise ValueError(
+            f"prompt at row {row} has {len(ids)} tokens, more than data.max_prompt_length={limit}. "
+            "Raise data.max_prompt_length, set data.truncation to 'left', 'right' or 'middle', "
+            "or set data.filter_overlong_prompts=true to drop such prompts."
+        )
+
+
+def _clean_extra_info(extra_info: Any) -> dict[str, Any]:
+    if extra_info is None:
+        return {}
+    if not isinstance(extra_info, dict):
+        return {"value": extra_info}
+    # Parquet stores a struct column with the union of all rows' keys; keys a row never had come back
+    # as None, and dropping them hands reward functions the dict each row was written with.
+    return {k: v for k, v in extra_info.items() if v is not None}
+
+
+def _epoch_seed(seed: int, epoch: int) -> int:
+    # A hash rather than seed + epoch, so (seed=1, epoch=0) and (seed=0, epoch=1) shuffle differently.
+    digest = hashlib.sha256(f"{seed}:{epoch}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+class ResumableDistributedSampler:
+    """Per-step index batches for one data-parallel rank, resumable mid-epoch.
+
+    Each step has a global batch of ``batch_size`` row positions, taken in order from a permutation of
+    ``range(num_rows)`` that depends only on (seed, epoch); rank r gets the r-th contiguous slice of
+    ``batch_size // dp_size`` positions, so the ranks' slices are disjoint and together form the batch.
+
+    Iterating yields the remaining batches of the current epoch and then moves to the next epoch.
+    ``state_dict()`` taken after consuming k batches records (epoch, position=k); a fresh sampler that
+    loads it yields exactly the batches the original had not yet yielded.
+    """
+
+    def __init__(
+        self,
+        num_rows: int,
+        batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+        seed: int,
+        shuffle: bool = True,
+        drop_last: bool = True,
+    ) -> None:
+        if dp_size < 1 or not 0 <= dp_rank < dp_size:
+            raise ValueError(f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}")
+        if batch_size < 1 or batch_size % dp_size != 0:
+            raise ValueError(
+                f"data.train_batch_size={batch_size} must be a positive multiple of the data-parallel "
+                f"size {dp_size}, so every rank gets the same number of prompts"
+            )
+        if num_rows < 1 or (drop_last and num_rows < batch_size):
+            raise ValueError(
+                f"the dataset has {num_rows} prompts, fewer than one batch of data.train_batch_size="
+                f"{batch_size}; lower data.train_batch_size or add data"
+            )
+        self.num_rows = num_rows
+        self.batch_size = batch_size
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.per_rank = batch_size // dp_size
+        self.epoch = 0
+        self.position = 0
+
+    def __len__(self) -> int:
+        if self.drop_last:
+            return self.num_rows // self.batch_size
+        return (self.num_rows + self.batch_size - 1) // self.batch_size
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` from its first batch."""
+        self.epoch = epoch
+        self.position = 0
+
+    def _order(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.num_rows))
+        generator = torch.Generator().manual_seed(_epoch_seed(self.seed, epoch))
+        return torch.randperm(self.num_rows, generator=generator).tolist()
+
+    def global_batch(self, epoch: int, step: int) -> list[int]:
+        """All ranks' row positions for ``step`` of ``epoch``."""
+        return self._slice(self._order(epoch), step)
+
+    def _slice(self, order: list[int], step: int) -> list[int]:
+        batch = order[step * self.batch_size : (step + 1) * self.batch_size]
+        if len(batch) < self.batch_size:
+            # Only with drop_last=False: complete the last batch from the epoch's start so that every
+            # rank still gets per_rank prompts.
+            batch += order[: self.batch_size - len(batch)]
+        return batch
+
+    def __iter__(self) -> Iterator[list[int]]:
+        self._normalize()
+        epoch = self.epoch
+        order = self._order(epoch)
+        steps = len(self)
+        while self.epoch == epoch and self.position < steps:
+            step = self.position
+            batch = self._slice(order, step)
+            # Advanced before yielding: a checkpoint taken while the caller works on this batch must
+            # not replay it.
+            self.position = step + 1
+            start = self.dp_rank * self.per_rank
+            yield batch[start : start + self.per_rank]
+        self._normalize()
+
+    def _normalize(self) -> None:
+        if self.position >= len(self):
+            self.epoch += 1
+            self.position = 0
+
+    def state_dict(self) -> dict[str, int]:
+        epoch, position = self.epoch, self.position
+        if position >= len(self):
+            epoch, position = epoch + 1, 0
+        return {
+            "epoch": epoch,
+            "position": position,
+            "seed": self.seed,
+            "num_rows": self.num_rows,
+            "batch_size": self.batch_size,
+        }
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        # A changed dataset or batch size would silently resume on different prompts.
+        for key in ("seed", "num_rows", "batch_size"):
+            if key in state and state[key] != getattr(self, key):
+                raise ValueError(
+                    f"sampler checkpoint has {key}={state[key]} but this run has {key}={getattr(self, key)}; "
+                    "resuming would not continue the same data order"
+                )
+        self.epoch = int(state["epoch"])
+        self.position = int(state["position"])
+
+
+def collate_left_pad(
+    items: Sequence[PromptItem | Sequence[int]], pad_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad prompts to the longest one: (input_ids [B, P] int64, attention_mask [B, P] int64)."""
+    seqs = [list(it.prompt_ids) if isinstance(it, PromptItem) else list(it) for it in items]
+    if not seqs:
+        raise ValueError("collate_left_pad got an empty batch")
+    width = max(len(s) for s in seqs)
+    input_ids = torch.full((len(seqs), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for row, seq in enumerate(seqs):
+        if seq:
+            input_ids[row, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
+            attention_mask[row, width - len(seq) :] = 1
+    return input_ids, attention_mask

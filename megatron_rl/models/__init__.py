@@ -1,0 +1,1 @@
+"""Megatron-core models built from HF configs: actor, reference and critic (value head)."""

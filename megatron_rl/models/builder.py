@@ -1,0 +1,159 @@
+"""Build megatron-core GPTModels (actor, reference, critic) from :class:`ModelArgs` and fill them.
+
+Layer spec: megatron-core's local spec (no Transformer Engine needed), RMSNorm, SwiGLU, RoPE with
+HF's non-interleaved rotation, optionally torch's fused scaled_dot_product_attention as the core
+attention. The critic is the same trunk with its vocabulary head replaced by a scalar value head.
+
+Each rank builds only its pipeline stage and holds only its TP shard; :func:`load_hf_weights`
+reads exactly those slices from the safetensors files.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_rl import cpu_bridge
+from megatron_rl.models.hf import ModelArgs
+from megatron_rl.parallel import ParallelState
+from megatron_rl.weights.hf_io import HFReader, assemble_shard
+from megatron_rl.weights.tables import global_layer_name, iter_stage_layouts
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class SDPAttention(nn.Module):
+    """Core attention through ``F.scaled_dot_product_attention``; same math as megatron's unfused
+    DotProductAttention (softmax(QK^T / sqrt(d)) V with the explicit boolean mask), fused kernels."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, softmax_scale=None, **_):
+        super().__init__()
+        self.scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, **_):
+        # query [s, b, heads, d], key/value [s, b, kv_groups, d] -> [b, heads, s, d]
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+        # megatron masks are True where attention is NOT allowed; SDPA's bool mask is the opposite.
+        mask = None if attention_mask is None else ~attention_mask
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
+        s, b = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+class ValueHead(nn.Module):
+    """hidden [s, b, H] -> values [s, b, 1]; replicated over TP (its input is identical there)."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(1, dtype=dtype))
+        self.sequence_parallel = False
+
+    def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        return F.linear(hidden_states, self.weight, self.bias), None
+
+
+def transformer_config(args: ModelArgs, ps: ParallelState, dtype: torch.dtype):
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_heads,
+        num_query_groups=args.num_kv_heads,
+        kv_channels=args.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=args.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=args.qkv_bias,
+        qk_layernorm=args.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=ps.tp_size,
+        pipeline_model_parallel_size=ps.pp_size,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=True,
+        perform_initialization=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+        attention_softmax_in_fp32=True,
+        calculate_per_token_loss=True,
+        # The PPO loss reduces over TP itself; megatron must not average losses over micro-batches.
+    )
+
+
+def build_model(
+    args: ModelArgs,
+    ps: ParallelState,
+    role: str = "actor",
+    dtype: torch.dtype = torch.float32,
+    sdpa: bool = True,
+) -> nn.Module:
+    """This rank's pipeline stage of the actor/ref (``role="actor"``) or critic (``role="critic"``)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    if role not in ("actor", "critic"):
+        raise ValueError(f"role must be actor or critic, got {role!r}")
+    config = transformer_config(args, ps, dtype)
+    spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_norm, normalization="RMSNorm")
+    if sdpa:
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    tie = args.tie_embeddings and role == "actor"
+    with cpu_bridge.device_mode():
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=args.padded_vocab(ps.tp_size),
+            max_sequence_length=args.max_position_embeddings,
+            pre_process=ps.is_first_stage,
+            post_process=ps.is_last_stage,
+            share_embeddings_and_output_weights=tie,
+            position_embedding_type="rope",
+            rotary_percent=1.0,
+            rotary_base=int(args.rope_theta),
+        )
+    if role == "critic" and ps.is_last_stage:
+        model.output_layer = ValueHead(args.hidden_size, dtype)
+    model.args = args
+    model.role = role
+    model.layer_offset = ps.pp_rank * (args.num_layers // ps.pp_size)
+    return model.to(ps.device)
+
+
+def named_global_params(model: nn.Module) -> dict[str, nn.Parameter]:
+    """This stage's parameters under their global (full-model) names."""
+    return {global_layer_name(n, model.layer_offset): p for n, p in model.named_parameters()}
+
+
+@torch.no_grad()
+def load_hf_weights(model: nn.Module, path: str, ps: ParallelState) -> HFReader:
+    """Fill this rank's shard from an HF directory, reading only its slices. Returns the reader
+    (its ``bytes_read`` says how much was materialised)."""
+    reader = HFReader(path)
+    params = named_global_params(model)
+    expected = set()
+    for lay in iter_stage_layouts(model.args, ps.tp_size, ps.pp_size, ps.pp_rank, model.role):
+        expected.add(lay.name)
+        p = params.get(lay.name)
+        if p is None:
+            raise KeyError(f"Megatron model has no parameter {lay.name} (table/model mismatch)")
+        p.copy_(assemble_shard(lay, ps.tp_rank, reader.read, p))
+    value_head = {"output_layer.weight", "output_layer.bias"} if model.role == "critic" else set()
+    missing = set(params) - expected - value_head
+    if missing:
+        raise KeyError(f"Parameters not covered by the {model.args.arch} table: {sorted(missing)}")
+    return reader

@@ -1,0 +1,94 @@
+"""Running Megatron models over micro-batches: masks, the pipeline schedule, TP gathers.
+
+Every forward in the trainer (old/ref log-probs, values, the PPO update) goes through
+:func:`run_pipeline`, which hands megatron's ``get_forward_backward_func`` a forward step that
+returns ``(output, loss_fn)``; megatron hides micro-batching and pipeline p2p. On the last stage
+``loss_fn(mb, output)`` turns this micro-batch's output ([b, s, vocab/TP] logits or [b, s, 1]
+values) into either collected data (forward only) or ``(loss, num_tokens, metrics)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl import cpu_bridge
+from megatron_rl.parallel import ParallelState
+
+
+class MicroBatch(Protocol):
+    input_ids: torch.Tensor  # [b, s]
+    attention_mask: torch.Tensor  # [b, s], 1 for real tokens (left and/or right padding is 0)
+
+
+def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[b, s] keep-mask -> megatron's [b, 1, s, s] bool mask, True where attention is blocked.
+
+    Causal and key-padding masked; the diagonal stays open so that a padding query never has an
+    all-masked row (that would give NaN in fused attention, and NaN * 0 still poisons real rows).
+    """
+    b, s = attention_mask.shape
+    keep = attention_mask.bool()
+    causal = torch.ones(s, s, dtype=torch.bool, device=keep.device).tril()
+    allowed = causal[None] & keep[:, None, :]
+    allowed |= torch.eye(s, dtype=torch.bool, device=keep.device)[None]
+    return (~allowed)[:, None]
+
+
+def run_pipeline(
+    model: torch.nn.Module,
+    ps: ParallelState,
+    microbatches: Sequence[Any],
+    loss_fn: Callable[[Any, torch.Tensor], Any],
+    forward_only: bool,
+) -> list:
+    """One pass over ``microbatches`` (all of one shape [b, s]) through the pipeline schedule.
+
+    Returns what ``loss_fn`` produced per micro-batch on the last stage (forward only), or the
+    metrics dicts (training); an empty list on other stages.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    b, s = microbatches[0].input_ids.shape
+
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)
+        out = model(mb.input_ids, None, causal_padding_mask(mb.attention_mask))
+
+        def on_output(output, non_loss_data=False):
+            return loss_fn(mb, output)
+
+        return out, on_output
+
+    with cpu_bridge.device_mode():
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(microbatches),
+            model=[model],
+            num_microbatches=len(microbatches),
+            seq_length=s,
+            micro_batch_size=b,
+            forward_only=forward_only,
+            collect_non_loss_data=forward_only,
+        )
+
+
+def broadcast_from_last_stage(tensor: torch.Tensor | None, ps: ParallelState, shape, dtype) -> torch.Tensor:
+    """Make a last-stage result (e.g. log-probs [B, T]) available on every pipeline stage."""
+    if ps.pp_size == 1:
+        return tensor
+    tensor = tensor.contiguous() if ps.is_last_stage else torch.empty(shape, dtype=dtype, device=ps.device)
+    dist.broadcast(tensor, src=ps.pp_last_rank, group=ps.pp_group)
+    return tensor
+
+
+def gather_tp(x: torch.Tensor, ps: ParallelState, dim: int = -1) -> torch.Tensor:
+    """Concatenate TP shards along ``dim`` (tests and diagnostics; never the full vocab in training)."""
+    if ps.tp_size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(ps.tp_size)]
+    dist.all_gather(parts, x.contiguous(), group=ps.tp_group)
+    return torch.cat(parts, dim=dim)

@@ -1,0 +1,78 @@
+"""Random HF models built in code (no download): tiny ones for tests and the CPU demo, full-size
+shapes (e.g. Qwen2.5-1.5B) for GPU benchmarks.
+
+``init="o1"`` gives O(1) activations: matrices ~ N(0, 1/fan_in), norm weights in [0.5, 1.5],
+biases ~ N(0, 0.5). Unlike the usual 0.02 init, a wrong head order or gate/up split then changes
+the logits by O(1), so layout bugs cannot hide in parity tests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ARCH_CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+}
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=99,  # odd on purpose: exercises vocabulary padding at TP=2
+    max_position_embeddings=256,
+)
+
+QWEN25_1_5B = dict(
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_hidden_layers=28,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    max_position_embeddings=32768,
+    rope_theta=1000000.0,
+    tie_word_embeddings=True,
+)
+
+
+def random_hf_model(arch: str, seed: int = 0, init: str = "o1", dtype=torch.float32, **dims):
+    """An HF ``*ForCausalLM`` of ``arch`` with random weights; ``dims`` override :data:`TINY`."""
+    import transformers
+
+    cfg_cls, model_cls = (getattr(transformers, n) for n in ARCH_CLASSES[arch])
+    kw = {**TINY, **dims}
+    kw.setdefault("tie_word_embeddings", False)
+    if arch == "qwen3":
+        kw.setdefault("head_dim", kw["hidden_size"] // kw["num_attention_heads"])
+    if arch == "mistral":
+        kw.setdefault("sliding_window", None)
+    config = cfg_cls(**kw, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config._attn_implementation = "eager"
+    with torch.device("cpu"):
+        model = model_cls(config).to(dtype)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if init != "o1":
+                break
+            if p.ndim == 2:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
+            elif name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+            else:
+                p.copy_(0.5 + torch.rand(p.shape, generator=g))
+        if init == "o1":
+            model.get_input_embeddings().weight.mul_(kw["hidden_size"] ** 0.5)  # embeddings ~ N(0, 1)
+    return model.eval()
+
+
+def save_random_hf_model(path: str, arch: str, seed: int = 0, **dims) -> str:
+    model = random_hf_model(arch, seed=seed, **dims)
+    model.save_pretrained(path)
+    return path

@@ -1,0 +1,155 @@
+"""Process groups: torch.distributed from torchrun's environment, then megatron's TP/PP/DP groups.
+
+:func:`init_parallel` is the one place that starts distributed state. It returns a
+:class:`ParallelState` that the rest of the code receives explicitly (no module reads megatron's
+global ``parallel_state`` for sizes or ranks except through this object).
+
+Rank order is megatron's default "tp-cp-ep-dp-pp": tensor-parallel ranks are adjacent (same node,
+fast links), pipeline stages are furthest apart.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class ParallelState:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    tp_size: int
+    pp_size: int
+    dp_size: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    tp_group: dist.ProcessGroup
+    pp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+    mp_group: dist.ProcessGroup
+    """Model-parallel group (TP x PP): every shard of one model replica."""
+    embedding_group: dist.ProcessGroup | None
+    """First and last pipeline stage, for tied embeddings."""
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def pp_last_rank(self) -> int:
+        """Global rank of the last pipeline stage in this rank's pipeline."""
+        return dist.get_global_rank(self.pp_group, self.pp_size - 1)
+
+    @property
+    def pp_first_rank(self) -> int:
+        return dist.get_global_rank(self.pp_group, 0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("trainer.device=cuda but no GPU is visible: set trainer.device=cpu or auto.")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def init_parallel(
+    tp: int = 1, pp: int = 1, seed: int = 42, device: str = "auto", timeout_minutes: int = 30
+) -> ParallelState:
+    """Start torch.distributed (nccl on GPU, gloo on CPU) and megatron's groups; seed every stream.
+
+    Launched by torchrun the world comes from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT; a plain
+    ``python`` process runs as a world of one.
+    """
+    from megatron.core import parallel_state as mps
+
+    from megatron_rl import cpu_bridge
+
+    cpu_bridge.install()
+    dev = resolve_device(device)
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        kwargs = {}
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+            # Binding the communicator to the device creates it eagerly, before any rollout engine
+            # starts in this process (the engine's own NCCL setup breaks a lazily created one).
+            kwargs["device_id"] = dev
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes), **kwargs)
+    world = dist.get_world_size()
+    if world % (tp * pp):
+        raise RuntimeError(f"world size {world} is not divisible by TP x PP = {tp} x {pp}")
+    if mps.model_parallel_is_initialized():
+        mps.destroy_model_parallel()
+    mps.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        distributed_timeout_minutes=timeout_minutes,
+        create_gloo_process_groups=False,
+    )
+    state = ParallelState(
+        rank=dist.get_rank(),
+        world_size=world,
+        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+        device=dev,
+        backend=backend,
+        tp_size=tp,
+        pp_size=pp,
+        dp_size=mps.get_data_parallel_world_size(),
+        tp_rank=mps.get_tensor_model_parallel_rank(),
+        pp_rank=mps.get_pipeline_model_parallel_rank(),
+        dp_rank=mps.get_data_parallel_rank(),
+        tp_group=mps.get_tensor_model_parallel_group(),
+        pp_group=mps.get_pipeline_model_parallel_group(),
+        dp_group=mps.get_data_parallel_group(),
+        mp_group=mps.get_model_parallel_group(),
+        embedding_group=mps.get_embedding_group(check_initialized=False),
+    )
+    seed_all(seed, state)
+    return state
+
+
+def seed_all(seed: int, state: ParallelState) -> None:
+    """Same seed on every rank for host-side sampling; megatron's TP/DP streams for dropout."""
+    import random
+
+    import numpy as np
+
+    from megatron_rl import cpu_bridge
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    cpu_bridge.seed_model_parallel_rng(seed, state.tp_rank)
+
+
+def destroy_parallel() -> None:
+    from megatron.core import parallel_state as mps
+
+    if mps.model_parallel_is_initialized():
+        mps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

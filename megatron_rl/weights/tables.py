@@ -1,0 +1,221 @@
+"""HF <-> Megatron weight mapping: one table per architecture, one mechanism for every use.
+
+Each Megatron parameter is described, for a given TP rank, as a list of :class:`Piece` s: blocks of
+HF tensors (a row range, or a column range for row-parallel weights) laid one after another along
+the split dimension of the Megatron shard. That single description serves
+
+* loading an HF directory: each rank reads only its pieces (safetensors slices), never the model;
+* checkpoint conversion (``ckpt_tools``) in both directions;
+* live weight sync (``rollout.reshard``): after a TP gather, shard r's pieces are scattered back
+  into full HF tensors.
+
+Layouts that a plain dim-0 split would get wrong are spelled out by the pieces:
+
+* ``linear_qkv`` is group-major: for each KV group g, [q heads of g | k_g | v_g]. A TP shard holds
+  whole groups, so shard r is the list of (q_g, k_g, v_g) row blocks of its groups.
+* ``linear_fc1`` is [gate; up] and a TP shard is [gate_r; up_r], not a chunk of the full tensor.
+* the vocabulary is padded to a multiple of TP; padding rows exist only on the Megatron side.
+
+Megatron names use the GLOBAL layer index (``decoder.layers.{i}``); the pipeline stage's local index
+is translated by the caller (:func:`global_layer_name`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from megatron_rl.models.hf import ModelArgs
+
+
+@dataclass(frozen=True)
+class ArchTable:
+    """HF parameter names of one architecture ({i} = layer index)."""
+
+    embed: str = "model.embed_tokens.weight"
+    final_norm: str = "model.norm.weight"
+    lm_head: str = "lm_head.weight"
+    input_norm: str = "model.layers.{i}.input_layernorm.weight"
+    post_attn_norm: str = "model.layers.{i}.post_attention_layernorm.weight"
+    q: str = "model.layers.{i}.self_attn.q_proj"
+    k: str = "model.layers.{i}.self_attn.k_proj"
+    v: str = "model.layers.{i}.self_attn.v_proj"
+    qkv_fused: str | None = None
+    """HF tensor holding [q; k; v] rows (Phi-3); replaces q/k/v."""
+    o: str = "model.layers.{i}.self_attn.o_proj.weight"
+    q_norm: str = "model.layers.{i}.self_attn.q_norm.weight"
+    k_norm: str = "model.layers.{i}.self_attn.k_norm.weight"
+    gate: str = "model.layers.{i}.mlp.gate_proj.weight"
+    up: str = "model.layers.{i}.mlp.up_proj.weight"
+    gate_up_fused: str | None = None
+    """HF tensor holding [gate; up] rows (Phi-3); replaces gate/up."""
+    down: str = "model.layers.{i}.mlp.down_proj.weight"
+
+
+LLAMA = ArchTable()
+TABLES: dict[str, ArchTable] = {
+    "llama": LLAMA,
+    "mistral": LLAMA,
+    "qwen2": LLAMA,  # + q/k/v biases (ModelArgs.qkv_bias)
+    "qwen3": LLAMA,  # + per-head q/k RMSNorm (ModelArgs.qk_norm)
+    "phi3": ArchTable(
+        qkv_fused="model.layers.{i}.self_attn.qkv_proj",
+        gate_up_fused="model.layers.{i}.mlp.gate_up_proj.weight",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Piece:
+    hf_name: str
+    start: int
+    stop: int
+    """Rows [start, stop) of the HF tensor (columns when the parameter's dim is 1)."""
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """How one Megatron parameter is assembled from HF tensors."""
+
+    name: str
+    """Megatron name with the global layer index."""
+    dim: int | None
+    """TP split dimension: 0 column-parallel, 1 row-parallel, None replicated."""
+    shard_rows: int
+    """Size of one TP shard along ``dim`` (includes vocabulary padding)."""
+    pieces: tuple[tuple[Piece, ...], ...]
+    """pieces[r]: HF blocks laid along ``dim`` in TP shard r; the rest of the shard is padding."""
+
+
+def _rows(name: str, start: int, stop: int) -> Piece:
+    return Piece(name, start, stop)
+
+
+def _split(name: str, total: int, tp: int, dim: int, mname: str) -> ParamLayout:
+    """A tensor split evenly over TP along ``dim`` (or replicated when dim is None)."""
+    if dim is None:
+        return ParamLayout(mname, None, total, ((_rows(name, 0, total),),) * tp)
+    n = total // tp
+    return ParamLayout(mname, dim, n, tuple((_rows(name, r * n, (r + 1) * n),) for r in range(tp)))
+
+
+def param_layouts(args: ModelArgs, tp: int, role: str = "actor") -> list[ParamLayout]:
+    """Every Megatron parameter of the full model (all pipeline stages), in model order.
+
+    ``role="critic"`` leaves out the LM head: the critic's value head has no HF counterpart.
+    """
+    t = TABLES[args.arch]
+    hd, g, qpg = args.head_dim, args.num_kv_heads, args.heads_per_group
+    h, f = args.hidden_size, args.ffn_hidden_size
+    vp = args.padded_vocab(tp)
+    out: list[ParamLayout] = []
+
+    def vocab(hf_name: str, mname: str) -> ParamLayout:
+        n = vp // tp
+        pieces = tuple(
+            (_rows(hf_name, r * n, min((r + 1) * n, args.vocab_size)),) if r * n < args.vocab_size else ()
+            for r in range(tp)
+        )
+        return ParamLayout(mname, 0, n, pieces)
+
+    out.append(vocab(t.embed, "embedding.word_embeddings.weight"))
+    for i in range(args.num_layers):
+        p = f"decoder.layers.{i}."
+        q_off = k_off = v_off = 0
+        if t.qkv_fused:
+            qn = kn = vn = t.qkv_fused.format(i=i)
+            k_off, v_off = args.num_heads * hd, (args.num_heads + g) * hd
+        else:
+            qn, kn, vn = (x.format(i=i) for x in (t.q, t.k, t.v))
+        for suffix in ("weight", "bias") if args.qkv_bias else ("weight",):
+            groups_per_rank = g // tp
+            pieces = []
+            for r in range(tp):
+                rank_pieces = []
+                for gi in range(r * groups_per_rank, (r + 1) * groups_per_rank):
+                    rank_pieces += [
+                        _rows(f"{qn}.{suffix}", q_off + gi * qpg * hd, q_off + (gi + 1) * qpg * hd),
+                        _rows(f"{kn}.{suffix}", k_off + gi * hd, k_off + (gi + 1) * hd),
+                        _rows(f"{vn}.{suffix}", v_off + gi * hd, v_off + (gi + 1) * hd),
+                    ]
+                pieces.append(tuple(rank_pieces))
+            rows = groups_per_rank * (qpg + 2) * hd
+            out.append(ParamLayout(f"{p}self_attention.linear_qkv.{suffix}", 0, rows, tuple(pieces)))
+        out.append(_split(t.o.format(i=i), args.num_heads * hd, tp, 1, f"{p}self_attention.linear_proj.weight"))
+        if args.qk_norm:
+            out.append(_split(t.q_norm.format(i=i), hd, tp, None, f"{p}self_attention.q_layernorm.weight"))
+            out.append(_split(t.k_norm.format(i=i), hd, tp, None, f"{p}self_attention.k_layernorm.weight"))
+        out.append(_split(t.input_norm.format(i=i), h, tp, None, f"{p}input_layernorm.weight"))
+        out.append(_split(t.post_attn_norm.format(i=i), h, tp, None, f"{p}pre_mlp_layernorm.weight"))
+        if t.gate_up_fused:
+            gn = un = t.gate_up_fused.format(i=i)
+            u_off = f
+        else:
+            gn, un, u_off = t.gate.format(i=i), t.up.format(i=i), 0
+        n = f // tp
+        fc1 = tuple(
+            (_rows(gn, r * n, (r + 1) * n), _rows(un, u_off + r * n, u_off + (r + 1) * n)) for r in range(tp)
+        )
+        out.append(ParamLayout(f"{p}mlp.linear_fc1.weight", 0, 2 * n, fc1))
+        out.append(_split(t.down.format(i=i), f, tp, 1, f"{p}mlp.linear_fc2.weight"))
+    out.append(_split(t.final_norm, h, tp, None, "decoder.final_layernorm.weight"))
+    if role == "actor":
+        head = t.embed if args.tie_embeddings else t.lm_head
+        out.append(vocab(head, "output_layer.weight"))
+    return out
+
+
+def hf_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Shape of every HF tensor (what an exported model directory holds)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    h = args.hidden_size
+    for lay in param_layouts(args, 1):
+        vector = lay.name.endswith(("bias", "layernorm.weight"))
+        for pc in lay.pieces[0]:
+            if lay.dim == 1:  # row-parallel: HF [hidden, in_features]
+                shapes[pc.hf_name] = (h, pc.stop)
+            else:  # every other matrix has in_features = hidden
+                rows = max(pc.stop, shapes.get(pc.hf_name, (0,))[0])
+                shapes[pc.hf_name] = (rows,) if vector else (rows, h)
+    return shapes
+
+
+_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def global_layer_name(local_name: str, layer_offset: int) -> str:
+    """``decoder.layers.{j}.x`` of a pipeline stage -> ``decoder.layers.{offset+j}.x``."""
+    m = _LAYER_RE.match(local_name)
+    if not m:
+        return local_name
+    return f"decoder.layers.{int(m.group(1)) + layer_offset}.{local_name[m.end():]}"
+
+
+def local_layer_name(global_name: str, layer_offset: int) -> str:
+    m = _LAYER_RE.match(global_name)
+    if not m:
+        return global_name
+    return f"decoder.layers.{int(m.group(1)) - layer_offset}.{global_name[m.end():]}"
+
+
+def layer_index(name: str) -> int | None:
+    m = _LAYER_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def iter_stage_layouts(args: ModelArgs, tp: int, pp: int, pp_rank: int, role: str = "actor") -> Iterator[ParamLayout]:
+    """The layouts of the parameters that live on one pipeline stage."""
+    per_stage = args.num_layers // pp
+    lo, hi = pp_rank * per_stage, (pp_rank + 1) * per_stage
+    for lay in param_layouts(args, tp, role):
+        i = layer_index(lay.name)
+        if i is not None:
+            if lo <= i < hi:
+                yield lay
+        elif lay.name.startswith("embedding.") and pp_rank == 0:
+            yield lay
+        elif lay.name.startswith(("decoder.final_layernorm", "output_layer")) and pp_rank == pp - 1:
+            if lay.name.startswith("output_layer") and args.tie_embeddings and pp == 1:
+                continue  # tied: the embedding is the head
+            yield lay

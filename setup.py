@@ -1,0 +1,40 @@
+"""megatron-rl: PPO post-training for LLMs on megatron-core."""
+
+import re
+
+from setuptools import find_packages, setup
+
+version = re.search(r'__version__ = "([^"]+)"', open("megatron_rl/__init__.py").read()).group(1)
+
+setup(
+    name="megatron-rl",
+    version=version,
+    description="Megatron-native PPO trainer for LLMs with an in-process SGLang rollout engine",
+    long_description=open("README.md").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_rl", "megatron_rl.*", "ckpt_tools", "ckpt_tools.*"]),
+    install_requires=[
+        "torch==2.13.0",
+        "megatron-core==0.16.1",
+        "transformers==5.12.1",
+        "omegaconf>=2.3",
+        "safetensors",
+        "psutil",  # megatron's dist_checkpointing hangs on save without it
+        "pyarrow",
+        "numpy",
+        "tqdm",
+    ],
+    extras_require={
+        # The GPU machine has its own torch build; install SGLang there with --no-deps from the kit.
+        "sglang": ["sglang==0.5.17"],
+        "dev": ["pytest", "ruff", "matplotlib"],
+    },
+    entry_points={
+        "console_scripts": [
+            "megatron-rl-train=megatron_rl.train:main",
+            "megatron-rl-config=megatron_rl.config:main",
+            "megatron-rl-ckpt=ckpt_tools.__main__:main",
+        ]
+    },
+)

@@ -1,0 +1,251 @@
+"""GSM8K rule reward, preprocessing rows, custom reward loading and RewardManager error handling."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from megatron_rl.reward import (
+    RewardManager,
+    compute_score_gsm8k,
+    default_compute_score,
+    extract_solution,
+    load_custom_reward_function,
+)
+from megatron_rl.toy import TOY_DATA_SOURCE, build_toy_tokenizer
+
+
+def _load_preprocess_script():
+    # Loaded by path: examples/ is not a package, and a bare "import gsm8k" could pick up another module.
+    path = Path(__file__).resolve().parents[2] / "examples" / "data_preprocess" / "gsm8k.py"
+    spec = importlib.util.spec_from_file_location("megatron_rl_examples_gsm8k", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+gsm8k_preprocess = _load_preprocess_script()
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_toy_tokenizer()
+
+
+# ---------------------------------------------------------------- extraction
+
+
+@pytest.mark.parametrize(
+    ("text", "strict", "flexible"),
+    [
+        ("She has 3 + 4 = 7 apples.\n#### 7", "7", "7"),
+        ("Total is $1,234.\n#### 1,234", "1234", "1234"),
+        ("#### $1,234", "1234", "1234"),
+        ("The change is -5 degrees\n#### -5", "-5", "-5"),
+        ("#### 3.5", "3.5", "3.5"),
+        ("#### 72.", "72", "72"),
+        ("first #### 1 then #### 2", "2", "2"),
+        ("so the answer is 42", None, "42"),
+        ("no digits here...", None, None),
+        ("####42", None, "42"),  # strict needs the space after ####
+        ("", None, None),
+    ],
+)
+def test_extract_solution(text, strict, flexible):
+    assert extract_solution(text, "strict") == strict
+    assert extract_solution(text, "flexible") == flexible
+
+
+def test_extract_only_looks_at_last_300_chars():
+    early = "#### 17\n" + "x" * 300
+    assert extract_solution(early, "strict") is None
+    assert extract_solution(early, "flexible") is None
+    assert extract_solution("#### 17\n" + "x" * 290, "strict") == "17"
+    # The clip cuts into an early number: only its in-window digits are seen.
+    assert extract_solution("12345" + "y" * 298, "flexible") == "45"
+
+
+def test_extract_bad_method():
+    with pytest.raises(ValueError):
+        extract_solution("#### 1", "loose")
+
+
+def test_compute_score_gsm8k():
+    assert compute_score_gsm8k("work\n#### 1,234", "1234") == 1.0
+    assert compute_score_gsm8k("work\n#### 1235", "1234") == 0.0
+    assert compute_score_gsm8k("work\n#### 1235", "1234", format_score=0.1) == 0.1
+    assert compute_score_gsm8k("the answer is 1234", "1234", format_score=0.1) == 0.0
+    assert compute_score_gsm8k("the answer is 1234", "1234", method="flexible") == 1.0
+    assert compute_score_gsm8k("#### 18", "18", score=2.0) == 2.0
+
+
+def test_default_compute_score_dispatch():
+    assert default_compute_score("openai/gsm8k", "#### 5", "5") == 1.0
+    assert default_compute_score("gsm8k", "#### 5", "6") == 0.0
+    assert default_compute_score(TOY_DATA_SOURCE, "3 1", "3") == 1.0
+    with pytest.raises(NotImplementedError) as excinfo:
+        default_compute_score("my/dataset", "x", "y")
+    msg = str(excinfo.value)
+    assert (
+        "my/dataset" in msg and "custom_reward_function.path" in msg and "custom_reward_function.name" in msg
+    )
+
+
+# ---------------------------------------------------------------- preprocessing
+
+EXAMPLE = {
+    "question": "A shop sold 1,000 pens and 234 pencils. How many items?",
+    "answer": "1,000 + 234 = <<1000+234=1234>>1,234\n#### 1,234",
+}
+
+
+def test_make_row():
+    row = gsm8k_preprocess.make_row(EXAMPLE, 7, "train")
+    assert row["data_source"] == "openai/gsm8k"
+    assert row["ability"] == "math"
+    assert row["reward_model"] == {"style": "rule", "ground_truth": "1234"}
+    assert row["prompt"] == [
+        {
+            "role": "user",
+            "content": EXAMPLE["question"]
+            + ' Let\'s think step by step and output the final answer after "####".',
+        }
+    ]
+    assert row["extra_info"] == {
+        "split": "train",
+        "index": 7,
+        "answer": EXAMPLE["answer"],
+        "question": EXAMPLE["question"],
+    }
+    # The reference solution itself earns full reward against its own ground truth.
+    assert compute_score_gsm8k(EXAMPLE["answer"], row["reward_model"]["ground_truth"]) == 1.0
+
+
+def test_make_row_without_marker():
+    with pytest.raises(ValueError, match="test example 3"):
+        gsm8k_preprocess.make_row({"question": "q", "answer": "42"}, 3, "test")
+
+
+def test_preprocess_cli_local_jsonl(tmp_path):
+    import json
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for split, n in (("train", 3), ("test", 2)):
+        with open(src / f"{split}.jsonl", "w") as f:
+            f.writelines(json.dumps(EXAMPLE) + "\n" for _ in range(n))
+    out = gsm8k_preprocess.main(["--local_dir", str(tmp_path / "out"), "--local_dataset_path", str(src)])
+    train = pq.read_table(out["train"]).to_pylist()
+    test = pq.read_table(out["test"]).to_pylist()
+    assert len(train) == 3 and len(test) == 2
+    assert train[2]["extra_info"]["index"] == 2 and test[0]["extra_info"]["split"] == "test"
+    assert train[0]["reward_model"]["ground_truth"] == "1234"
+
+
+# ---------------------------------------------------------------- custom reward function
+
+
+def test_load_custom_reward_function(tmp_path):
+    path = tmp_path / "my_reward.py"
+    path.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None, bonus=0.0):\n"
+        "    return float(solution_str.strip() == ground_truth) + bonus\n"
+        "NOT_A_FUNCTION = 3\n"
+    )
+    fn = load_custom_reward_function(str(path), "compute_score")
+    assert fn("d", " 5 ", "5") == 1.0
+
+    with pytest.raises(FileNotFoundError, match=r"custom_reward_function\.path"):
+        load_custom_reward_function(str(tmp_path / "missing.py"), "compute_score")
+    with pytest.raises(AttributeError) as excinfo:
+        load_custom_reward_function(str(path), "score_fn")
+    assert "custom_reward_function.name" in str(excinfo.value) and "compute_score" in str(excinfo.value)
+    with pytest.raises(TypeError, match="not callable"):
+        load_custom_reward_function(str(path), "NOT_A_FUNCTION")
+
+    broken = tmp_path / "broken.py"
+    broken.write_text("def compute_score(:\n")
+    with pytest.raises(ImportError, match=r"custom_reward_function\.path"):
+        load_custom_reward_function(str(broken), "compute_score")
+
+
+def test_reward_manager_with_custom_function(tmp_path, tok):
+    path = tmp_path / "my_reward.py"
+    path.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None, bonus=0.0):\n"
+        "    return {'score': float(solution_str.split()[0] == ground_truth) + bonus, 'acc': 1.0}\n"
+    )
+    fn = load_custom_reward_function(str(path), "compute_score")
+    rm = RewardManager(tok, compute_score=fn, reward_kwargs={"bonus": 0.5})
+    ids = [tok.convert_tokens_to_ids(["3", "</s>"]), tok.convert_tokens_to_ids(["4"])]
+    scores, info = rm(ids, ["x", "x"], ["3", "3"], [None, None])
+    assert scores.tolist() == [1.5, 0.5]
+    assert info["reward/acc/mean"] == 1.0 and info["reward/num_errors"] == 0
+
+
+# ---------------------------------------------------------------- RewardManager
+
+
+def _ids(tok, words: str) -> list[int]:
+    return tok.convert_tokens_to_ids(words.split())
+
+
+def test_reward_manager_default_scores(tok):
+    rm = RewardManager(tok)
+    responses = [_ids(tok, "7 </s>"), _ids(tok, "2 </s> <pad>"), _ids(tok, "<s> 5")]
+    scores, info = rm(responses, [TOY_DATA_SOURCE] * 3, ["7", "7", "5"], [{}, {}, {}])
+    assert scores.dtype == torch.float32 and scores.shape == (3,)
+    assert scores.tolist() == [1.0, 0.0, 1.0]
+    assert info["reward/num_errors"] == 0 and info["reward/mean"] == pytest.approx(2 / 3)
+
+
+def test_reward_manager_one_failure_is_logged_and_counted(tok, caplog):
+    def flaky(data_source, solution_str, ground_truth, extra_info=None):
+        if ground_truth == "boom":
+            raise ZeroDivisionError("bad sample")
+        return 1.0
+
+    rm = RewardManager(tok, compute_score=flaky)
+    responses = [_ids(tok, "1"), _ids(tok, "copy 9 9 ="), _ids(tok, "3")]
+    with caplog.at_level(logging.ERROR, logger="megatron_rl.reward"):
+        scores, info = rm(responses, ["a", "src/b", "a"], ["1", "boom", "3"], [None, None, None])
+    assert scores.tolist() == [1.0, 0.0, 1.0]
+    assert info["reward/num_errors"] == 1
+    errors = [r for r in caplog.records if r.name == "megatron_rl.reward"]
+    assert len(errors) == 1
+    msg = errors[0].getMessage()
+    assert "sample 1" in msg and "src/b" in msg and "bad sample" in msg and "copy 9 9 =" in msg
+
+
+def test_reward_manager_non_finite_score_is_an_error(tok):
+    def nan_once(data_source, solution_str, ground_truth, extra_info=None):
+        return float("nan") if ground_truth == "x" else 0.5
+
+    scores, info = RewardManager(tok, compute_score=nan_once)(
+        [_ids(tok, "1"), _ids(tok, "2")], ["a", "a"], ["x", "y"], [None, None]
+    )
+    assert scores.tolist() == [0.0, 0.5] and info["reward/num_errors"] == 1
+
+
+def test_reward_manager_all_failures_raise(tok):
+    def broken(data_source, solution_str, ground_truth, extra_info=None):
+        raise KeyError("missing field")
+
+    rm = RewardManager(tok, compute_score=broken)
+    with pytest.raises(RuntimeError, match="all 2 samples") as excinfo:
+        rm([_ids(tok, "1"), _ids(tok, "2")], ["a", "a"], ["1", "2"], [None, None])
+    assert isinstance(excinfo.value.__cause__, KeyError)
+
+
+def test_reward_manager_unknown_data_source_raises(tok):
+    with pytest.raises(RuntimeError) as excinfo:
+        RewardManager(tok)([_ids(tok, "1")], ["unknown/src"], ["1"], [None])
+    assert isinstance(excinfo.value.__cause__, NotImplementedError)
+    assert "custom_reward_function.path" in str(excinfo.value)
