@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 NPROC   ?= 2
 PYTEST  := $(BIN)/python -m pytest
 
-.PHONY: install test test-slow test-gpu lint format demo test-slow clean
+.PHONY: install test test-slow test-gpu test-slurm lint format demo clean
 
 install: $(STAMP)
 
@@ -26,6 +26,10 @@ test-slow: install
 test-gpu:
 	python3 -m pytest -q -m gpu tests
 
+# A one-machine Slurm cluster on loopback (Debian's slurmctld/slurmd/munge) running launch/slurm.sbatch.
+test-slurm: install
+	bash launch/test_slurm.sh
+
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -35,7 +39,7 @@ format: install
 	$(BIN)/ruff format .
 
 demo: install
-	$(BIN)/python -m megatron_rl.toy prepare --out .demo
+	$(BIN)/python -m megatron_rl.demo --out .demo
 	$(BIN)/torchrun --nproc_per_node=$(NPROC) -m megatron_rl.train --config yaml/cpu_demo.yaml
 
 clean:

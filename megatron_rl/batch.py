@@ -66,7 +66,11 @@ class RolloutBatch:
 
     @classmethod
     def from_tokens(
-        cls, prompts: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor, response_mask: torch.Tensor,
+        cls,
+        prompts: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        responses: torch.Tensor,
+        response_mask: torch.Tensor,
         meta: list[SeqMeta],
     ) -> RolloutBatch:
         """Assemble from left-padded prompts [B, P] and right-padded responses [B, R]."""
@@ -97,7 +101,9 @@ class RolloutBatch:
         kw = {}
         for name in _TENSOR_FIELDS:
             t = getattr(self, name)
-            kw[name] = None if t is None else t[index.to(t.device) if isinstance(index, torch.Tensor) else index]
+            kw[name] = (
+                None if t is None else t[index.to(t.device) if isinstance(index, torch.Tensor) else index]
+            )
         return RolloutBatch(meta=meta, **kw)
 
     def split(self, size: int) -> list[RolloutBatch]:

@@ -56,7 +56,7 @@ class DataConfig:
     filter_overlong_prompts: bool = False
     """Drop prompts longer than max_prompt_length (the count is logged) instead of truncating."""
     truncation: str = "error"
-    """What to do with an overlong prompt when it is not filtered: error | left | right."""
+    """What to do with an overlong prompt when it is not filtered: error | left | right | middle."""
 
 
 @dataclass
@@ -95,10 +95,10 @@ class OptimConfig:
 
 @dataclass
 class MegatronConfig:
-    tensor_model_parallel_size: int = 1
-    """Tensor-parallel size of this model."""
-    pipeline_model_parallel_size: int = 1
-    """Pipeline-parallel size of this model."""
+    tensor_model_parallel_size: int | None = None
+    """Tensor-parallel size; None: 1 for the actor, the actor's for ref and critic (they must match)."""
+    pipeline_model_parallel_size: int | None = None
+    """Pipeline-parallel size; None: 1 for the actor, the actor's for ref and critic (they must match)."""
     use_distributed_optimizer: bool = True
     """Shard optimizer states over data-parallel ranks (GPU)."""
     param_offload: bool = False
@@ -406,7 +406,9 @@ def load_config(yaml_path: str | None = None, overrides: list[str] | None = None
     try:
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
-        raise ConfigError(f"Config could not be resolved at '{getattr(e, 'full_key', '?')}': {e.msg}") from None
+        raise ConfigError(
+            f"Config could not be resolved at '{getattr(e, 'full_key', '?')}': {e.msg}"
+        ) from None
     _fill_derived(cfg)
     return cfg
 
@@ -414,6 +416,12 @@ def load_config(yaml_path: str | None = None, overrides: list[str] | None = None
 def _fill_derived(cfg: Config) -> None:
     """Defaults that are defined in terms of other keys (one source of truth for each value)."""
     arr = cfg.actor_rollout_ref
+    am = arr.actor.megatron
+    am.tensor_model_parallel_size = am.tensor_model_parallel_size or 1
+    am.pipeline_model_parallel_size = am.pipeline_model_parallel_size or 1
+    for m in (arr.ref.megatron, cfg.critic.megatron):
+        m.tensor_model_parallel_size = m.tensor_model_parallel_size or am.tensor_model_parallel_size
+        m.pipeline_model_parallel_size = m.pipeline_model_parallel_size or am.pipeline_model_parallel_size
     if not cfg.critic.model.path:
         cfg.critic.model.path = arr.model.path
     if cfg.critic.ppo_mini_batch_size is None:
@@ -437,7 +445,7 @@ def _fill_derived(cfg: Config) -> None:
 # --------------------------------------------------------------------------------------------------
 
 _CHOICES = {
-    "data.truncation": ("error", "left", "right"),
+    "data.truncation": ("error", "left", "right", "middle"),
     "actor_rollout_ref.rollout.name": ("sglang", "hf"),
     "actor_rollout_ref.actor.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
     "critic.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
@@ -474,7 +482,9 @@ def validate(cfg: Config, world_size: int, model_dims: dict[str, int] | None = N
             raise ConfigError(f"{key}={value!r} is not one of {list(choices)}.")
     for sink in cfg.trainer.logger:
         if sink not in ("console", "jsonl", "tensorboard", "wandb"):
-            raise ConfigError(f"trainer.logger: unknown sink {sink!r}; use console, jsonl, tensorboard, wandb.")
+            raise ConfigError(
+                f"trainer.logger: unknown sink {sink!r}; use console, jsonl, tensorboard, wandb."
+            )
 
     arr = cfg.actor_rollout_ref
     actor, rollout = arr.actor, arr.rollout
@@ -510,7 +520,10 @@ def validate(cfg: Config, world_size: int, model_dims: dict[str, int] | None = N
 
     divisible("data.train_batch_size", cfg.data.train_batch_size, dp, f"data-parallel size {dp}")
     divisible(
-        "actor_rollout_ref.actor.ppo_mini_batch_size", actor.ppo_mini_batch_size, dp, f"data-parallel size {dp}"
+        "actor_rollout_ref.actor.ppo_mini_batch_size",
+        actor.ppo_mini_batch_size,
+        dp,
+        f"data-parallel size {dp}",
     )
     if cfg.data.train_batch_size % actor.ppo_mini_batch_size:
         raise ConfigError(

@@ -131,7 +131,7 @@ class PromptDataset(torch.utils.data.Dataset):
                 if filter_overlong_prompts:
                     self.filtered_indices.append(i)
                     continue
-                ids = self._truncate(ids, i)
+                ids = self._truncate(ids, i, sources[i])
             reward_model = row["reward_model"]
             if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
                 raise ValueError(
@@ -148,6 +148,13 @@ class PromptDataset(torch.utils.data.Dataset):
                 )
             )
         self.num_rows_read = len(rows)
+        if not self._items:
+            reason = (
+                f"all {len(rows)} prompts are longer than data.max_prompt_length={max_prompt_length}"
+                if rows
+                else "the files have no rows"
+            )
+            raise ValueError(f"no prompts left in {self.files}: {reason}")
         if self.filtered_indices:
             logger.warning(
                 "Filtered %d of %d prompts longer than data.max_prompt_length=%d tokens from %s "
@@ -178,7 +185,7 @@ class PromptDataset(torch.utils.data.Dataset):
             )
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
-    def _truncate(self, ids: list[int], row: int) -> list[int]:
+    def _truncate(self, ids: list[int], row: int, path: str) -> list[int]:
         limit = self.max_prompt_length
         if self.truncation == "left":
             return ids[-limit:]
@@ -188,7 +195,7 @@ class PromptDataset(torch.utils.data.Dataset):
             head = limit // 2
             return ids[:head] + ids[len(ids) - (limit - head) :]
         raise ValueError(
-            f"prompt at row {row} has {len(ids)} tokens, more than data.max_prompt_length={limit}. "
+            f"{path}: prompt at row {row} has {len(ids)} tokens, more than data.max_prompt_length={limit}. "
             "Raise data.max_prompt_length, set data.truncation to 'left', 'right' or 'middle', "
             "or set data.filter_overlong_prompts=true to drop such prompts."
         )
@@ -217,9 +224,11 @@ class ResumableDistributedSampler:
     ``range(num_rows)`` that depends only on (seed, epoch); rank r gets the r-th contiguous slice of
     ``batch_size // dp_size`` positions, so the ranks' slices are disjoint and together form the batch.
 
-    Iterating yields the remaining batches of the current epoch and then moves to the next epoch.
-    ``state_dict()`` taken after consuming k batches records (epoch, position=k); a fresh sampler that
-    loads it yields exactly the batches the original had not yet yielded.
+    ``iter(sampler)`` is an endless stream of steps that crosses epoch boundaries, so a trainer can call
+    ``next()`` once per step for any number of steps; ``iter_epoch()`` yields only the rest of the current
+    epoch. Either way ``state_dict()`` taken after consuming k batches of an epoch records
+    (epoch, position=k), and a fresh sampler that loads it continues with exactly the batches the
+    original had not yet yielded.
     """
 
     def __init__(
@@ -241,8 +250,8 @@ class ResumableDistributedSampler:
             )
         if num_rows < 1 or (drop_last and num_rows < batch_size):
             raise ValueError(
-                f"the dataset has {num_rows} prompts, fewer than one batch of data.train_batch_size="
-                f"{batch_size}; lower data.train_batch_size or add data"
+                f"the dataset has {num_rows} prompts, fewer than one batch of {batch_size} "
+                "(data.train_batch_size); lower the batch size or add data"
             )
         self.num_rows = num_rows
         self.batch_size = batch_size
@@ -277,13 +286,18 @@ class ResumableDistributedSampler:
 
     def _slice(self, order: list[int], step: int) -> list[int]:
         batch = order[step * self.batch_size : (step + 1) * self.batch_size]
-        if len(batch) < self.batch_size:
-            # Only with drop_last=False: complete the last batch from the epoch's start so that every
-            # rank still gets per_rank prompts.
+        while len(batch) < self.batch_size:
+            # Only with drop_last=False: complete the last batch from the epoch's start (repeatedly, if
+            # the batch is larger than the data) so that every rank still gets per_rank prompts.
             batch += order[: self.batch_size - len(batch)]
         return batch
 
     def __iter__(self) -> Iterator[list[int]]:
+        while True:
+            yield from self.iter_epoch()
+
+    def iter_epoch(self) -> Iterator[list[int]]:
+        """This rank's batches for the rest of the current epoch; afterwards the sampler is at the next."""
         self._normalize()
         epoch = self.epoch
         order = self._order(epoch)

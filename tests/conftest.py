@@ -19,7 +19,9 @@ def run_torchrun(script: str, nproc: int, args: list[str], timeout: int = 600, n
     cmd += [os.path.join(ROOT, "tests", "dist", "workers", script), *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
-        pytest.fail(f"torchrun {script} failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+        pytest.fail(
+            f"torchrun {script} failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+        )
     return proc.stdout
 
 

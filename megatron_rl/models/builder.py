@@ -37,7 +37,13 @@ class SDPAttention(nn.Module):
         # megatron masks are True where attention is NOT allowed; SDPA's bool mask is the opposite.
         mask = None if attention_mask is None else ~attention_mask
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=q.shape[1] != k.shape[1]
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=self.scale,
+            enable_gqa=q.shape[1] != k.shape[1],
         )
         s, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)

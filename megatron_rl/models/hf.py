@@ -94,6 +94,8 @@ def model_args_from_hf_config(hf: dict) -> ModelArgs:
 def load_model_args(path: str) -> ModelArgs:
     cfg_file = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_file):
-        raise FileNotFoundError(f"{cfg_file} not found: actor_rollout_ref.model.path must be an HF model directory")
+        raise FileNotFoundError(
+            f"{cfg_file} not found: actor_rollout_ref.model.path must be an HF model directory"
+        )
     with open(cfg_file) as f:
         return model_args_from_hf_config(json.load(f))

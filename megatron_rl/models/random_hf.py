@@ -52,7 +52,9 @@ def random_hf_model(arch: str, seed: int = 0, init: str = "o1", dtype=torch.floa
         kw.setdefault("head_dim", kw["hidden_size"] // kw["num_attention_heads"])
     if arch == "mistral":
         kw.setdefault("sliding_window", None)
-    config = cfg_cls(**kw, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    for key, default in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 2)):
+        kw.setdefault(key, default)
+    config = cfg_cls(**kw)
     config._attn_implementation = "eager"
     with torch.device("cpu"):
         model = model_cls(config).to(dtype)

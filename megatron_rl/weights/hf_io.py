@@ -84,7 +84,9 @@ def assemble_shard(
     return out
 
 
-def scatter_shard(layout: ParamLayout, tp_rank: int, shard: torch.Tensor, out: dict[str, torch.Tensor]) -> None:
+def scatter_shard(
+    layout: ParamLayout, tp_rank: int, shard: torch.Tensor, out: dict[str, torch.Tensor]
+) -> None:
     """Copy TP shard ``tp_rank`` of a Megatron parameter into the full HF tensors in ``out``."""
     dim = 0 if layout.dim is None else layout.dim
     pos = 0

@@ -142,7 +142,9 @@ def param_layouts(args: ModelArgs, tp: int, role: str = "actor") -> list[ParamLa
                 pieces.append(tuple(rank_pieces))
             rows = groups_per_rank * (qpg + 2) * hd
             out.append(ParamLayout(f"{p}self_attention.linear_qkv.{suffix}", 0, rows, tuple(pieces)))
-        out.append(_split(t.o.format(i=i), args.num_heads * hd, tp, 1, f"{p}self_attention.linear_proj.weight"))
+        out.append(
+            _split(t.o.format(i=i), args.num_heads * hd, tp, 1, f"{p}self_attention.linear_proj.weight")
+        )
         if args.qk_norm:
             out.append(_split(t.q_norm.format(i=i), hd, tp, None, f"{p}self_attention.q_layernorm.weight"))
             out.append(_split(t.k_norm.format(i=i), hd, tp, None, f"{p}self_attention.k_layernorm.weight"))
@@ -189,14 +191,14 @@ def global_layer_name(local_name: str, layer_offset: int) -> str:
     m = _LAYER_RE.match(local_name)
     if not m:
         return local_name
-    return f"decoder.layers.{int(m.group(1)) + layer_offset}.{local_name[m.end():]}"
+    return f"decoder.layers.{int(m.group(1)) + layer_offset}.{local_name[m.end() :]}"
 
 
 def local_layer_name(global_name: str, layer_offset: int) -> str:
     m = _LAYER_RE.match(global_name)
     if not m:
         return global_name
-    return f"decoder.layers.{int(m.group(1)) - layer_offset}.{global_name[m.end():]}"
+    return f"decoder.layers.{int(m.group(1)) - layer_offset}.{global_name[m.end() :]}"
 
 
 def layer_index(name: str) -> int | None:
@@ -204,7 +206,9 @@ def layer_index(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def iter_stage_layouts(args: ModelArgs, tp: int, pp: int, pp_rank: int, role: str = "actor") -> Iterator[ParamLayout]:
+def iter_stage_layouts(
+    args: ModelArgs, tp: int, pp: int, pp_rank: int, role: str = "actor"
+) -> Iterator[ParamLayout]:
     """The layouts of the parameters that live on one pipeline stage."""
     per_stage = args.num_layers // pp
     lo, hi = pp_rank * per_stage, (pp_rank + 1) * per_stage

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import pyarrow as pa
@@ -113,6 +114,12 @@ def test_missing_column_error(tmp_path, tok, column):
     assert path in msg and repr(column) in msg and "verl's format" in msg
 
 
+def test_all_prompts_filtered_is_an_error(tmp_path, tok):
+    path = _write(tmp_path, "a.parquet", [_row("123456789", 0)])
+    with pytest.raises(ValueError, match=r"all 1 prompts are longer than data\.max_prompt_length=4"):
+        PromptDataset(path, tok, max_prompt_length=4)
+
+
 def test_extra_info_optional_and_custom_prompt_key(tmp_path, tok):
     row = _row("12", 0)
     row["question"] = row.pop("prompt")
@@ -132,7 +139,7 @@ def test_bad_truncation_mode(tmp_path, tok):
 
 
 def _epoch(sampler):
-    return [list(b) for b in sampler]
+    return [list(b) for b in sampler.iter_epoch()]
 
 
 def test_sampler_shards_disjoint_and_cover_global_batch():
@@ -182,6 +189,19 @@ def test_sampler_resume_yields_exactly_the_remaining_batches(consumed):
     rest += _epoch(resumed)
     assert got + rest == full
 
+    # The same through the endless iterator a trainer steps with next().
+    again = ResumableDistributedSampler(53, 10, 1, 2, seed=11)
+    again.load_state_dict(state)
+    assert got + list(itertools.islice(iter(again), 10 - consumed)) == full
+
+
+def test_sampler_iter_is_endless_across_epochs():
+    s = ResumableDistributedSampler(30, 10, 0, 1, seed=5)
+    stream = list(itertools.islice(iter(s), 7))
+    ref = ResumableDistributedSampler(30, 10, 0, 1, seed=5)
+    assert stream == _epoch(ref) + _epoch(ref) + _epoch(ref)[:1]
+    assert s.state_dict()["epoch"] == 2 and s.state_dict()["position"] == 1
+
 
 def test_sampler_state_mismatch_rejected():
     state = ResumableDistributedSampler(50, 10, 0, 1, seed=1).state_dict()
@@ -194,6 +214,11 @@ def test_sampler_drop_last_false_pads_last_batch():
     batches = _epoch(s)
     assert len(batches) == len(s) == 3
     assert all(len(b) == 5 for b in batches)
+    # A batch larger than the data (e.g. validation) still gives every rank a full slice.
+    ranks = [
+        ResumableDistributedSampler(3, 8, r, 4, seed=0, shuffle=False, drop_last=False) for r in range(4)
+    ]
+    assert [_epoch(s) for s in ranks] == [[[0, 1]], [[2, 0]], [[1, 2]], [[0, 1]]]
 
 
 def test_sampler_batch_size_not_divisible():

@@ -1,0 +1,135 @@
+"""Trainer checkpoints: everything needed to continue a run bit for bit.
+
+Layout of ``trainer.default_local_dir``::
+
+    latest_checkpointed_iteration.txt      newest complete step (written last, atomically)
+    global_step_{N}/
+        trainer_state.json                  step, sampler position, KL controller, layout
+        rank_{r:05d}.pt                     this rank's shards: models, optimizers + LR schedules, RNG
+
+A save writes into ``.global_step_{N}.partial`` and is published by one rename after every rank
+has written, so a crash mid-save never leaves a directory that looks complete. Only the newest
+``trainer.max_ckpt_to_keep`` are kept. Resuming needs the same TP/PP/DP layout (the shards are
+per rank); the directory must be on a filesystem every node sees.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_rl.parallel import ParallelState
+
+LATEST = "latest_checkpointed_iteration.txt"
+_STEP_DIR = re.compile(r"^global_step_(\d+)$")
+
+
+def rng_state() -> dict[str, Any]:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    np_state = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": (np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]),
+        "torch": torch.get_rng_state(),
+        "megatron": mrandom.get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    random.setstate(state["python"])
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, keys.numpy(), *rest))
+    torch.set_rng_state(state["torch"])
+    mrandom.get_cuda_rng_tracker().set_states(state["megatron"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _layout(ps: ParallelState) -> dict[str, int]:
+    return {"tp": ps.tp_size, "pp": ps.pp_size, "dp": ps.dp_size, "world_size": ps.world_size}
+
+
+class CheckpointManager:
+    def __init__(self, root: str, ps: ParallelState, max_to_keep: int | None = None) -> None:
+        self.root = root
+        self.ps = ps
+        self.max_to_keep = max_to_keep
+
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.root, f"global_step_{step}")
+
+    def latest(self) -> str | None:
+        """The newest complete checkpoint under root, or None."""
+        f = os.path.join(self.root, LATEST)
+        if not os.path.isfile(f):
+            return None
+        with open(f) as fh:
+            path = self.step_dir(int(fh.read().strip()))
+        return path if os.path.isdir(path) else None
+
+    def save(self, step: int, shards: dict[str, Any], trainer_state: dict[str, Any]) -> str:
+        """Collective: every rank passes its own ``shards`` (state dicts); rank 0 publishes."""
+        ps = self.ps
+        final = self.step_dir(step)
+        partial = os.path.join(self.root, f".global_step_{step}.partial")
+        if ps.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+            os.makedirs(partial)
+        dist.barrier()
+        torch.save({**shards, "rng": rng_state()}, os.path.join(partial, f"rank_{ps.rank:05d}.pt"))
+        if ps.rank == 0:
+            with open(os.path.join(partial, "trainer_state.json"), "w") as f:
+                json.dump({**trainer_state, "global_step": step, "layout": _layout(ps)}, f, indent=1)
+        dist.barrier()
+        if ps.rank == 0:
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(partial, final)
+            tmp = os.path.join(self.root, LATEST + ".tmp")
+            with open(tmp, "w") as f:
+                f.write(str(step))
+            os.replace(tmp, os.path.join(self.root, LATEST))
+            self._prune()
+        dist.barrier()
+        return final
+
+    def _prune(self) -> None:
+        if not self.max_to_keep:
+            return
+        steps = sorted(int(m.group(1)) for d in os.listdir(self.root) if (m := _STEP_DIR.match(d)))
+        for s in steps[: -self.max_to_keep]:
+            shutil.rmtree(self.step_dir(s), ignore_errors=True)
+
+    def load(self, path: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(this rank's shards, trainer_state); RNG states are restored as a side effect."""
+        state_file = os.path.join(path, "trainer_state.json")
+        if not os.path.isfile(state_file):
+            raise FileNotFoundError(
+                f"{path} is not a complete checkpoint (no trainer_state.json): check trainer.resume_from_path"
+            )
+        with open(state_file) as f:
+            trainer_state = json.load(f)
+        saved, now = trainer_state["layout"], _layout(self.ps)
+        if saved != now:
+            raise RuntimeError(
+                f"Checkpoint {path} was saved with layout {saved}, this job runs {now}: resume with the same "
+                "TP/PP and number of processes, or set trainer.resume_mode=disable."
+            )
+        shards = torch.load(
+            os.path.join(path, f"rank_{self.ps.rank:05d}.pt"), map_location="cpu", weights_only=True
+        )
+        set_rng_state(shards.pop("rng"))
+        return shards, trainer_state

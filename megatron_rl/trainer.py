@@ -1,0 +1,507 @@
+"""The PPO loop. One step, on every rank:
+
+    prompts (this DP rank's shard)
+      -> sync actor weights into the rollout engine (reshard stream)      timing_s/reshard
+      -> generate rollout.n responses per prompt                           timing_s/gen
+      -> rule rewards on the decoded responses                             timing_s/reward
+      -> old log-probs (actor), ref log-probs, values (critic)             timing_s/old_log_prob, ref, values
+      -> KL-shaped token rewards, advantages                               timing_s/adv
+      -> critic update, actor update (after trainer.critic_warmup)         timing_s/update_critic, _actor
+      -> metrics; validation every test_freq; checkpoint every save_freq   timing_s/save_checkpoint
+
+The engine holds GPU memory only while it generates (colocated hybrid engine): it is resumed before
+generation and released right after. Sampling is seeded by (seed, step), so a resumed run repeats
+the same rollouts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.batch import RolloutBatch, SeqMeta
+from megatron_rl.config import Config, to_dict
+from megatron_rl.metrics import MetricsLogger, Timer, data_metrics, progress_bar, reduce_mean
+from megatron_rl.parallel import ParallelState
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Models:
+    actor: torch.nn.Module
+    actor_optim: object
+    ref: torch.nn.Module | None
+    critic: torch.nn.Module | None
+    critic_optim: object | None
+
+
+class Trainer:
+    def __init__(self, cfg: Config, ps: ParallelState) -> None:
+        from transformers import AutoTokenizer
+
+        from megatron_rl.algos.kl import get_kl_controller
+        from megatron_rl.checkpoint import CheckpointManager
+        from megatron_rl.data import PromptDataset, ResumableDistributedSampler
+        from megatron_rl.models.loading import load_model_args_any
+        from megatron_rl.reward import RewardManager, load_custom_reward_function
+
+        self.cfg, self.ps = cfg, ps
+        arr = cfg.actor_rollout_ref
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            cfg.data.tokenizer, trust_remote_code=arr.model.trust_remote_code
+        )
+        self.pad_id = (
+            self.tokenizer.pad_token_id
+            if self.tokenizer.pad_token_id is not None
+            else self.tokenizer.eos_token_id
+        )
+        self.model_args = load_model_args_any(arr.model.path)
+
+        def dataset(files):
+            return PromptDataset(
+                files,
+                self.tokenizer,
+                cfg.data.max_prompt_length,
+                truncation=cfg.data.truncation,
+                filter_overlong_prompts=cfg.data.filter_overlong_prompts,
+                prompt_key=cfg.data.prompt_key,
+            )
+
+        if not cfg.data.train_files:
+            raise ValueError("data.train_files is empty: give one or more verl-format parquet files.")
+        self.train_data = dataset(cfg.data.train_files)
+        self.val_data = dataset(cfg.data.val_files) if cfg.data.val_files else None
+        self.sampler = ResumableDistributedSampler(
+            len(self.train_data),
+            cfg.data.train_batch_size,
+            ps.dp_rank,
+            ps.dp_size,
+            cfg.data.seed,
+            shuffle=cfg.data.shuffle,
+        )
+        steps_per_epoch = len(self.sampler)
+        if steps_per_epoch == 0:
+            raise ValueError(
+                f"data.train_batch_size={cfg.data.train_batch_size} exceeds the "
+                f"{len(self.train_data)} training prompts."
+            )
+        self.total_steps = cfg.trainer.total_training_steps or steps_per_epoch * cfg.trainer.total_epochs
+
+        compute_score = None
+        if cfg.custom_reward_function.path:
+            compute_score = load_custom_reward_function(
+                cfg.custom_reward_function.path, cfg.custom_reward_function.name
+            )
+        self.reward_fn = RewardManager(self.tokenizer, compute_score)
+        self.kl_ctrl = get_kl_controller(
+            cfg.algorithm.kl_ctrl.type,
+            cfg.algorithm.kl_ctrl.kl_coef,
+            cfg.algorithm.kl_ctrl.target_kl,
+            cfg.algorithm.kl_ctrl.horizon,
+        )
+        self.models = self._build_models()
+        self.engine = self._build_engine()
+        self.ckpt = CheckpointManager(cfg.trainer.default_local_dir, ps, cfg.trainer.max_ckpt_to_keep)
+        self.timer = Timer(ps.device)
+        self.logger = MetricsLogger(
+            cfg.trainer.logger,
+            cfg.trainer.log_dir,
+            cfg.trainer.project_name,
+            cfg.trainer.experiment_name,
+            to_dict(cfg),
+            enabled=ps.rank == 0,
+        )
+        self.global_step = 0
+        self.weights_stale = True  # the engine starts without the actor's weights
+        self.peak_flops = _measure_peak_flops(ps.device)
+
+    # ------------------------------------------------------------------------------------------ setup
+
+    def _build_models(self) -> Models:
+        from megatron_rl.models.builder import DTYPES, build_model
+        from megatron_rl.models.loading import load_weights
+        from megatron_rl.optim import build_optimizer
+
+        cfg, ps, arr = self.cfg, self.ps, self.cfg.actor_rollout_ref
+        dtype = torch.float32 if ps.device.type == "cpu" else DTYPES[arr.actor.megatron.params_dtype]
+        sdpa = arr.actor.megatron.use_sdpa_attention
+        opt_steps_per_ppo_step = arr.actor.ppo_epochs * (
+            cfg.data.train_batch_size // arr.actor.ppo_mini_batch_size
+        )
+
+        def model(role: str, path: str) -> torch.nn.Module:
+            m = build_model(self.model_args, ps, role=role, dtype=dtype, sdpa=sdpa)
+            load_weights(m, path, ps)
+            return m
+
+        actor = model("actor", arr.model.path)
+        actor_optim = build_optimizer(actor, arr.actor.optim, ps, self.total_steps * opt_steps_per_ppo_step)
+        need_ref = cfg.algorithm.use_kl_in_reward or arr.actor.use_kl_loss
+        ref = model("actor", arr.model.path).eval() if need_ref else None
+        critic = critic_optim = None
+        if cfg.critic.enable:
+            critic = model("critic", cfg.critic.model.path)
+            crit_steps = cfg.critic.ppo_epochs * (cfg.data.train_batch_size // cfg.critic.ppo_mini_batch_size)
+            critic_optim = build_optimizer(critic, cfg.critic.optim, ps, self.total_steps * crit_steps)
+        return Models(actor, actor_optim, ref, critic, critic_optim)
+
+    def _build_engine(self):
+        from megatron_rl.rollout import create_engine
+
+        rollout = self.cfg.actor_rollout_ref.rollout
+        if rollout.name == "sglang" and self.ps.device.type != "cuda":
+            raise RuntimeError(
+                "actor_rollout_ref.rollout.name=sglang needs a GPU; "
+                "on CPU set actor_rollout_ref.rollout.name=hf."
+            )
+        return create_engine(
+            rollout, self.cfg.actor_rollout_ref.model.path, self.model_args, self.ps, seed=self.cfg.data.seed
+        )
+
+    # ------------------------------------------------------------------------------------------ loop
+
+    def fit(self) -> dict[str, float]:
+        self._maybe_resume()
+        cfg = self.cfg.trainer
+        last: dict[str, float] = {}
+        if self.val_data is not None and cfg.val_before_train and self.global_step == 0:
+            self.logger.log(0, self.validate())
+        bar = progress_bar(
+            self.total_steps, self.global_step, enabled=self.ps.rank == 0 and "console" in cfg.logger
+        )
+        batches = iter(self.sampler)
+        while self.global_step < self.total_steps:
+            self.global_step += 1
+            last = self.step(next(batches))
+            if self.val_data is not None and cfg.test_freq > 0 and self.global_step % cfg.test_freq == 0:
+                last.update(self.validate())
+            is_last = self.global_step == self.total_steps
+            if (cfg.save_freq > 0 and self.global_step % cfg.save_freq == 0) or (is_last and cfg.save_at_end):
+                with self.timer("save_checkpoint"):
+                    self.save()
+                last.update(self.timer.pop())
+            self.logger.log(self.global_step, last, echo=bar.write)
+            bar.update(1)
+        bar.close()
+        self.logger.close()
+        return last
+
+    def step(self, prompt_indices: list[int]) -> dict[str, float]:
+        """One PPO step on this rank's prompts."""
+        from megatron_rl import ppo
+
+        cfg, ps, m, timer = self.cfg, self.ps, self.models, self.timer
+        arr = cfg.actor_rollout_ref
+        t_step = time.perf_counter()
+        metrics: dict[str, float] = {}
+
+        batch = self.rollout(prompt_indices, timer)
+        metrics.update(self.score(batch))
+
+        with timer("old_log_prob"):
+            batch.old_log_probs = ppo.compute_log_probs(
+                m.actor,
+                ps,
+                batch,
+                arr.rollout.log_prob_micro_batch_size_per_gpu,
+                temperature=arr.rollout.temperature,
+            )
+        if m.ref is not None:
+            with timer("ref"):
+                batch.ref_log_probs = ppo.compute_log_probs(
+                    m.ref,
+                    ps,
+                    batch,
+                    arr.ref.log_prob_micro_batch_size_per_gpu,
+                    temperature=arr.rollout.temperature,
+                )
+        if m.critic is not None:
+            with timer("values"):
+                batch.values = ppo.compute_values(
+                    m.critic, ps, batch, cfg.critic.ppo_micro_batch_size_per_gpu
+                )
+        with timer("adv"):
+            metrics.update(self.compute_advantages(batch))
+
+        if m.critic is not None:
+            with timer("update_critic"):
+                metrics.update(
+                    ppo.update_critic(m.critic, m.critic_optim, ps, batch, cfg.critic, arr.rollout.n)
+                )
+        if self.global_step > cfg.trainer.critic_warmup:
+            with timer("update_actor"):
+                metrics.update(
+                    ppo.update_actor(
+                        m.actor, m.actor_optim, ps, batch, arr.actor, arr.rollout.n, arr.rollout.temperature
+                    )
+                )
+            self.weights_stale = True
+
+        metrics.update(data_metrics(batch, cfg.data.max_response_length, ps.dp_group))
+        metrics.update(self.timer.pop())
+        metrics["timing_s/step"] = time.perf_counter() - t_step
+        metrics.update(self._perf_metrics(batch, metrics))
+        metrics["training/global_step"] = self.global_step
+        metrics["training/epoch"] = self.sampler.state_dict().get("epoch", 0)
+        return metrics
+
+    # ------------------------------------------------------------------------------------------ phases
+
+    def rollout(self, prompt_indices: list[int], timer: Timer, validate: bool = False) -> RolloutBatch:
+        """Generate responses for this rank's prompts and assemble the batch (n samples per prompt)."""
+        from megatron_rl.data import collate_left_pad
+        from megatron_rl.rollout import SamplingParams
+        from megatron_rl.rollout.reshard import sync_weights
+
+        cfg, ps = self.cfg, self.ps
+        rollout = cfg.actor_rollout_ref.rollout
+        data = self.val_data if validate else self.train_data
+        items = [data[i] for i in prompt_indices]
+        free = rollout.free_cache_engine
+
+        if free:
+            self.engine.resume_memory()
+        if self.weights_stale:
+            with timer("reshard"):
+                sync_weights(
+                    self.models.actor,
+                    ps,
+                    self.engine,
+                    rollout.update_weights_bucket_megabytes,
+                    _dtype(rollout.dtype, ps),
+                )
+            self.weights_stale = False
+        if validate:
+            vk = rollout.val_kwargs
+            n, temperature, top_p, top_k, greedy = vk.n, vk.temperature, vk.top_p, vk.top_k, not vk.do_sample
+        else:
+            n, temperature, top_p, top_k = rollout.n, rollout.temperature, rollout.top_p, rollout.top_k
+            greedy = not rollout.do_sample
+        params = SamplingParams(
+            n=n,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            greedy=greedy or temperature == 0,
+            max_new_tokens=cfg.data.max_response_length,
+            stop_token_ids=self._stop_ids(),
+            seed=cfg.data.seed * 1_000_003 + self.global_step * 1009 + ps.dp_rank + (7 if validate else 0),
+        )
+        with timer("gen"):
+            gens = self.engine.generate([it.prompt_ids for it in items], params)
+        if free:
+            self.engine.release_memory()
+
+        # [B*n] rows: prompt i's samples are adjacent and share a uid (the GRPO/RLOO group).
+        prompts, metas, responses = [], [], []
+        for it, samples in zip(items, gens, strict=True):
+            uid = f"{self.global_step}-{it.index}"
+            for g in samples:
+                prompts.append(it)
+                responses.append(g.token_ids[: cfg.data.max_response_length])
+                metas.append(
+                    SeqMeta(
+                        uid=uid,
+                        data_source=it.data_source,
+                        ground_truth=it.ground_truth,
+                        extra_info=it.extra_info,
+                    )
+                )
+        prompt_ids, prompt_mask = collate_left_pad(prompts, self.pad_id)
+        width = max(1, max(len(r) for r in responses))
+        resp = torch.full((len(responses), width), self.pad_id, dtype=torch.long)
+        resp_mask = torch.zeros(len(responses), width)
+        for i, r in enumerate(responses):
+            resp[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+            resp_mask[i, : len(r)] = 1.0
+        return RolloutBatch.from_tokens(prompt_ids, prompt_mask, resp, resp_mask, metas).to(ps.device)
+
+    def _stop_ids(self) -> list[int]:
+        eos = self.tokenizer.eos_token_id
+        ids = eos if isinstance(eos, list) else [eos]
+        return [i for i in ids if i is not None]
+
+    def score(self, batch: RolloutBatch) -> dict[str, float]:
+        """Rule rewards, placed on each response's last real token -> batch.token_level_scores [B, R]."""
+        with self.timer("reward"):
+            lengths = batch.response_mask.sum(-1).long()
+            response_ids = [batch.responses[i, : lengths[i]].tolist() for i in range(len(batch))]
+            scores, info = self.reward_fn(
+                response_ids,
+                [mt.data_source for mt in batch.meta],
+                [mt.ground_truth for mt in batch.meta],
+                [mt.extra_info for mt in batch.meta],
+            )
+            token_scores = torch.zeros_like(batch.response_mask)
+            last = (lengths - 1).clamp(min=0)
+            token_scores[torch.arange(len(batch)), last] = scores.to(token_scores) * (lengths > 0)
+            batch.token_level_scores = token_scores
+        errors = float(info.get("reward/num_errors", 0))
+        return reduce_mean({"reward/num_errors": errors}, self.ps.dp_group, self.ps.device)
+
+    def compute_advantages(self, batch: RolloutBatch) -> dict[str, float]:
+        from megatron_rl.algos import advantages as adv
+        from megatron_rl.algos.kl import apply_kl_penalty
+
+        alg, ps = self.cfg.algorithm, self.ps
+        metrics: dict[str, float] = {}
+        if alg.use_kl_in_reward:
+            batch.token_level_rewards, kl_metrics = apply_kl_penalty(
+                batch.token_level_scores,
+                batch.old_log_probs,
+                batch.ref_log_probs,
+                batch.response_mask,
+                self.kl_ctrl,
+                alg.kl_penalty,
+                group=ps.dp_group,
+            )
+            metrics.update(kl_metrics)
+        else:
+            batch.token_level_rewards = batch.token_level_scores
+        r, mask, uids = batch.token_level_rewards, batch.response_mask, [mt.uid for mt in batch.meta]
+        name = alg.adv_estimator
+        if name == "gae":
+            batch.advantages, batch.returns = adv.compute_gae(
+                r, batch.values, mask, alg.gamma, alg.lam, group=ps.dp_group
+            )
+        elif name == "grpo":
+            batch.advantages, batch.returns = adv.compute_grpo_outcome_advantage(
+                r, mask, uids, alg.norm_adv_by_std_in_grpo
+            )
+        elif name == "rloo":
+            batch.advantages, batch.returns = adv.compute_rloo_outcome_advantage(r, mask, uids)
+        elif name == "reinforce_plus_plus":
+            batch.advantages, batch.returns = adv.compute_reinforce_plus_plus_outcome_advantage(
+                r, mask, alg.gamma, group=ps.dp_group
+            )
+        else:
+            batch.advantages, batch.returns = adv.compute_reinforce_plus_plus_baseline_outcome_advantage(
+                r, mask, uids, group=ps.dp_group
+            )
+        return metrics
+
+    def validate(self) -> dict[str, float]:
+        """Greedy (val_kwargs) generation on the validation prompts; val/test_score/{data_source}."""
+        from megatron_rl.data import ResumableDistributedSampler
+
+        ps = self.ps
+        size = self.cfg.data.val_batch_size or len(self.val_data)
+        size = max(ps.dp_size, size - size % ps.dp_size)
+        sampler = ResumableDistributedSampler(
+            len(self.val_data), size, ps.dp_rank, ps.dp_size, 0, shuffle=False, drop_last=False
+        )
+        sums: dict[str, list[float]] = {}
+        timer = Timer(ps.device)
+        for _, idx in zip(range(len(sampler)), sampler, strict=False):
+            batch = self.rollout(idx, timer, validate=True)
+            lengths = batch.response_mask.sum(-1).long()
+            scores, _ = self.reward_fn(
+                [batch.responses[i, : lengths[i]].tolist() for i in range(len(batch))],
+                [mt.data_source for mt in batch.meta],
+                [mt.ground_truth for mt in batch.meta],
+                [mt.extra_info for mt in batch.meta],
+            )
+            for mt, s in zip(batch.meta, scores.tolist(), strict=True):
+                acc = sums.setdefault(mt.data_source, [0.0, 0.0])
+                acc[0] += s
+                acc[1] += 1
+        # Every rank must contribute the same keys: reduce over the union of data sources.
+        sources = [None] * ps.world_size
+        dist.all_gather_object(sources, sorted(sums))
+        out = {}
+        for src in sorted({s for ss in sources for s in ss}):
+            t = torch.tensor(sums.get(src, [0.0, 0.0]), dtype=torch.float64, device=ps.device)
+            dist.all_reduce(t, group=ps.dp_group)
+            out[f"val/test_score/{src}"] = (t[0] / t[1].clamp(min=1)).item()
+        return out
+
+    def _perf_metrics(self, batch: RolloutBatch, metrics: dict[str, float]) -> dict[str, float]:
+        ps = self.ps
+        tokens = torch.tensor(float(batch.attention_mask.sum()), device=ps.device)
+        dist.all_reduce(tokens, group=ps.dp_group)
+        total = tokens.item()
+        out = {
+            "perf/total_num_tokens": total,
+            "perf/throughput": total / max(metrics["timing_s/step"], 1e-9) / ps.world_size,
+        }
+        upd = metrics.get("timing_s/update_actor")
+        if upd and self.peak_flops:
+            # 6N flops per token for forward+backward, times ppo_epochs passes; per GPU vs measured peak.
+            n = self.model_args.num_params()
+            flops = 6 * n * total * self.cfg.actor_rollout_ref.actor.ppo_epochs / ps.world_size
+            out["perf/mfu/actor"] = flops / upd / self.peak_flops
+        if ps.device.type == "cuda":
+            out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(ps.device) / 2**30
+            out["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved(ps.device) / 2**30
+        else:
+            import resource
+
+            out["perf/max_memory_allocated_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        return out
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+
+    def save(self) -> str:
+        m = self.models
+        shards = {"actor": m.actor.state_dict(), "actor_optim": m.actor_optim.state_dict()}
+        if m.critic is not None:
+            shards.update(critic=m.critic.state_dict(), critic_optim=m.critic_optim.state_dict())
+        state = {"sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict()}
+        path = self.ckpt.save(self.global_step, shards, state)
+        if self.ps.rank == 0:
+            log.info("saved checkpoint %s", path)
+        return path
+
+    def _maybe_resume(self) -> None:
+        t = self.cfg.trainer
+        if t.resume_mode == "disable":
+            return
+        path = t.resume_from_path if t.resume_mode == "resume_path" else self.ckpt.latest()
+        if path is None:
+            return
+        shards, state = self.ckpt.load(path)
+        m = self.models
+        m.actor.load_state_dict(shards["actor"])
+        m.actor_optim.load_state_dict(shards["actor_optim"])
+        if m.critic is not None:
+            if "critic" not in shards:
+                raise RuntimeError(
+                    f"{path} has no critic but critic.enable is True: resume with the same algorithm."
+                )
+            m.critic.load_state_dict(shards["critic"])
+            m.critic_optim.load_state_dict(shards["critic_optim"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        self.global_step = state["global_step"]
+        self.weights_stale = True
+        if self.ps.rank == 0:
+            log.info("resumed from %s at step %d", path, self.global_step)
+
+
+def _dtype(name: str, ps: ParallelState) -> torch.dtype:
+    from megatron_rl.models.builder import DTYPES
+
+    return torch.float32 if ps.device.type == "cpu" else DTYPES[name]
+
+
+def _measure_peak_flops(device: torch.device) -> float | None:
+    """bf16 matmul throughput of this GPU (the MFU denominator); None on CPU."""
+    if device.type != "cuda":
+        return None
+    n = 8192
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    iters = 20
+    for _ in range(iters):
+        a @ b
+    torch.cuda.synchronize(device)
+    return 2 * n**3 * iters / (time.perf_counter() - t0)

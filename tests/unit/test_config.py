@@ -1,0 +1,184 @@
+"""Config: YAML + overrides, did-you-mean for unknown keys, and every validation error path."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from megatron_rl.config import ConfigError, load_config, validate
+
+DIMS = {"num_attention_heads": 12, "num_key_value_heads": 2, "num_layers": 28}
+
+
+def cfg_with(*overrides):
+    return load_config(None, ["actor_rollout_ref.model.path=/models/x", *overrides])
+
+
+def test_defaults_are_production_values():
+    cfg = cfg_with()
+    assert cfg.actor_rollout_ref.actor.optim.lr == 1e-6
+    assert cfg.critic.optim.lr == 1e-5
+    assert cfg.actor_rollout_ref.actor.clip_ratio == 0.2
+    assert cfg.algorithm.adv_estimator == "gae"
+    # derived defaults have a single source of truth
+    assert cfg.critic.model.path == "/models/x"
+    assert cfg.data.tokenizer == "/models/x"
+    assert cfg.critic.ppo_mini_batch_size == cfg.actor_rollout_ref.actor.ppo_mini_batch_size
+    assert cfg.actor_rollout_ref.actor.clip_ratio_high == 0.2
+    assert cfg.trainer.default_local_dir == "checkpoints/megatron_rl/ppo"
+
+
+def test_yaml_then_overrides(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text(
+        "data:\n  train_batch_size: 64\nactor_rollout_ref:\n  actor:\n    optim:\n      lr: 3.0e-6\n"
+    )
+    cfg = load_config(str(f), ["actor_rollout_ref.actor.optim.lr=1e-5", "trainer.logger=[console,jsonl]"])
+    assert cfg.data.train_batch_size == 64
+    assert cfg.actor_rollout_ref.actor.optim.lr == 1e-5
+    assert cfg.trainer.logger == ["console", "jsonl"]
+
+
+def test_unknown_key_suggests():
+    with pytest.raises(
+        ConfigError,
+        match=r"actor_rollout_ref\.actor\.optim\.lrr.*Did you mean 'actor_rollout_ref\.actor\.optim\.lr'",
+    ):
+        cfg_with("actor_rollout_ref.actor.optim.lrr=1")
+
+
+def test_unknown_key_in_yaml(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("trainer:\n  save_frequency: 3\n")
+    with pytest.raises(ConfigError, match=r"trainer\.save_frequency.*Did you mean 'trainer\.save_freq'"):
+        load_config(str(f))
+
+
+def test_wrong_type_names_key():
+    with pytest.raises(ConfigError, match=r"data\.train_batch_size"):
+        cfg_with("data.train_batch_size=abc")
+
+
+def test_bad_override_syntax():
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(None, ["data.train_batch_size"])
+
+
+@pytest.mark.parametrize(
+    "overrides,world,match",
+    [
+        (["data.train_batch_size=10"], 4, r"data\.train_batch_size=10 must be a positive multiple of 4"),
+        (
+            ["actor_rollout_ref.actor.ppo_mini_batch_size=6", "data.train_batch_size=12"],
+            4,
+            r"ppo_mini_batch_size=6",
+        ),
+        (
+            ["data.train_batch_size=24", "actor_rollout_ref.actor.ppo_mini_batch_size=16"],
+            4,
+            r"not a multiple of",
+        ),
+        (["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=3"], 4, r"not divisible by"),
+        (
+            ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4"],
+            4,
+            r"tensor_model_parallel_size=4 must divide",
+        ),
+        (
+            ["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=3"],
+            3,
+            r"must divide the model's 28 layers",
+        ),
+        (
+            [
+                "critic.megatron.tensor_model_parallel_size=2",
+                "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
+            ],
+            4,
+            r"critic\.megatron.*set them equal",
+        ),
+        (
+            ["actor_rollout_ref.rollout.tensor_model_parallel_size=3"],
+            4,
+            r"rollout\.tensor_model_parallel_size=3",
+        ),
+        (["algorithm.adv_estimator=grpo"], 4, r"rollout\.n >= 2"),
+        (["algorithm.adv_estimator=ppo2"], 4, r"algorithm\.adv_estimator='ppo2' is not one of"),
+        (["data.truncation=middle"], 4, r"data\.truncation"),
+        (["actor_rollout_ref.actor.clip_ratio_c=0.5"], 4, r"clip_ratio_c"),
+        (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=5"], 4, r"ppo_micro_batch_size_per_gpu"),
+        (["trainer.resume_mode=resume_path"], 4, r"resume_from_path"),
+        (["trainer.logger=[console,mlflow]"], 4, r"trainer\.logger"),
+    ],
+)
+def test_validation_errors(overrides, world, match):
+    cfg = cfg_with(*overrides)
+    with pytest.raises(ConfigError, match=match):
+        validate(cfg, world_size=world, model_dims=DIMS)
+
+
+def test_valid_config_passes():
+    validate(cfg_with(), world_size=4, model_dims=DIMS)
+
+
+def test_model_dims_read_from_hf_dir(tmp_path):
+    (tmp_path / "config.json").write_text(
+        json.dumps({"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2})
+    )
+    cfg = load_config(
+        None,
+        [
+            f"actor_rollout_ref.model.path={tmp_path}",
+            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4",
+        ],
+    )
+    with pytest.raises(ConfigError, match=r"key/value heads \(2\)"):
+        validate(cfg, world_size=4)
+
+
+def test_every_field_documented():
+    import ast
+    import inspect
+
+    from megatron_rl import config
+
+    tree = ast.parse(inspect.getsource(config))
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name.endswith("Config") and node.name != "ConfigError":
+            body = node.body
+            for i, stmt in enumerate(body):
+                if isinstance(stmt, ast.AnnAssign) and node.name != "Config":
+                    nxt = body[i + 1] if i + 1 < len(body) else None
+                    assert isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant), (
+                        f"{node.name}.{stmt.target.id} has no docstring"
+                    )
+
+
+def test_print_config_command():
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_rl.config",
+            "actor_rollout_ref.model.path=/m",
+            "data.train_batch_size=8",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "train_batch_size: 8" in out and "path: /m" in out
+    bad = subprocess.run(
+        [sys.executable, "-m", "megatron_rl.config", "data.nope=1"], capture_output=True, text=True
+    )
+    assert bad.returncode != 0 and "Unknown config key 'data.nope'" in bad.stderr
+
+
+def test_import_is_cheap_and_silent():
+    code = (
+        "import sys, megatron_rl; print(megatron_rl.__version__); "
+        "assert 'megatron.core' not in sys.modules and 'transformers' not in sys.modules"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode == 0 and p.stderr == "" and p.stdout.strip()
