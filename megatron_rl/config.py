@@ -329,6 +329,8 @@ class TrainerConfig:
     """Processes per node (informational; the world comes from torchrun)."""
     device: str = "auto"
     """auto (cuda when available) | cuda | cpu."""
+    dist_timeout_minutes: int = 30
+    """How long a collective may wait for the other ranks before the job fails."""
     log_dir: str | None = None
     """Where JSONL/TensorBoard logs go; defaults to default_local_dir/logs."""
 

@@ -64,6 +64,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# Notices megatron-core prints on import or first use that say nothing about this run: we use its
+# local (non-TE, non-Apex) modules on purpose, and CUDA graphs / async TP all-reduce are not used.
+_KNOWN_NOTICES = (
+    r".*(Transformer Engine|Apex).* not installed.*",
+    r".*CUDA_DEVICE_MAX_CONNECTIONS.*",
+    r".*full scope is deprecated.*",
+)
+
+
+def silence_known_notices() -> None:
+    """Hide megatron-core's fallback notices (listed above) and its INFO logs; warnings stay visible."""
+    import logging
+    import warnings
+
+    for pattern in _KNOWN_NOTICES:
+        warnings.filterwarnings("ignore", message=pattern)
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+
+
 def resolve_device(device: str = "auto") -> torch.device:
     if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
@@ -80,6 +99,7 @@ def init_parallel(
     Launched by torchrun the world comes from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT; a plain
     ``python`` process runs as a world of one.
     """
+    silence_known_notices()
     from megatron.core import parallel_state as mps
 
     from megatron_rl import cpu_bridge

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -19,35 +18,36 @@ def main(argv: list[str] | None = None) -> None:
     )
     a = ap.parse_args(argv)
 
-    from megatron_rl.config import ConfigError, load_config, validate
+    from megatron_rl.config import load_config
+    from megatron_rl.launch_checks import explain_failures, preflight
 
     world = int(os.environ.get("WORLD_SIZE", 1))
-    try:
-        cfg = load_config(a.config, a.overrides)
-        validate(cfg, world_size=world)
-    except ConfigError as e:
-        sys.exit(f"config error: {e}")
-
     rank = int(os.environ.get("RANK", 0))
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
-        format=f"[%(asctime)s rank{rank}] %(levelname)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-    )
-    from megatron_rl.parallel import destroy_parallel, init_parallel
-    from megatron_rl.trainer import Trainer
+    # Known failures (bad config, layout vs world size, no GPU, busy port, timeouts) end in one line
+    # saying what to change; anything else keeps its traceback.
+    with explain_failures():
+        cfg = load_config(a.config, a.overrides)
+        preflight(cfg, world)
+        logging.basicConfig(
+            level=logging.INFO if rank == 0 else logging.WARNING,
+            format=f"[%(asctime)s rank{rank}] %(levelname)s %(name)s: %(message)s",
+            datefmt="%H:%M:%S",
+        )
+        from megatron_rl.parallel import destroy_parallel, init_parallel
+        from megatron_rl.trainer import Trainer
 
-    mp = cfg.actor_rollout_ref.actor.megatron
-    ps = init_parallel(
-        mp.tensor_model_parallel_size,
-        mp.pipeline_model_parallel_size,
-        seed=mp.seed,
-        device=cfg.trainer.device,
-    )
-    try:
-        Trainer(cfg, ps).fit()
-    finally:
-        destroy_parallel()
+        mp = cfg.actor_rollout_ref.actor.megatron
+        ps = init_parallel(
+            mp.tensor_model_parallel_size,
+            mp.pipeline_model_parallel_size,
+            seed=mp.seed,
+            device=cfg.trainer.device,
+            timeout_minutes=cfg.trainer.dist_timeout_minutes,
+        )
+        try:
+            Trainer(cfg, ps).fit()
+        finally:
+            destroy_parallel()
 
 
 if __name__ == "__main__":

@@ -140,14 +140,22 @@ class Trainer:
             return m
 
         actor = model("actor", arr.model.path)
-        actor_optim = build_optimizer(actor, arr.actor.optim, ps, self.total_steps * opt_steps_per_ppo_step)
+        actor_optim = build_optimizer(
+            actor,
+            arr.actor.optim,
+            ps,
+            self.total_steps * opt_steps_per_ppo_step,
+            key="actor_rollout_ref.actor.optim",
+        )
         need_ref = cfg.algorithm.use_kl_in_reward or arr.actor.use_kl_loss
         ref = model("actor", arr.model.path).eval() if need_ref else None
         critic = critic_optim = None
         if cfg.critic.enable:
             critic = model("critic", cfg.critic.model.path)
             crit_steps = cfg.critic.ppo_epochs * (cfg.data.train_batch_size // cfg.critic.ppo_mini_batch_size)
-            critic_optim = build_optimizer(critic, cfg.critic.optim, ps, self.total_steps * crit_steps)
+            critic_optim = build_optimizer(
+                critic, cfg.critic.optim, ps, self.total_steps * crit_steps, key="critic.optim"
+            )
         return Models(actor, actor_optim, ref, critic, critic_optim)
 
     def _build_engine(self):
@@ -228,16 +236,18 @@ class Trainer:
         with timer("adv"):
             metrics.update(self.compute_advantages(batch))
 
+        n, seed = arr.rollout.n, self.global_step  # seed: mini-batch shuffling (actor/critic .shuffle)
         if m.critic is not None:
             with timer("update_critic"):
                 metrics.update(
-                    ppo.update_critic(m.critic, m.critic_optim, ps, batch, cfg.critic, arr.rollout.n)
+                    ppo.update_critic(m.critic, m.critic_optim, ps, batch, cfg.critic, n, shuffle_seed=seed)
                 )
         if self.global_step > cfg.trainer.critic_warmup:
             with timer("update_actor"):
+                temperature = arr.rollout.temperature
                 metrics.update(
                     ppo.update_actor(
-                        m.actor, m.actor_optim, ps, batch, arr.actor, arr.rollout.n, arr.rollout.temperature
+                        m.actor, m.actor_optim, ps, batch, arr.actor, n, temperature, shuffle_seed=seed
                     )
                 )
             self.weights_stale = True

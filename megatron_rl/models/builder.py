@@ -137,7 +137,22 @@ def build_model(
     model.args = args
     model.role = role
     model.layer_offset = ps.pp_rank * (args.num_layers // ps.pp_size)
+    mark_tensor_parallel(model, ps)
     return model.to(ps.device)
+
+
+def mark_tensor_parallel(model: nn.Module, ps: ParallelState) -> None:
+    """Set megatron's ``tensor_model_parallel`` / ``partition_dim`` attributes from the layout tables.
+
+    megatron only sets them when it initialises weights itself (perform_initialization=False skips
+    that); its grad-norm and DDP code, and ours, tell sharded from replicated parameters by them.
+    """
+    params = named_global_params(model)
+    for lay in iter_stage_layouts(model.args, ps.tp_size, ps.pp_size, ps.pp_rank, model.role):
+        p = params[lay.name]
+        p.tensor_model_parallel = lay.dim is not None and ps.tp_size > 1
+        p.partition_dim = -1 if lay.dim is None else lay.dim
+        p.partition_stride = 1
 
 
 def named_global_params(model: nn.Module) -> dict[str, nn.Parameter]:

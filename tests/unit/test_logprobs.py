@@ -36,7 +36,9 @@ def make(seed: int = 0, pad_value: float = 0.0):
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 def test_matches_log_softmax(temperature):
     logits, targets = make()
-    logp, ent = vocab_parallel_log_probs_and_entropy(logits, targets, TP1, VOCAB, temperature, with_entropy=True)
+    logp, ent = vocab_parallel_log_probs_and_entropy(
+        logits, targets, TP1, VOCAB, temperature, with_entropy=True
+    )
     ref_logp, ref_ent = oracle(logits, targets, temperature)
     assert logp.dtype == torch.float32 and logp.shape == targets.shape
     torch.testing.assert_close(logp.double(), ref_logp, atol=1e-5, rtol=1e-5)
@@ -104,7 +106,9 @@ def test_bf16_logits_give_fp32_results_and_bf16_grads():
     x = logits.bfloat16().requires_grad_(True)
     logp = vocab_parallel_log_probs_and_entropy(x, targets, TP1, VOCAB)
     assert logp.dtype == torch.float32
-    torch.testing.assert_close(logp.double(), oracle(x.detach().float(), targets, 1.0)[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        logp.double(), oracle(x.detach().float(), targets, 1.0)[0], atol=1e-5, rtol=1e-5
+    )
     logp.sum().backward()
     assert x.grad.dtype == torch.bfloat16
 

@@ -1,0 +1,262 @@
+"""The verbs. Each takes the parsed arguments (with ``argv``, for re-launching) and returns an exit code.
+
+Data flow:
+
+* ``hf-to-mcore`` / ``legacy-to-dist`` / ``reshard``: TP x PP gloo ranks; each builds its stage of
+  the model, fills its shard (HF slices / merged legacy shards / dist_checkpointing resharding) and
+  ``save_torch_dist`` writes the checkpoint collectively.
+* ``mcore-to-hf`` / ``mcore-to-legacy``: one process streams HF tensors out of the checkpoint, one
+  layer at a time, into safetensors shards / legacy mp_rank files.
+* ``verify``: TP x PP ranks run the Megatron model from any format; the last stage compares its
+  logits with the HF model's on the same random tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from ckpt_tools.launch import relaunch_if_needed, require_single_process
+
+# torch is imported inside the verbs: a process that only re-launches itself under torchrun stays light.
+
+
+def _dtype(name: str):
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def _config_dtype(args):
+    name = str(args.hf_config.get("dtype") or args.hf_config.get("torch_dtype") or "float32")
+    name = name.replace("torch.", "")
+    return _dtype(name if name in ("float32", "bfloat16", "float16") else "float32")
+
+
+def _say(ps, msg: str) -> None:
+    if ps is None or ps.rank == 0:
+        print(msg, flush=True)
+
+
+def _start(tp: int, pp: int):
+    """init_parallel on the CPU; returns (state, whether this verb started torch.distributed)."""
+    import torch.distributed as dist
+
+    from megatron_rl.parallel import init_parallel
+
+    owned = not dist.is_initialized()
+    return init_parallel(tp, pp, device="cpu"), owned
+
+
+def _stop(owned: bool) -> None:
+    """Tear down what :func:`_start` started; a process group that the caller started stays up."""
+    from megatron_rl.parallel import destroy_parallel
+
+    if owned:
+        destroy_parallel()
+
+
+def _side_dirs(path: str) -> list[str]:
+    from megatron_rl.weights import megatron_ckpt as mc
+
+    loc = mc.locate_megatron_checkpoint(path)
+    dirs = [path] if loc is None else [loc.ckpt_dir, loc.root]
+    return [*dirs, os.path.dirname(os.path.abspath(dirs[-1]))]
+
+
+def _legacy(path: str):
+    from megatron_rl.weights import megatron_ckpt as mc
+
+    loc = mc.locate_megatron_checkpoint(path)
+    if loc is None or loc.format != "legacy":
+        raise SystemExit(f"{path} is not a legacy Megatron-LM checkpoint (mp_rank_*/{mc.LEGACY_FILE})")
+    return mc.LegacyCheckpoint(loc.ckpt_dir)
+
+
+def hf_to_mcore(a: argparse.Namespace) -> int:
+    """Each rank reads its HF slices into its shard; save_torch_dist writes them."""
+    rc = relaunch_if_needed(a.tp * a.pp, a.argv)
+    if rc is not None:
+        return rc
+    from ckpt_tools.hf_writer import copy_side_files
+    from megatron_rl.models.builder import build_model
+    from megatron_rl.models.hf import load_model_args
+    from megatron_rl.models.loading import fill_from_reader
+    from megatron_rl.weights.hf_io import HFReader
+    from megatron_rl.weights.megatron_ckpt import save_torch_dist
+
+    ps, owned = _start(a.tp, a.pp)
+    try:
+        args = load_model_args(a.hf)
+        dtype = _dtype(a.dtype) if a.dtype else _config_dtype(args)
+        model = build_model(args, ps, dtype=dtype, sdpa=False)
+        fill_from_reader(model, ps, HFReader(a.hf), progress=ps.rank == 0)
+        save_torch_dist(model, ps, a.out, extra={"source": os.path.abspath(a.hf)})
+        if ps.rank == 0:
+            copied = copy_side_files([a.hf], a.out)
+            _say(ps, f"wrote torch_dist checkpoint {a.out} (TP={a.tp} PP={a.pp}, {dtype}); copied {copied}")
+    finally:
+        _stop(owned)
+    return 0
+
+
+def mcore_to_hf(a: argparse.Namespace) -> int:
+    """Stream HF tensors out of a torch_dist or legacy checkpoint into safetensors files."""
+    require_single_process("mcore-to-hf")
+    from ckpt_tools.hf_writer import copy_side_files, parse_size, write_hf
+    from megatron_rl.models.loading import detect_format, load_model_args_any, open_reader
+
+    fmt = detect_format(a.ckpt)
+    if fmt == "hf":
+        raise SystemExit(f"{a.ckpt} is already an HF model directory")
+    ps, owned = _start(1, 1) if fmt == "torch_dist" else (None, False)  # dist_checkpointing needs a world
+    try:
+        args = load_model_args_any(a.ckpt)
+        reader = open_reader(a.ckpt, args)
+        # default: the embedding's dtype, i.e. the model's parameter dtype
+        dtype = _dtype(a.dtype) if a.dtype else reader.get(reader.keys()[0]).dtype
+        files = write_hf(reader, args, a.out, parse_size(a.max_shard_size), progress=True, dtype=dtype)
+        copied = copy_side_files(_side_dirs(a.ckpt), a.out)
+        print(f"wrote HF model {a.out} from {fmt} checkpoint: {files}; copied {copied}", flush=True)
+    finally:
+        _stop(owned)
+    return 0
+
+
+def legacy_to_dist(a: argparse.Namespace) -> int:
+    """Each rank fills its shard from the merged legacy shards; save_torch_dist writes them."""
+    tp, pp = a.tp, a.pp
+    if tp is None or pp is None:  # default: the legacy checkpoint's own layout (from its directory names)
+        saved = _legacy(a.legacy)
+        tp, pp = tp or saved.tp, pp or saved.pp
+    rc = relaunch_if_needed(tp * pp, [*a.argv, "--tp", str(tp), "--pp", str(pp)])
+    if rc is not None:
+        return rc
+    from ckpt_tools.hf_writer import copy_side_files
+    from megatron_rl.models.builder import build_model
+    from megatron_rl.models.loading import fill_from_reader, load_model_args_any
+    from megatron_rl.weights import megatron_ckpt as mc
+
+    ckpt = _legacy(a.legacy)
+    ps, owned = _start(tp, pp)
+    try:
+        args = load_model_args_any(a.legacy)
+        dtype = next(iter(ckpt.model(0, 0).values())).dtype
+        model = build_model(args, ps, dtype=dtype, sdpa=False)
+        fill_from_reader(model, ps, mc.LegacyReader(ckpt, args), progress=ps.rank == 0)
+        mc.save_torch_dist(model, ps, a.out, extra={"source": os.path.abspath(a.legacy)})
+        if ps.rank == 0:
+            copied = copy_side_files(_side_dirs(a.legacy), a.out)
+            _say(
+                ps,
+                f"wrote torch_dist checkpoint {a.out} (TP={tp} PP={pp}) from legacy TP={ckpt.tp} "
+                f"PP={ckpt.pp}; copied {copied}",
+            )
+    finally:
+        _stop(owned)
+    return 0
+
+
+def reshard(a: argparse.Namespace) -> int:
+    """Load a torch_dist checkpoint at the target TP/PP (actor or critic) and save it again."""
+    rc = relaunch_if_needed(a.tp * a.pp, a.argv)
+    if rc is not None:
+        return rc
+    from ckpt_tools.hf_writer import copy_side_files
+    from megatron_rl.models.builder import build_model
+    from megatron_rl.models.loading import load_model_args_any
+    from megatron_rl.weights import megatron_ckpt as mc
+
+    ps, owned = _start(a.tp, a.pp)
+    try:
+        loc = mc.locate_megatron_checkpoint(a.ckpt)
+        if loc is None or loc.format != "torch_dist":
+            raise SystemExit(f"{a.ckpt} is not a torch_dist checkpoint")
+        args = load_model_args_any(a.ckpt)
+        ours = mc.read_our_metadata(loc) or {}
+        meta, _ = mc.check_torch_dist(loc.ckpt_dir)
+        saved = meta.state_dict_metadata["embedding.word_embeddings.weight"].properties.dtype
+        dtype = _dtype(ours["dtype"]) if ours.get("dtype") in ("float32", "bfloat16", "float16") else saved
+        model = build_model(args, ps, role=ours.get("role", "actor"), dtype=dtype, sdpa=False)
+        mc.load_torch_dist(model, ps, a.ckpt)
+        mc.save_torch_dist(model, ps, a.out, extra={"source": os.path.abspath(a.ckpt)})
+        if ps.rank == 0:
+            copy_side_files(_side_dirs(a.ckpt), a.out)
+            _say(ps, f"wrote torch_dist checkpoint {a.out} at TP={a.tp} PP={a.pp}")
+    finally:
+        _stop(owned)
+    return 0
+
+
+def mcore_to_legacy(a: argparse.Namespace) -> int:
+    """Any format -> Megatron-LM mp_rank files at the target TP/PP, one file at a time."""
+    require_single_process("mcore-to-legacy")
+    from megatron_rl.models.loading import detect_format, load_model_args_any, open_reader
+    from megatron_rl.weights.megatron_ckpt import save_legacy
+
+    fmt = detect_format(a.ckpt)
+    ps, owned = _start(1, 1) if fmt == "torch_dist" else (None, False)
+    try:
+        args = load_model_args_any(a.ckpt)
+        reader = open_reader(a.ckpt, args)
+        dtype = reader.get(reader.keys()[0]).dtype
+        save_legacy(reader, args, a.out, a.tp, a.pp, iteration=a.iteration, dtype=dtype, progress=True)
+        print(f"wrote legacy Megatron-LM checkpoint {a.out} (TP={a.tp} PP={a.pp}) from {fmt}", flush=True)
+    finally:
+        _stop(owned)
+    return 0
+
+
+def verify(a: argparse.Namespace) -> int:
+    """Max |logit difference| between the checkpoint (any format, at --tp/--pp) and the HF model."""
+    rc = relaunch_if_needed(a.tp * a.pp, a.argv)
+    if rc is not None:
+        return rc
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+
+    from megatron_rl.models.builder import build_model
+    from megatron_rl.models.forward import gather_tp, run_pipeline
+    from megatron_rl.models.loading import load_model_args_any, load_weights
+
+    ps, owned = _start(a.tp, a.pp)
+    try:
+        with open(os.path.join(a.hf, "config.json")) as f:
+            hf_vocab = json.load(f)["vocab_size"]
+        args = load_model_args_any(a.ckpt)
+        model = build_model(args, ps, dtype=torch.float32)
+        fmt = load_weights(model, a.ckpt, ps)
+        model.eval()
+        vocab = min(args.vocab_size, hf_vocab)  # Megatron-LM pads its vocabulary; compare real tokens
+        g = torch.Generator().manual_seed(a.seed)
+        ids = torch.randint(0, vocab, (a.batch, a.seq_len), generator=g)
+        mb = SimpleNamespace(input_ids=ids, attention_mask=torch.ones_like(ids))
+        with torch.no_grad():
+            outs = run_pipeline(model, ps, [mb], lambda m, out: gather_tp(out, ps)[..., :vocab], True)
+        result = torch.zeros(2, dtype=torch.float64)  # [max |diff|, max |HF logit|]
+        if ps.is_last_stage and ps.tp_rank == 0 and ps.dp_rank == 0:
+            from transformers import AutoModelForCausalLM
+
+            hf = AutoModelForCausalLM.from_pretrained(
+                a.hf, dtype=torch.float32, attn_implementation="eager"
+            ).eval()
+            with torch.no_grad():
+                ref = hf(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[..., :vocab]
+            diff = (ref - outs[0]).abs().max()
+            result[0] = diff if torch.isfinite(diff) else float("inf")
+            result[1] = ref.abs().max()
+        dist.all_reduce(result, op=dist.ReduceOp.MAX)
+        diff, top = result.tolist()
+        ok = diff <= a.tol
+        _say(
+            ps,
+            f"verify {a.ckpt} ({fmt}, TP={a.tp} PP={a.pp}) vs {a.hf}: max |logit diff| = {diff:.3e} over "
+            f"{a.batch}x{a.seq_len} tokens, {vocab} logits (max |logit| {top:.2f}); tol {a.tol:g}: "
+            + ("OK" if ok else "FAILED"),
+        )
+    finally:
+        _stop(owned)
+    return 0 if ok else 1

@@ -1,0 +1,137 @@
+#!/usr/bin/env bash
+# Start the trainer on this node under torchrun: one process per GPU (or --nproc CPU processes).
+#
+#   launch/torchrun.sh [launcher options] --config yaml/X.yaml [key=value ...]
+#
+#   launch/torchrun.sh --config yaml/gsm8k_qwen2.5_0.5b.yaml actor_rollout_ref.model.path=/models/Qwen2.5-0.5B-Instruct
+#   launch/torchrun.sh --nproc 2 --config yaml/cpu_demo.yaml                 # CPU: 2 processes, gloo
+#   # two nodes by hand: the same command on each, with that node's --node-rank
+#   launch/torchrun.sh --nnodes 2 --node-rank 0 --master-addr node0 --master-port 29500 --config ...
+#
+# Launcher options (each also an environment variable; the option wins):
+#   --nproc N | --gpus N   NPROC_PER_NODE  processes on this node          default: the visible GPUs
+#   --nnodes N             NNODES          nodes in the job                default: 1
+#   --node-rank R          NODE_RANK       this node (0 hosts the rendezvous) default: $SLURM_NODEID or 0
+#   --master-addr HOST     MASTER_ADDR     node 0's hostname or IP         default: 127.0.0.1
+#   --master-port PORT     MASTER_PORT     rendezvous port on node 0       default: 29500 (one node without
+#                                                                          a port given: a free port, --standalone)
+#   --rdzv-id ID           RDZV_ID         same on every node of one job   default: megatron-rl
+#   --log-dir DIR          LOG_DIR         node logs: DIR/node<R>.log      default: outputs/launch/<date-time>
+#                          ENTRY           what torchrun runs              default: -m megatron_rl.train
+#                          PYTHON          interpreter                     default: .venv/bin/python, else python3
+# Everything else is passed to the trainer (--config and key=value overrides).
+#
+# The rendezvous is torch's c10d store, hosted by node 0 (is_host is set explicitly, so a busy port fails
+# at once instead of joining a stranger's store, and no hostname guessing decides who hosts). Node 0
+# checks the port before starting. Exit status: 0 when every local rank succeeded, otherwise torchrun's
+# (non-zero); the last line then says what failed and what to change
+# ("megatron-rl: node R failed (exit N): ...").
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+
+# ---- NCCL / torch environment: defaults, each overridable from the environment -------------------------
+# NVLink multicast (NVLS / symmetric-memory multicast) stays OFF: on shared GPU hosts a program using it
+# can take the host's GPUs out of service. Keep these three at their defaults unless you own the host.
+export NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}"
+export TORCH_SYMM_MEM_DISABLE_MULTICAST="${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}"
+export NVSHMEM_DISABLE_NVLS="${NVSHMEM_DISABLE_NVLS:-1}"
+# A collective that times out aborts its process (and so the job) instead of hanging with the GPUs held.
+export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-3}"
+# NCCL's own log level: WARN keeps errors visible; INFO shows the chosen transports (IB, NVLink, sockets).
+export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
+# Megatron orders tensor-parallel communication behind compute on a single CUDA stream connection.
+export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
+# One OpenMP thread per rank (torchrun's default, made explicit): ranks share the node's cores.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+export TOKENIZERS_PARALLELISM="${TOKENIZERS_PARALLELISM:-false}"
+export PYTHONUNBUFFERED=1
+# Multi-node networks: set NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME (e.g. ib0, eth0) and NCCL_IB_HCA
+# when the hosts have several interfaces; they pass through unchanged.
+
+# ---- launcher options ------------------------------------------------------------------------------------
+PORT_GIVEN="${MASTER_PORT:+1}"
+NPROC_PER_NODE="${NPROC_PER_NODE:-}"
+NNODES="${NNODES:-1}"
+NODE_RANK="${NODE_RANK:-${SLURM_NODEID:-0}}"
+MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
+MASTER_PORT="${MASTER_PORT:-29500}"
+RDZV_ID="${RDZV_ID:-megatron-rl}"
+LOG_DIR="${LOG_DIR:-outputs/launch/$(date +%Y%m%d-%H%M%S)}"
+ENTRY="${ENTRY:--m megatron_rl.train}"
+if [[ -z "${PYTHON:-}" ]]; then
+    if [[ -x "$REPO/.venv/bin/python" ]]; then PYTHON="$REPO/.venv/bin/python"; else PYTHON=python3; fi
+fi
+
+die() { echo "megatron-rl error: $*" >&2; exit 2; }
+need() { [[ $# -ge 2 && -n "$2" ]] || die "launcher option $1 needs a value."; }
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --nproc|--gpus|--nproc-per-node|--nproc_per_node) need "$@"; NPROC_PER_NODE="$2"; shift 2 ;;
+        --nnodes) need "$@"; NNODES="$2"; shift 2 ;;
+        --node-rank|--node_rank) need "$@"; NODE_RANK="$2"; shift 2 ;;
+        --master-addr|--master_addr) need "$@"; MASTER_ADDR="$2"; shift 2 ;;
+        --master-port|--master_port) need "$@"; MASTER_PORT="$2"; PORT_GIVEN=1; shift 2 ;;
+        --rdzv-id) need "$@"; RDZV_ID="$2"; shift 2 ;;
+        --log-dir) need "$@"; LOG_DIR="$2"; shift 2 ;;
+        -h|--help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+        *) break ;;
+    esac
+done
+[[ $# -gt 0 ]] || die "no trainer arguments: pass --config yaml/X.yaml [key=value ...] (see --help)."
+
+if [[ -z "$NPROC_PER_NODE" ]]; then
+    # One process per visible GPU; CUDA_VISIBLE_DEVICES restricts what nvidia-smi lists.
+    gpus=0
+    if [[ -n "${CUDA_VISIBLE_DEVICES:-}" ]]; then
+        IFS=, read -r -a devs <<< "$CUDA_VISIBLE_DEVICES"; gpus=${#devs[@]}
+    elif command -v nvidia-smi > /dev/null 2>&1; then
+        gpus=$(nvidia-smi -L 2> /dev/null | grep -c '^GPU' || true)
+    fi
+    [[ "$gpus" -gt 0 ]] || die "no GPU visible on $(hostname): pass --nproc N to run N CPU processes" \
+        "(with trainer.device=cpu or auto), or run on a GPU node."
+    NPROC_PER_NODE=$gpus
+fi
+for v in NPROC_PER_NODE NNODES NODE_RANK MASTER_PORT; do
+    [[ "${!v}" =~ ^[0-9]+$ ]] || die "$v=${!v} is not a number."
+done
+[[ "$NPROC_PER_NODE" -ge 1 && "$NNODES" -ge 1 ]] || die "--nproc and --nnodes must be at least 1."
+[[ "$NODE_RANK" -lt "$NNODES" ]] || die "node rank $NODE_RANK is not below the number of nodes $NNODES."
+export MASTER_ADDR MASTER_PORT  # read by explain-log's messages
+
+mkdir -p "$LOG_DIR"
+LOG="$LOG_DIR/node${NODE_RANK}.log"
+: > "$LOG"
+
+args=(--nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" --max-restarts 0)
+if [[ "$NNODES" == 1 && -z "$PORT_GIVEN" ]]; then
+    args+=(--standalone)  # one node: torchrun picks a free port itself
+    rdzv="local"
+else
+    rdzv="$MASTER_ADDR:$MASTER_PORT"
+    if [[ "$NODE_RANK" == 0 ]]; then
+        # Fails with one line if the port is taken or MASTER_ADDR is not this machine.
+        PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m megatron_rl.launch_checks port \
+            "$MASTER_ADDR" "$MASTER_PORT" 2>&1 | tee -a "$LOG" >&2
+        [[ "${PIPESTATUS[0]}" == 0 ]] || exit 1
+        is_host=1
+    else
+        is_host=0
+    fi
+    args+=(--rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$RDZV_ID"
+           --rdzv-conf "is_host=$is_host")
+fi
+read -r -a entry <<< "$ENTRY"
+
+echo "megatron-rl: node $NODE_RANK of $NNODES on $(hostname): $NPROC_PER_NODE process(es)," \
+     "rendezvous $rdzv, log $LOG" | tee -a "$LOG"
+set +e
+PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m torch.distributed.run "${args[@]}" "${entry[@]}" "$@" \
+    2>&1 | tee -a "$LOG"
+rc=${PIPESTATUS[0]}
+set -e
+if [[ "$rc" != 0 ]]; then
+    PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m megatron_rl.launch_checks explain-log "$LOG" \
+        --node "$NODE_RANK" --rc "$rc" 2>&1 | tee -a "$LOG" >&2
+fi
+exit "$rc"

@@ -1,0 +1,160 @@
+"""Loading a model from whatever ``model.path`` names: an HF directory, a megatron-core torch_dist
+checkpoint or a legacy Megatron-LM checkpoint, at any TP/PP, into a model at the running TP/PP.
+
+The trainer's sequence::
+
+    args = load_model_args_any(path)        # architecture: config.json / our metadata / saved args
+    model = build_model(args, ps, role)     # this rank's stage and TP shard
+    load_weights(model, path, ps)           # fills it, resharding as needed
+
+Data flow of ``load_weights`` per format:
+
+* hf: each rank reads its own safetensors slices (``builder.load_hf_weights``);
+* torch_dist: megatron-core's dist_checkpointing reads the overlap of the saved global tensors with
+  this rank's shard (``megatron_ckpt.load_torch_dist``);
+* legacy: a :class:`~megatron_rl.weights.megatron_ckpt.LegacyReader` merges the saved TP shards of
+  each parameter into HF tensors (one layer at a time) and ``assemble_shard`` cuts this rank's shard,
+  the same path as an HF directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from megatron_rl.models.hf import ModelArgs, load_model_args, model_args_from_hf_config
+from megatron_rl.parallel import ParallelState
+from megatron_rl.weights import megatron_ckpt as mc
+from megatron_rl.weights.hf_io import assemble_shard
+from megatron_rl.weights.tables import global_layer_name, iter_stage_layouts
+
+FORMATS = ("hf", "torch_dist", "legacy")
+
+
+def _is_hf_dir(path: str) -> bool:
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return False
+    return os.path.isfile(os.path.join(path, "model.safetensors.index.json")) or any(
+        f.endswith(".safetensors") for f in os.listdir(path)
+    )
+
+
+def detect_format(path: str) -> str:
+    """``"hf"``, ``"torch_dist"`` or ``"legacy"``; a clear error listing what was looked for otherwise."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"Model path {path!r} is not a directory")
+    loc = mc.locate_megatron_checkpoint(path)
+    if loc is not None:
+        return loc.format
+    if _is_hf_dir(path):
+        return "hf"
+    if os.path.isfile(os.path.join(path, "config.json")) and any(
+        f.endswith(".bin") for f in os.listdir(path)
+    ):
+        raise ValueError(
+            f"{path} is an HF model saved as pickled *.bin files, which megatron-rl does not load (unsafe). "
+            "Re-save it with safetensors: AutoModelForCausalLM.from_pretrained(path).save_pretrained(out)."
+        )
+    raise FileNotFoundError(
+        f"Cannot tell the checkpoint format of {path}. Looked for: an HF model "
+        "(config.json + *.safetensors); a torch_dist checkpoint (metadata.json with 'sharded_backend'); "
+        f"a legacy Megatron-LM checkpoint (mp_rank_*/{mc.LEGACY_FILE} directories); a Megatron-LM save "
+        f"directory ({mc.TRACKER_FILE} naming iter_XXXXXXX). Found: {sorted(os.listdir(path))[:20]}"
+    )
+
+
+def _config_candidates(loc: mc.CheckpointLocation) -> list[str]:
+    dirs = [loc.ckpt_dir, loc.root, os.path.dirname(os.path.abspath(loc.root))]
+    return [os.path.join(d, "config.json") for d in dict.fromkeys(os.path.abspath(d) for d in dirs)]
+
+
+def load_model_args_any(path: str) -> ModelArgs:
+    """The architecture of the model at ``path``, in any of the three formats.
+
+    Megatron checkpoints, in order: the ``megatron_rl.json`` we save beside torch_dist checkpoints;
+    an HF ``config.json`` in the checkpoint directory, the named directory or its parent; the ``args``
+    Namespace that Megatron-LM saves inside its checkpoints. Otherwise an error says which file to add.
+    """
+    fmt = detect_format(path)
+    if fmt == "hf":
+        return load_model_args(path)
+    loc = mc.locate_megatron_checkpoint(path)
+    ours = mc.read_our_metadata(loc)
+    if ours is not None:
+        return model_args_from_hf_config(ours["hf_config"])
+    configs = _config_candidates(loc)
+    for cfg in configs:
+        if os.path.isfile(cfg):
+            with open(cfg) as f:
+                return model_args_from_hf_config(json.load(f))
+    if fmt == "legacy":
+        ckpt = mc.LegacyCheckpoint(loc.ckpt_dir)
+        ns, where = ckpt.args, ckpt.file(0, 0)
+    else:
+        _, common = mc.check_torch_dist(loc.ckpt_dir)
+        ns = common.get("args") if isinstance(common, dict) else None
+        where = os.path.join(loc.ckpt_dir, "common.pt")
+    if ns is not None:
+        return mc.model_args_from_megatron_args(ns, where)
+    raise FileNotFoundError(
+        f"Cannot determine the architecture of the {fmt} checkpoint at {path}: it has no {mc.METADATA_FILE}, "
+        f"no saved Megatron-LM args in {where}, and there is no HF config.json at any of {configs}. "
+        f"Add the model's HF config.json to {os.path.abspath(loc.root)} (or its parent directory)."
+    )
+
+
+def open_reader(path: str, args: ModelArgs) -> mc.TensorSource:
+    """An ``HFReader``-like view (``read``/``get``/``keys``) of the HF tensors stored at ``path``.
+
+    torch_dist needs torch.distributed initialised (a world of one is enough).
+    """
+    from megatron_rl.weights.hf_io import HFReader
+
+    fmt = detect_format(path)
+    if fmt == "hf":
+        return HFReader(path)
+    loc = mc.locate_megatron_checkpoint(path)
+    if fmt == "legacy":
+        return mc.LegacyReader(mc.LegacyCheckpoint(loc.ckpt_dir), args)
+    return mc.TorchDistReader(path, args)
+
+
+@torch.no_grad()
+def fill_from_reader(
+    model: torch.nn.Module, ps: ParallelState, reader: mc.TensorSource, progress: bool = False
+) -> None:
+    """Fill this rank's shard of ``model`` from HF tensors served by ``reader`` (any format)."""
+    from tqdm import tqdm
+
+    params = {global_layer_name(n, model.layer_offset): p for n, p in model.named_parameters()}
+    layouts = list(iter_stage_layouts(model.args, ps.tp_size, ps.pp_size, ps.pp_rank, model.role))
+    for lay in tqdm(layouts, desc="loading", disable=None if progress else True, leave=False):
+        p = params.get(lay.name)
+        if p is None:
+            raise KeyError(f"Megatron model has no parameter {lay.name} (table/model mismatch)")
+        p.copy_(assemble_shard(lay, ps.tp_rank, reader.read, p))
+    value_head = {"output_layer.weight", "output_layer.bias"} if model.role == "critic" else set()
+    missing = set(params) - {lay.name for lay in layouts} - value_head
+    if missing:
+        raise KeyError(f"Parameters not covered by the {model.args.arch} table: {sorted(missing)}")
+
+
+def load_weights(model: torch.nn.Module, path: str, ps: ParallelState, progress: bool = False) -> str:
+    """Fill an already built model (``builder.build_model``) from ``path``; returns the format found.
+
+    Collective for torch_dist (every rank calls it). A critic loaded from an HF or actor checkpoint
+    gets the trunk; its value head is left as built.
+    """
+    from megatron_rl.models.builder import load_hf_weights
+
+    fmt = detect_format(path)
+    if fmt == "hf":
+        load_hf_weights(model, path, ps)
+    elif fmt == "torch_dist":
+        mc.load_torch_dist(model, ps, path)
+    else:
+        loc = mc.locate_megatron_checkpoint(path)
+        fill_from_reader(model, ps, mc.LegacyReader(mc.LegacyCheckpoint(loc.ckpt_dir), model.args), progress)
+    return fmt

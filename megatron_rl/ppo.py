@@ -1,0 +1,376 @@
+"""One PPO update of the actor and the critic, and the forward passes that feed it.
+
+Shapes: B sequences on this data-parallel rank, P prompt tokens (left padded), R response tokens
+(right padded), S = P + R, V the vocabulary (V_pad/TP per tensor-parallel rank).
+
+Forward passes (no grad, micro-batched through megatron's pipeline schedule):
+
+    compute_log_probs(actor|ref)  input_ids [B, S] -> logits [b, S, V_pad/TP] on the last stage
+                                  -> logits[:, P-1 : S-1] / temperature -> log p(responses) [B, R]
+                                  (vocab-parallel softmax, see models/logprobs.py), broadcast to every stage
+    compute_values(critic)        -> values [b, S, 1] -> values[:, P-1 : S-1] -> [B, R]
+
+Response token t sits at position P+t of input_ids and is predicted from position P+t-1, so both the
+log-prob and the value of token t come from position P+t-1.
+
+One update (:func:`update_actor` / :func:`update_critic`), for each of ppo_epochs passes:
+
+    batch [B]  --mini-batches-->  ppo_mini_batch_size * rollout.n / DP sequences each (one optimizer step)
+               --micro-batches--> ppo_micro_batch_size_per_gpu sequences each (one forward/backward)
+
+On the last pipeline stage each micro-batch's loss is an additive share of the mini-batch loss: the
+aggregation (token-mean, seq-mean-*) divides by the count over the WHOLE mini-batch on all DP ranks
+(``global_denominator``), and is multiplied by the DP size because the optimizer averages gradients over
+DP. The summed micro-batch gradients, averaged over DP, are therefore exactly the gradient of the
+mini-batch mean loss, whatever the layout or the micro-batch split.
+
+    actor loss  = pg_loss(old_log_probs, log_probs, advantages; clip low/high, dual-clip c)
+                  - entropy_coeff * entropy + kl_loss_coef * KL(log_probs, ref_log_probs)
+    critic loss = 0.5 * max((v - R)^2, (clip(v, V_old +- cliprange_value) - R)^2)
+
+Metrics are the same shares summed over micro-batches and DP ranks (mini-batch values), averaged over
+mini-batches and epochs, and broadcast from the last stage, so every rank returns the same dict.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_rl.algos import agg_loss, compute_policy_loss, compute_value_loss, kl_penalty, masked_mean
+from megatron_rl.batch import RolloutBatch
+from megatron_rl.config import ActorConfig, ConfigError, CriticConfig
+from megatron_rl.models.forward import broadcast_from_last_stage, run_pipeline
+from megatron_rl.models.logprobs import vocab_parallel_log_probs_and_entropy
+from megatron_rl.optim import ModelOptimizer
+from megatron_rl.parallel import ParallelState
+
+# --------------------------------------------------------------------------------------------------
+# Forward passes
+# --------------------------------------------------------------------------------------------------
+
+
+def _pad_to_multiple(batch: RolloutBatch, size: int) -> RolloutBatch:
+    """Repeat the first row so that every micro-batch has ``size`` rows (the pipeline needs one shape)."""
+    extra = -len(batch) % size
+    return batch if extra == 0 else batch.select(list(range(len(batch))) + [0] * extra)
+
+
+@torch.no_grad()
+def _forward_response(
+    model: nn.Module,
+    ps: ParallelState,
+    batch: RolloutBatch,
+    micro_batch_size: int,
+    per_micro_batch: Callable[[RolloutBatch, torch.Tensor], torch.Tensor],
+    rows: int,
+) -> torch.Tensor:
+    """Run ``batch`` through the pipeline; ``per_micro_batch(mb, output) -> [rows, b, R]`` on the last
+    stage; returns [rows, B, R] float32 on every rank."""
+    if micro_batch_size <= 0:
+        raise ValueError(f"micro_batch_size must be > 0, got {micro_batch_size}")
+    n, r = len(batch), batch.response_length
+    padded = _pad_to_multiple(batch, micro_batch_size)
+    outs = run_pipeline(model, ps, padded.split(micro_batch_size), per_micro_batch, forward_only=True)
+    result = torch.cat(outs, dim=1)[:, :n].contiguous() if ps.is_last_stage else None
+    return broadcast_from_last_stage(result, ps, (rows, n, r), torch.float32)
+
+
+def compute_log_probs(
+    model: nn.Module,
+    ps: ParallelState,
+    batch: RolloutBatch,
+    micro_batch_size: int,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs [B, R] float32 of ``batch.responses`` under ``model`` (actor or reference), on every rank.
+
+    Logits are divided by ``temperature`` (the rollout's sampling temperature) before the softmax; with
+    ``with_entropy`` the per-token entropy [B, R] is returned too.
+    """
+    p = batch.prompts.shape[1]
+    s = batch.input_ids.shape[1]
+    vocab = model.args.vocab_size
+
+    def per_micro_batch(mb: RolloutBatch, logits: torch.Tensor) -> torch.Tensor:
+        # logits [b, S, V_pad/TP]; position P+t-1 predicts response token t.
+        out = vocab_parallel_log_probs_and_entropy(
+            logits[:, p - 1 : s - 1], mb.responses, ps, vocab, temperature, with_entropy=with_entropy
+        )
+        return torch.stack(out) if with_entropy else out[None]  # [2 or 1, b, R]
+
+    res = _forward_response(model, ps, batch, micro_batch_size, per_micro_batch, 2 if with_entropy else 1)
+    return (res[0], res[1]) if with_entropy else res[0]
+
+
+def compute_values(
+    critic: nn.Module, ps: ParallelState, batch: RolloutBatch, micro_batch_size: int
+) -> torch.Tensor:
+    """Critic values [B, R] float32 of each response token (output at the preceding position), every rank."""
+    p = batch.prompts.shape[1]
+    s = batch.input_ids.shape[1]
+
+    def per_micro_batch(mb: RolloutBatch, values: torch.Tensor) -> torch.Tensor:
+        return values[None, :, p - 1 : s - 1, 0].float()  # [b, S, 1] -> [1, b, R]
+
+    return _forward_response(critic, ps, batch, micro_batch_size, per_micro_batch, 1)[0]
+
+
+# --------------------------------------------------------------------------------------------------
+# The update
+# --------------------------------------------------------------------------------------------------
+
+
+def _mini_batch_rows(
+    batch: RolloutBatch, mini_batch_size: int, micro_batch_size: int, rollout_n: int, dp_size: int, key: str
+) -> int:
+    """Sequences per rank per mini-batch; checks that mini- and micro-batches tile the batch."""
+    total = mini_batch_size * rollout_n
+    if mini_batch_size <= 0 or total % dp_size:
+        raise ConfigError(
+            f"{key}.ppo_mini_batch_size={mini_batch_size} x rollout.n={rollout_n} must be a positive "
+            f"multiple of the data-parallel size {dp_size}."
+        )
+    rows = total // dp_size
+    if len(batch) % rows:
+        raise ConfigError(
+            f"this rank holds {len(batch)} sequences, not a multiple of {key}.ppo_mini_batch_size x "
+            f"rollout.n / DP = {rows}: make data.train_batch_size a multiple of {key}.ppo_mini_batch_size."
+        )
+    if micro_batch_size <= 0 or rows % micro_batch_size:
+        raise ConfigError(
+            f"{key}.ppo_micro_batch_size_per_gpu={micro_batch_size} must divide the {rows} sequences per "
+            f"rank of a mini-batch ({key}.ppo_mini_batch_size x rollout.n / DP)."
+        )
+    return rows
+
+
+def _global_counts(mask: torch.Tensor, ps: ParallelState) -> torch.Tensor:
+    """[masked tokens, sequences with >= 1 masked token] of a mini-batch, summed over DP ranks."""
+    counts = torch.stack([mask.sum(), (mask.sum(dim=-1) > 0).sum().to(mask.dtype)]).float()
+    if ps.dp_size > 1:
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=ps.dp_group)
+    return counts
+
+
+def _denominator(counts: torch.Tensor, loss_agg_mode: str) -> torch.Tensor:
+    return counts[0] if loss_agg_mode == "token-mean" else counts[1]
+
+
+def _run_update(
+    model: nn.Module,
+    optimizer: ModelOptimizer,
+    ps: ParallelState,
+    batch: RolloutBatch,
+    *,
+    rows: int,
+    micro_batch_size: int,
+    epochs: int,
+    shuffle: bool,
+    shuffle_seed: int,
+    names: list[str],
+    make_loss_fn: Callable[[torch.Tensor], Callable[[RolloutBatch, torch.Tensor], Any]],
+    prefix: str,
+    key: str,
+) -> dict[str, float]:
+    """epochs x mini-batches x micro-batches; ``make_loss_fn(counts)`` builds a mini-batch's loss_fn,
+    which returns (loss share x DP, num tokens, metric shares [len(names)])."""
+    if epochs < 1:
+        raise ConfigError(f"{key}.ppo_epochs must be >= 1, got {epochs}")
+    model.train()
+    shares = torch.zeros(len(names), dtype=torch.float32, device=ps.device)
+    grad_norms, lrs = [], []
+    n_mini = len(batch) // rows
+    for epoch in range(epochs):
+        if shuffle:
+            order = torch.randperm(
+                len(batch), generator=torch.Generator().manual_seed(shuffle_seed * 1000 + epoch)
+            )
+        else:
+            order = torch.arange(len(batch))
+        for j in range(n_mini):
+            mini = batch.select(order[j * rows : (j + 1) * rows])
+            counts = _global_counts(mini.response_mask, ps)
+            optimizer.zero_grad()
+            outs = run_pipeline(
+                model, ps, mini.split(micro_batch_size), make_loss_fn(counts), forward_only=False
+            )
+            for m in outs:  # last stage only
+                shares += m
+            norm, lr = optimizer.step()
+            grad_norms.append(norm)
+            lrs.append(lr)
+    # Mini-batch values = shares summed over DP; then the mean over mini-batches and epochs.
+    if ps.dp_size > 1:
+        dist.all_reduce(shares, op=dist.ReduceOp.SUM, group=ps.dp_group)
+    shares = broadcast_from_last_stage(shares, ps, shares.shape, shares.dtype) / (epochs * n_mini)
+    metrics = {f"{prefix}/{name}": v for name, v in zip(names, shares.tolist(), strict=True)}
+    metrics[f"{prefix}/grad_norm"] = sum(grad_norms) / len(grad_norms)
+    metrics[f"{prefix}/lr"] = sum(lrs) / len(lrs)
+    return metrics
+
+
+def update_actor(
+    model: nn.Module,
+    optimizer: ModelOptimizer,
+    ps: ParallelState,
+    batch: RolloutBatch,
+    cfg: ActorConfig,
+    rollout_n: int,
+    temperature: float = 1.0,
+    shuffle_seed: int = 0,
+) -> dict[str, float]:
+    """One PPO update of the actor on this rank's share of the rollout batch (see the module docstring).
+
+    ``batch`` tensors live on ``ps.device``. Uses batch.input_ids, attention_mask, responses,
+    response_mask, old_log_probs, advantages and, with ``cfg.use_kl_loss``, ref_log_probs.
+    ``temperature`` is the rollout's sampling temperature; ``shuffle_seed`` (e.g. the global step)
+    seeds the mini-batch order when ``cfg.shuffle``.
+    Returns actor/pg_loss, pg_clipfrac, pg_clipfrac_lower, ppo_kl, entropy, [kl_loss], grad_norm, lr.
+    """
+    key = "actor_rollout_ref.actor"
+    for name in ("old_log_probs", "advantages") + (("ref_log_probs",) if cfg.use_kl_loss else ()):
+        if getattr(batch, name) is None:
+            raise ValueError(f"update_actor: batch.{name} is not set (compute it before the update)")
+    rows = _mini_batch_rows(
+        batch, cfg.ppo_mini_batch_size, cfg.ppo_micro_batch_size_per_gpu, rollout_n, ps.dp_size, key
+    )
+    p = batch.prompts.shape[1]
+    s = batch.input_ids.shape[1]
+    vocab = model.args.vocab_size
+    low = cfg.clip_ratio if cfg.clip_ratio_low is None else cfg.clip_ratio_low
+    high = cfg.clip_ratio if cfg.clip_ratio_high is None else cfg.clip_ratio_high
+    names = ["pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy"]
+    if cfg.use_kl_loss:
+        names.append("kl_loss")
+
+    def make_loss_fn(counts: torch.Tensor):
+        denom = _denominator(counts, cfg.loss_agg_mode)
+        tokens = counts[0]
+
+        def loss_fn(mb: RolloutBatch, logits: torch.Tensor):
+            mask = mb.response_mask
+            log_probs, entropy = vocab_parallel_log_probs_and_entropy(
+                logits[:, p - 1 : s - 1], mb.responses, ps, vocab, temperature, with_entropy=True
+            )
+            pg_loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss(
+                mb.old_log_probs,
+                log_probs,
+                mb.advantages,
+                mask,
+                clip_ratio=cfg.clip_ratio,
+                clip_ratio_low=low,
+                clip_ratio_high=high,
+                clip_ratio_c=cfg.clip_ratio_c,
+                loss_agg_mode=cfg.loss_agg_mode,
+                global_denominator=denom,
+            )
+            ent = agg_loss(entropy, mask, cfg.loss_agg_mode, denom)
+            loss = pg_loss - cfg.entropy_coeff * ent if cfg.entropy_coeff else pg_loss
+            # Diagnostics are token means over the mini-batch: local mean x local tokens / global tokens.
+            weight = mask.sum() / tokens.clamp_min(1)
+            metrics = [
+                pg_loss.detach(),
+                clipfrac * weight,
+                clipfrac_lower * weight,
+                ppo_kl * weight,
+                ent.detach(),
+            ]
+            if cfg.use_kl_loss:
+                kld = kl_penalty(log_probs, mb.ref_log_probs, cfg.kl_loss_type)
+                kl_loss = agg_loss(kld, mask, cfg.loss_agg_mode, denom)
+                loss = loss + cfg.kl_loss_coef * kl_loss
+                metrics.append(kl_loss.detach())
+            return loss * ps.dp_size, mask.sum().int(), torch.stack(metrics).float()
+
+        return loss_fn
+
+    return _run_update(
+        model,
+        optimizer,
+        ps,
+        batch,
+        rows=rows,
+        micro_batch_size=cfg.ppo_micro_batch_size_per_gpu,
+        epochs=cfg.ppo_epochs,
+        shuffle=cfg.shuffle,
+        shuffle_seed=shuffle_seed,
+        names=names,
+        make_loss_fn=make_loss_fn,
+        prefix="actor",
+        key=key,
+    )
+
+
+def update_critic(
+    critic: nn.Module,
+    optimizer: ModelOptimizer,
+    ps: ParallelState,
+    batch: RolloutBatch,
+    cfg: CriticConfig,
+    rollout_n: int,
+    shuffle_seed: int = 0,
+) -> dict[str, float]:
+    """One PPO update of the critic (clipped value loss) on this rank's share of the rollout batch.
+
+    ``batch`` tensors live on ``ps.device``. Uses batch.values (V_old) and batch.returns besides the
+    tokens and masks.
+
+    Returns critic/vf_loss, vf_clipfrac, vpred_mean, grad_norm, lr.
+    """
+    for name in ("values", "returns"):
+        if getattr(batch, name) is None:
+            raise ValueError(f"update_critic: batch.{name} is not set (compute it before the update)")
+    if cfg.ppo_mini_batch_size is None or cfg.ppo_epochs is None:
+        raise ConfigError(
+            "critic.ppo_mini_batch_size / critic.ppo_epochs are unset: load the config with load_config"
+        )
+    rows = _mini_batch_rows(
+        batch, cfg.ppo_mini_batch_size, cfg.ppo_micro_batch_size_per_gpu, rollout_n, ps.dp_size, "critic"
+    )
+    p = batch.prompts.shape[1]
+    s = batch.input_ids.shape[1]
+
+    def make_loss_fn(counts: torch.Tensor):
+        denom = _denominator(counts, cfg.loss_agg_mode)
+        tokens = counts[0]
+
+        def loss_fn(mb: RolloutBatch, out: torch.Tensor):
+            mask = mb.response_mask
+            vpreds = out[:, p - 1 : s - 1, 0].float()  # [b, R]
+            vf_loss, clipfrac = compute_value_loss(
+                vpreds,
+                values=mb.values,
+                returns=mb.returns,
+                response_mask=mask,
+                cliprange_value=cfg.cliprange_value,
+                loss_agg_mode=cfg.loss_agg_mode,
+                global_denominator=denom,
+            )
+            weight = mask.sum() / tokens.clamp_min(1)
+            vpred_mean = masked_mean(vpreds.detach(), mask) * weight
+            metrics = torch.stack([vf_loss.detach(), clipfrac * weight, vpred_mean]).float()
+            return vf_loss * ps.dp_size, mask.sum().int(), metrics
+
+        return loss_fn
+
+    return _run_update(
+        critic,
+        optimizer,
+        ps,
+        batch,
+        rows=rows,
+        micro_batch_size=cfg.ppo_micro_batch_size_per_gpu,
+        epochs=cfg.ppo_epochs,
+        shuffle=cfg.shuffle,
+        shuffle_seed=shuffle_seed,
+        names=["vf_loss", "vf_clipfrac", "vpred_mean"],
+        make_loss_fn=make_loss_fn,
+        prefix="critic",
+        key="critic",
+    )

@@ -1,0 +1,220 @@
+"""Transformers rollout engine: the CPU default (works on a GPU too), filled by the reshard stream.
+
+Each DP leader (tp_rank 0, pp_rank 0) hosts an ``AutoModelForCausalLM`` built from the model's
+config alone (``from_config``: no weight file is read) in the rollout dtype; its weights arrive only
+through :func:`megatron_rl.rollout.reshard.sync_weights`. The other ranks host nothing: they take
+part in the stream's collectives and receive their replica's generations by broadcast
+(:func:`megatron_rl.rollout.base.collective_generate`).
+
+Generation is a plain KV-cached decoding loop over left-padded batches of ``max_batch_size`` rows:
+prompt i's n samples are rows i*n .. i*n+n-1; sampling draws from one ``torch.Generator`` seeded
+from (params.seed, dp_rank), so a run with the same seed and the same prompts is bit-identical on
+CPU. Per step: logits [B, V] (fp32) -> greedy argmax, or temperature -> top-k -> top-p ->
+multinomial. Log-probs, when asked, are log_softmax(logits / temperature) of the chosen token
+(log_softmax(logits) for greedy), i.e. before top-k/top-p truncation, as the trainer computes them.
+
+release_memory/resume_memory move the weights to the host and back on a GPU; on the CPU they are
+no-ops (nothing to give back).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from megatron_rl.models.hf import ModelArgs
+from megatron_rl.parallel import ParallelState
+from megatron_rl.rollout.base import (
+    Bucket,
+    Generation,
+    SamplingParams,
+    collective_generate,
+    gloo_twin,
+    is_dp_leader,
+)
+
+_SEED_STRIDE = 1_000_003  # keeps the DP replicas' sample streams apart for one params.seed
+
+
+def build_hf_model(
+    args: ModelArgs, dtype: torch.dtype, device: torch.device, attn_implementation: str = "sdpa"
+):
+    """An HF causal LM of ``args``' architecture from its config.json contents (random weights)."""
+    import transformers
+
+    hf = dict(args.hf_config)
+    if "model_type" not in hf:
+        raise ValueError("the model's config.json has no 'model_type'; cannot build the transformers engine")
+    config = transformers.AutoConfig.for_model(**hf)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation=attn_implementation
+        )
+    return model.eval().requires_grad_(False)
+
+
+def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """[B, V] logits -> temperature-scaled logits with everything outside top-k / top-p at -inf.
+
+    top-p keeps the smallest prefix of the sorted distribution whose mass reaches top_p (the most
+    likely token always survives).
+    """
+    x = logits / temperature
+    if top_k > 0 and top_k < x.shape[-1]:
+        kth = torch.topk(x, top_k, dim=-1).values[:, -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_x, idx = torch.sort(x, dim=-1, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        before = torch.cumsum(probs, dim=-1) - probs  # mass of the strictly more likely tokens
+        drop_sorted = before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter_(-1, idx, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return x
+
+
+def sample_next(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, V] fp32 logits -> (token ids [B], their log-probs [B]) as described in the module doc."""
+    if params.is_greedy:
+        tok = logits.argmax(dim=-1)
+        return tok, torch.log_softmax(logits, dim=-1).gather(-1, tok[:, None])[:, 0]
+    scaled = logits / params.temperature
+    probs = torch.softmax(filter_logits(logits, params.temperature, params.top_k, params.top_p), dim=-1)
+    tok = torch.multinomial(probs, 1, generator=generator)[:, 0]
+    return tok, torch.log_softmax(scaled, dim=-1).gather(-1, tok[:, None])[:, 0]
+
+
+def cut_response(tokens: list[int], logprobs: list[float], stop: set[int]) -> Generation:
+    """Keep tokens up to and including the first stop token."""
+    for i, t in enumerate(tokens):
+        if t in stop:
+            return Generation(tokens[: i + 1], logprobs[: i + 1], "stop")
+    return Generation(tokens, logprobs, "length")
+
+
+class HFEngine:
+    """Rollout with transformers on each DP leader; see the module docstring."""
+
+    def __init__(
+        self,
+        args: ModelArgs,
+        ps: ParallelState,
+        dtype: torch.dtype = torch.float32,
+        seed: int = 0,
+        max_batch_size: int = 64,
+        attn_implementation: str = "sdpa",
+    ) -> None:
+        self.args, self.ps, self.dtype, self.seed = args, ps, dtype, seed
+        self.max_batch_size = max_batch_size
+        self.device = ps.device
+        self.model = (
+            build_hf_model(args, dtype, self.device, attn_implementation) if is_dp_leader(ps) else None
+        )
+        self._mp_group = gloo_twin(ps, ps.mp_group)
+        self.pad_id = int(args.hf_config.get("pad_token_id") or 0)
+        self._synced = False
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def update_weights(self, buckets: Iterable[Bucket]) -> None:
+        params = dict(self.model.named_parameters()) if self.model is not None else {}
+        seen: set[str] = set()
+        for bucket in buckets:  # every rank drains the stream: it drives the collectives
+            if self.model is None:
+                continue
+            for name, tensor in bucket:
+                p = params.get(name)
+                if p is None:
+                    raise KeyError(f"weight stream sent {name!r}, which the transformers model does not have")
+                if p.shape != tensor.shape:
+                    raise ValueError(f"{name}: stream shape {tuple(tensor.shape)} != model {tuple(p.shape)}")
+                p.copy_(tensor)
+                seen.add(name)
+        if self.model is not None:
+            missing = sorted(set(params) - seen)
+            if missing:
+                raise RuntimeError(f"weight stream left {len(missing)} parameters unset, e.g. {missing[:5]}")
+        self._synced = True
+
+    def release_memory(self) -> None:
+        if self.model is not None and self.device.type == "cuda":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+
+    def resume_memory(self) -> None:
+        if self.model is not None and self.device.type == "cuda":
+            self.model.to(self.device)
+
+    def shutdown(self) -> None:
+        self.model = None
+
+    # -- generation ------------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
+        run = None
+        if self.model is not None:
+            if not self._synced:
+                raise RuntimeError("generate() before the first update_weights(): call sync_weights first")
+            run = lambda flat: self._generate_local(flat, params)  # noqa: E731
+        return collective_generate(self.ps, prompts, params, None, self._mp_group, run)
+
+    @torch.no_grad()
+    def _generate_local(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        gen = torch.Generator(device=self.device).manual_seed(seed + _SEED_STRIDE * self.ps.dp_rank)
+        rows = [p for p in prompts for _ in range(params.n)]
+        outs: list[Generation] = []
+        for i in range(0, len(rows), self.max_batch_size):
+            outs += self._generate_rows(rows[i : i + self.max_batch_size], params, gen)
+        return [outs[i * params.n : (i + 1) * params.n] for i in range(len(prompts))]
+
+    def _generate_rows(
+        self, rows: list[list[int]], params: SamplingParams, gen: torch.Generator
+    ) -> list[Generation]:
+        if any(len(r) == 0 for r in rows):
+            raise ValueError("empty prompt passed to generate()")
+        b, plen = len(rows), max(len(r) for r in rows)
+        ids = torch.full((b, plen), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((b, plen), dtype=torch.long)
+        for i, r in enumerate(rows):  # left padding: the last prompt token of every row is at -1
+            ids[i, plen - len(r) :] = torch.tensor(r)
+            mask[i, plen - len(r) :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)  # positions count real tokens only, as HF generate does
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        cache, logits = out.past_key_values, out.logits[:, -1].float()
+        stop = torch.tensor(sorted(set(params.stop_token_ids)), dtype=torch.long, device=self.device)
+        done = torch.zeros(b, dtype=torch.bool, device=self.device)
+        toks, lps = [], []
+        last = pos[:, -1]
+        for step in range(params.max_new_tokens):
+            tok, lp = sample_next(logits, params, gen)
+            toks.append(tok)
+            lps.append(lp)
+            done |= torch.isin(tok, stop)
+            if bool(done.all()) or step == params.max_new_tokens - 1:
+                break
+            mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=self.device)], dim=1)
+            last = last + 1
+            out = self.model(
+                input_ids=tok[:, None],
+                attention_mask=mask,
+                position_ids=last[:, None],
+                past_key_values=cache,
+                use_cache=True,
+            )
+            cache, logits = out.past_key_values, out.logits[:, -1].float()
+        tok_rows = torch.stack(toks, dim=1).tolist()
+        lp_rows = torch.stack(lps, dim=1).tolist()
+        stop_set = set(params.stop_token_ids)
+        res = []
+        for t, lp in zip(tok_rows, lp_rows, strict=True):
+            g = cut_response(t, lp, stop_set)
+            if not params.return_logprobs:
+                g.logprobs = None
+            res.append(g)
+        return res

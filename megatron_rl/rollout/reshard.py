@@ -1,0 +1,226 @@
+"""The reshard stream: the actor's Megatron shards (any TP x PP x DP) -> full HF tensors -> engine.
+
+This is the only path by which weights reach a rollout engine. Everything about names and layouts
+comes from :mod:`megatron_rl.weights.tables` (``ParamLayout``) and
+:func:`megatron_rl.weights.hf_io.scatter_shard`; this module only moves bytes.
+
+Pipeline (identical on every rank, driven by a plan computed from the tables alone):
+
+1. **Plan.** Walk the actor's parameters in global model order (stage 0's embedding and layers,
+   ..., the last stage's final norm and LM head). Each Megatron parameter produces one or more HF
+   tensors (``linear_qkv`` -> q/k/v, ``linear_fc1`` -> gate/up, phi3's fused tensors stay fused).
+   Pack them greedily into buckets of at most ``bucket_bytes`` in the engine dtype; a bucket never
+   spans two pipeline stages, and a parameter whose HF tensors alone exceed the limit forms a
+   bucket of its own. Tied embeddings: the HF ``lm_head`` is not sent (neither is Megatron's copy
+   of the embedding on the last stage); the engine ties it to ``embed_tokens``.
+2. **TP gather** (owning stage only). The local shards of the bucket's TP-split parameters are
+   packed into one flat send buffer and gathered with ONE ``all_gather_into_tensor`` over the TP
+   group: recv[r] holds rank r's shards back to back. Replicated parameters (norms) are not gathered.
+3. **Scatter.** For each parameter and TP rank r, ``scatter_shard`` copies shard r's pieces into
+   the full HF tensors, which are views into the flat bucket buffer; the copy also casts to the
+   engine dtype. Vocabulary padding rows are dropped here.
+4. **PP broadcast.** The filled bucket is broadcast over the pipeline group from its owning stage,
+   so every rank (each TP rank of each stage) ends up with the same full bucket on its device.
+5. **Hand over.** The bucket (a list of ``(hf_name, tensor)`` with the flat buffer as ``.flat``)
+   is yielded to the engine, which loads it before asking for the next one; the buffers are reused
+   for the next bucket and freed at the end.
+
+Peak extra memory per rank: one bucket buffer (engine dtype), plus on the owning stage the TP
+send buffer (this rank's shards of one bucket) and the gather buffer (TP x that). The whole model is
+never materialised on one device. DP replicas run the same stream independently.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_rl.models.hf import ModelArgs
+from megatron_rl.parallel import ParallelState
+from megatron_rl.weights import tables
+from megatron_rl.weights.hf_io import hf_names, scatter_shard
+from megatron_rl.weights.tables import ParamLayout
+
+
+@dataclass(frozen=True)
+class HFSlot:
+    """One full HF tensor inside a bucket buffer."""
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+    """Element offset in the bucket's flat buffer."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """A Megatron parameter and the HF tensors it fills."""
+
+    layout: ParamLayout
+    tensors: tuple[HFSlot, ...]
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    stage: int
+    """Pipeline stage that owns (gathers and broadcasts) every parameter of this bucket."""
+    params: tuple[ParamSlot, ...]
+    numel: int
+    """Elements of the bucket (sum of its HF tensors)."""
+
+
+class Bucket(list):
+    """A list of ``(hf_name, tensor)``; ``flat`` is the 1-D buffer all the tensors are views of
+    (engines that ship one tensor per bucket, like SGLang's flattened format, use it)."""
+
+    flat: torch.Tensor
+
+
+def plan_buckets(args: ModelArgs, tp: int, pp: int, bucket_bytes: int, itemsize: int) -> list[BucketPlan]:
+    """The bucket plan of the actor at TP x PP (a pure function of the tables)."""
+    if bucket_bytes <= 0:
+        raise ValueError(
+            f"bucket size {bucket_bytes} bytes must be > 0 "
+            "(actor_rollout_ref.rollout.update_weights_bucket_megabytes)"
+        )
+    shapes = tables.hf_shapes(args)
+    plan: list[BucketPlan] = []
+    for stage in range(pp):
+        slots: list[ParamSlot] = []
+        used = 0
+        for lay in tables.iter_stage_layouts(args, tp, pp, stage, "actor"):
+            if lay.name.startswith("output_layer") and args.tie_embeddings:
+                continue  # the last stage's copy of the tied embedding; HF ties lm_head itself
+            names = hf_names(lay)
+            size = sum(math.prod(shapes[x]) for x in names)
+            if slots and (used + size) * itemsize > bucket_bytes:
+                plan.append(BucketPlan(stage, tuple(slots), used))
+                slots, used = [], 0
+            hf = []
+            for x in names:
+                hf.append(HFSlot(x, tuple(shapes[x]), used))
+                used += math.prod(shapes[x])
+            slots.append(ParamSlot(lay, tuple(hf)))
+        if slots:
+            plan.append(BucketPlan(stage, tuple(slots), used))
+    return plan
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The GPTModel inside DDP / Float16Module wrappers (the one carrying ``args`` and ``role``)."""
+    while not hasattr(model, "args") and hasattr(model, "module"):
+        model = model.module
+    if not hasattr(model, "args"):
+        raise TypeError("expected a model from megatron_rl.models.builder.build_model (it has .args/.role)")
+    return model
+
+
+def _all_gather_flat(recv: torch.Tensor, send: torch.Tensor, ps: ParallelState) -> None:
+    """recv[r * S:(r + 1) * S] = rank r's send, in one collective."""
+    if ps.backend == "nccl":
+        dist.all_gather_into_tensor(recv, send, group=ps.tp_group)
+    else:  # gloo: the list form, with the outputs as views of recv (no extra copy)
+        dist.all_gather(list(recv.view(ps.tp_size, -1).unbind(0)), send, group=ps.tp_group)
+
+
+@torch.no_grad()
+def iter_hf_buckets(
+    model: nn.Module, ps: ParallelState, bucket_bytes: int, dtype: torch.dtype
+) -> Iterator[Bucket]:
+    """Collective generator of HF-named full tensors in ``dtype``, ``bucket_bytes`` at a time.
+
+    Every rank of the world must iterate it to the end. Each yielded bucket is valid until the
+    next one is requested (the buffers are reused).
+    """
+    model = unwrap(model)
+    if model.role != "actor":
+        raise ValueError(f"only the actor's weights go to the rollout engine, got role={model.role!r}")
+    args: ModelArgs = model.args
+    tp, pp = ps.tp_size, ps.pp_size
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    plan = plan_buckets(args, tp, pp, bucket_bytes, itemsize)
+    params = {
+        tables.global_layer_name(n, model.layer_offset): p.detach() for n, p in model.named_parameters()
+    }
+    mine = [b for b in plan if b.stage == ps.pp_rank]
+    missing = [s.layout.name for b in mine for s in b.params if s.layout.name not in params]
+    if missing:
+        raise KeyError(
+            f"the actor on stage {ps.pp_rank} lacks parameters {missing[:5]} (model/table mismatch)"
+        )
+
+    def gathered(b: BucketPlan) -> list[ParamSlot]:
+        return [s for s in b.params if tp > 1 and s.layout.dim is not None]
+
+    send_cap = max((sum(params[s.layout.name].numel() for s in gathered(b)) for b in mine), default=0)
+    wdtype = next(iter(params.values())).dtype
+    send = torch.empty(send_cap, dtype=wdtype, device=ps.device)  # this rank's shards of a bucket
+    recv = torch.empty(tp * send_cap, dtype=wdtype, device=ps.device)  # [tp, S]: every rank's shards
+    flat = torch.empty(max(b.numel for b in plan), dtype=dtype, device=ps.device)  # one bucket
+
+    for b in plan:
+        views = {
+            t.name: flat[t.offset : t.offset + t.numel].view(t.shape) for s in b.params for t in s.tensors
+        }
+        if b.stage == ps.pp_rank:
+            split = gathered(b)
+            if split:
+                shards = [params[s.layout.name] for s in split]
+                total = sum(p.numel() for p in shards)
+                torch.cat([p.reshape(-1) for p in shards], out=send[:total])
+                _all_gather_flat(recv[: tp * total], send[:total], ps)
+                off = 0
+                for s, p in zip(split, shards, strict=True):
+                    for r in range(tp):
+                        start = r * total + off
+                        scatter_shard(s.layout, r, recv[start : start + p.numel()].view(p.shape), views)
+                    off += p.numel()
+            for s in b.params:
+                if not (tp > 1 and s.layout.dim is not None):
+                    scatter_shard(s.layout, 0, params[s.layout.name], views)  # replicated or TP=1
+        if pp > 1:
+            dist.broadcast(flat[: b.numel], src=dist.get_global_rank(ps.pp_group, b.stage), group=ps.pp_group)
+        bucket = Bucket((t.name, views[t.name]) for s in b.params for t in s.tensors)
+        bucket.flat = flat[: b.numel]
+        yield bucket
+    del send, recv, flat
+
+
+def sync_weights(
+    model: nn.Module, ps: ParallelState, engine, bucket_megabytes: int, dtype: torch.dtype | None = None
+) -> dict[str, float]:
+    """Stream the actor into ``engine`` (collective). Returns bytes sent, buckets, seconds."""
+    dtype = dtype or engine.dtype
+    stats = {"bytes": 0.0, "buckets": 0.0}
+    finished = False
+
+    def stream() -> Iterator[Bucket]:
+        nonlocal finished
+        for bucket in iter_hf_buckets(model, ps, int(bucket_megabytes * 2**20), dtype):
+            stats["buckets"] += 1
+            stats["bytes"] += bucket.flat.numel() * bucket.flat.element_size()
+            yield bucket
+        finished = True
+
+    start = time.perf_counter()
+    with torch.no_grad():
+        engine.update_weights(stream())
+    if not finished:
+        raise RuntimeError(
+            f"{type(engine).__name__}.update_weights returned before the end of the weight stream; it is "
+            "collective and must exhaust the bucket iterator on every rank"
+        )
+    if ps.device.type == "cuda":
+        torch.cuda.synchronize()
+    stats["seconds"] = time.perf_counter() - start
+    return stats

@@ -1,0 +1,307 @@
+"""SGLang rollout engine (GPU): an in-process ``sglang.Engine`` per rollout tensor-parallel group.
+
+Layout. The world is cut into rollout groups of R = ``actor_rollout_ref.rollout.tensor_model_parallel_size``
+consecutive ranks (R may differ from the training TP). The first rank of each group creates an
+``sglang.Engine(tp_size=R, base_gpu_id=<its local GPU>)``, whose R scheduler processes run on the
+GPUs of the group's ranks, next to the trainer. Groups therefore have to sit inside one node.
+
+Start-up (facts measured on the H200, see DESIGN.md): the trainer's NCCL communicators exist before
+the engine starts (init_parallel binds the device; we also run one collective on each megatron group
+we use), and torchrun's RANK/WORLD_SIZE/MASTER_*/TORCHELASTIC_* variables are hidden from the engine
+while it starts. The engine reads only a config.json (written to a temporary directory from the
+model's config, EOS removed so that ``SamplingParams.stop_token_ids`` is the complete stop set) and
+starts with dummy weights: the first :func:`~megatron_rl.rollout.reshard.sync_weights` fills it, and
+``generate`` refuses to run before that.
+
+Weights. Every rank of the group holds each full bucket on its own GPU (the reshard stream
+broadcasts over PP). Each rank shares its bucket buffer with the SGLang worker on the same GPU through
+a CUDA IPC handle (SGLang's "flattened_bucket" format: one tensor + per-tensor metadata); the group
+leader gathers the R handles (gloo) and makes one ``update_weights_from_tensor`` call per bucket, so
+no weight byte crosses GPUs here. A barrier keeps the peers' buffers untouched until the load ends.
+
+Generation. :func:`~megatron_rl.rollout.base.collective_generate` gathers the DP leaders' prompts of
+the group at the engine host, which submits prompt x n requests in one ``generate`` call (n copies of
+each prompt; the radix cache shares their prefix), and the results travel back. An out-of-memory
+error becomes a :class:`~megatron_rl.rollout.base.RolloutOOMError` naming the sizes and the keys to lower.
+
+Memory. ``release_memory`` frees weights, KV cache and CUDA graphs (torch_memory_saver);
+``resume_memory`` maps them back, after which the weights must be synced again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.models.hf import ModelArgs
+from megatron_rl.parallel import ParallelState
+from megatron_rl.rollout.base import (
+    DTYPES,
+    Bucket,
+    Generation,
+    RolloutOOMError,
+    SamplingParams,
+    collective_generate,
+    gloo_twin,
+    object_group,
+    oom_message,
+)
+
+# torchrun's variables; SGLang's own process setup must not see them (it would join our world).
+_TORCHRUN_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_NAME",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+@contextlib.contextmanager
+def torchrun_env_hidden() -> Iterator[None]:
+    saved = {k: v for k, v in os.environ.items() if k in _TORCHRUN_VARS or k.startswith("TORCHELASTIC_")}
+    for k in saved:
+        del os.environ[k]
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+def _is_oom(text: str) -> bool:
+    t = text.lower()
+    return "out of memory" in t or "outofmemory" in t or "cuda oom" in t
+
+
+class SGLangEngine:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        cfg,
+        args: ModelArgs,
+        ps: ParallelState,
+        seed: int = 0,
+        model_path: str | None = None,
+        **engine_kwargs,
+    ) -> None:
+        if ps.device.type != "cuda":
+            raise RuntimeError(
+                "actor_rollout_ref.rollout.name=sglang needs a GPU; "
+                "use actor_rollout_ref.rollout.name=hf on CPU"
+            )
+        self.cfg, self.args, self.ps, self.seed = cfg, args, ps, seed
+        self.dtype = DTYPES[cfg.dtype]
+        r = cfg.tensor_model_parallel_size
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count()))
+        if ps.world_size % r or (local_world % r and ps.world_size > local_world):
+            raise ValueError(
+                f"actor_rollout_ref.rollout.tensor_model_parallel_size={r} must divide the world size "
+                f"{ps.world_size} and the GPUs per node {local_world} (a rollout group lives in one node)"
+            )
+        self.group_size = r
+        self.group_rank = ps.rank % r
+        self.leader = ps.rank - self.group_rank
+        # Trainer communicators first: one collective on every group we use creates them eagerly.
+        for g in (ps.tp_group, ps.pp_group, ps.dp_group, ps.mp_group):
+            dist.all_reduce(torch.zeros(1, device=ps.device), group=g)
+        self._group = object_group(ps, [list(range(k, k + r)) for k in range(0, ps.world_size, r)])
+        self._mp_group = gloo_twin(ps, ps.mp_group)
+        torch.cuda.synchronize()
+        dist.barrier()
+        self.engine = None
+        self._config_dir = None
+        if self.group_rank == 0:
+            self.engine = self._start(engine_kwargs)
+        if r > 1:
+            dist.barrier(group=self._group)  # peers wait until the engine is up
+        self._synced = False
+        self._released = False
+
+    def _start(self, engine_kwargs: dict):
+        import sglang
+
+        self._config_dir = tempfile.mkdtemp(prefix="megatron_rl_sglang_")
+        hf = dict(self.args.hf_config)
+        hf["eos_token_id"] = None  # stopping is SamplingParams.stop_token_ids alone
+        with open(os.path.join(self._config_dir, "config.json"), "w") as f:
+            json.dump(hf, f)
+        cfg = self.cfg
+        kwargs = dict(
+            model_path=self._config_dir,
+            load_format="dummy",  # weights come from the reshard stream
+            skip_tokenizer_init=True,
+            tp_size=self.group_size,
+            base_gpu_id=self.ps.local_rank,
+            dtype=cfg.dtype,
+            mem_fraction_static=cfg.gpu_memory_utilization,
+            chunked_prefill_size=cfg.max_num_batched_tokens,
+            max_prefill_tokens=cfg.max_num_batched_tokens,
+            attention_backend="triton",
+            sampling_backend="pytorch",
+            grammar_backend="none",
+            enable_memory_saver=True,
+            disable_cuda_graph=not cfg.enable_cuda_graph,
+            random_seed=self.seed,
+            log_level="error",
+        )
+        if cfg.enable_cuda_graph:
+            # Bounds capture time at start; larger decode batches run without graphs.
+            kwargs["cuda_graph_max_bs_decode"] = 256
+        kwargs.update(engine_kwargs)
+        with torchrun_env_hidden():
+            return sglang.Engine(**kwargs)
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    def update_weights(self, buckets: Iterable[Bucket]) -> None:
+        if self._released:
+            raise RuntimeError(
+                "update_weights() while the engine's memory is released: call resume_memory() first"
+            )
+        from sglang.srt.utils import MultiprocessingSerializer
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
+
+        monkey_patch_torch_reductions()  # IPC handles name GPUs by UUID, robust to CUDA_VISIBLE_DEVICES
+        for bucket in buckets:
+            flat = getattr(bucket, "flat", None)
+            if flat is None:  # a plain list of tensors: flatten it here
+                flat = torch.cat([t.reshape(-1).to(self.dtype) for _, t in bucket])
+            meta, off = [], 0
+            for name, t in bucket:
+                n = t.numel()
+                meta.append(FlattenedTensorMetadata(name, t.shape, t.dtype, off, off + n, n))
+                off += n
+            torch.cuda.current_stream().synchronize()  # the SGLang worker reads it from another process
+            payload = MultiprocessingSerializer.serialize({"flattened_tensor": flat, "metadata": meta})
+            if self.group_size > 1:
+                payloads = [None] * self.group_size if self.group_rank == 0 else None
+                dist.gather_object(payload, payloads, dst=self.leader, group=self._group)
+            else:
+                payloads = [payload]
+            if self.engine is not None:
+                ok, msg = self.engine.update_weights_from_tensor(
+                    named_tensors=payloads, load_format="flattened_bucket", flush_cache=False
+                )
+                if not ok:
+                    raise RuntimeError(f"SGLang rejected a weight bucket ({len(meta)} tensors): {msg}")
+            if self.group_size > 1:
+                dist.barrier(group=self._group)  # peers' buffers stay intact until the load is done
+            del payload, flat
+        if self.engine is not None:
+            self.engine.flush_cache()
+        self._synced = True
+
+    def release_memory(self) -> None:
+        if self.engine is not None and not self._released:
+            self.engine.release_memory_occupation()
+        self._released = True
+        self._synced = False  # SGLang does not keep the weights across a release
+
+    def resume_memory(self) -> None:
+        if self.engine is not None and self._released:
+            self.engine.resume_memory_occupation()
+        self._released = False
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+        if self._config_dir:
+            shutil.rmtree(self._config_dir, ignore_errors=True)
+            self._config_dir = None
+
+    # -- generation ------------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
+        run = None
+        if self.engine is not None:
+            if self._released:
+                raise RuntimeError(
+                    "generate() while the engine's memory is released: call resume_memory() first"
+                )
+            if not self._synced:
+                raise RuntimeError(
+                    "generate() before update_weights(): the engine starts with dummy weights and drops them "
+                    "on release_memory(); call sync_weights first"
+                )
+            run = lambda flat: self._generate_local(flat, params)  # noqa: E731
+        return collective_generate(
+            self.ps, prompts, params, self._group if self.group_size > 1 else None, self._mp_group, run
+        )
+
+    def _sampling(self, params: SamplingParams, index: int) -> dict:
+        sp = {
+            "max_new_tokens": params.max_new_tokens,
+            "temperature": 0.0 if params.is_greedy else params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k,
+        }
+        if params.stop_token_ids:
+            sp["stop_token_ids"] = list(params.stop_token_ids)
+        else:
+            sp["ignore_eos"] = True
+        if params.seed is not None:
+            sp["sampling_seed"] = params.seed + index  # honoured with SGLang's deterministic inference
+        return sp
+
+    def _generate_local(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
+        rows = [p for p in prompts for _ in range(params.n)]
+        sampling = [self._sampling(params, i) for i in range(len(rows))]
+        try:
+            outs = self.engine.generate(
+                input_ids=rows, sampling_params=sampling, return_logprob=params.return_logprobs
+            )
+        except Exception as e:  # SGLang re-raises scheduler errors as plain exceptions
+            if isinstance(e, torch.OutOfMemoryError) or _is_oom(str(e)):
+                raise RolloutOOMError(self._oom(prompts, params, str(e))) from e
+            raise
+        gens = [self._to_generation(o, params, prompts) for o in outs]
+        return [gens[i * params.n : (i + 1) * params.n] for i in range(len(prompts))]
+
+    def _to_generation(self, out: dict, params: SamplingParams, prompts) -> Generation:
+        meta = out.get("meta_info", {})
+        fr = meta.get("finish_reason") or {}
+        kind = fr.get("type") if isinstance(fr, dict) else str(fr)
+        ids = list(out["output_ids"])
+        if kind == "abort":
+            msg = str(fr.get("message", fr))
+            if _is_oom(msg):
+                raise RolloutOOMError(self._oom(prompts, params, msg))
+            raise RuntimeError(f"SGLang aborted a request: {msg}")
+        matched = fr.get("matched") if isinstance(fr, dict) else None
+        if kind == "stop" and isinstance(matched, int) and (not ids or ids[-1] != matched):
+            ids.append(matched)  # keep the stop token in the response
+        logprobs = None
+        if params.return_logprobs:
+            logprobs = [float(x[0]) for x in meta.get("output_token_logprobs", [])][: len(ids)]
+        return Generation(ids, logprobs, "stop" if kind == "stop" else "length")
+
+    def _oom(self, prompts, params: SamplingParams, detail: str) -> str:
+        free, total = torch.cuda.mem_get_info(self.ps.device)
+        msg = oom_message(
+            "SGLang",
+            len(prompts),
+            params.n,
+            max((len(p) for p in prompts), default=0),
+            params.max_new_tokens,
+            self.cfg.gpu_memory_utilization,
+            self.cfg.max_num_batched_tokens,
+            free,
+            total,
+        )
+        return f"{msg} (engine said: {detail[:300]})"

@@ -1,0 +1,148 @@
+"""launch/torchrun.sh end to end: two rendezvous "nodes" on one machine train at TP=2 across them, and the
+launch failures (busy port, layout vs world size, missing GPU) end in one line and a non-zero status.
+
+Every run here is the real trainer (``-m megatron_rl.train``) under the real torchrun; the two-node run
+uses torch's c10d rendezvous on 127.0.0.1 exactly as two hosts would use node 0's address.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from megatron_rl import launch_checks as lc
+from tests.conftest import ROOT
+
+SCRIPT = os.path.join(ROOT, "launch", "torchrun.sh")
+DEMO_CFG = os.path.join(ROOT, "yaml", "cpu_demo.yaml")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK")
+    }
+    return {**env, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", **extra}
+
+
+def _launch(args: list[str], timeout: int = 300, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", SCRIPT, *args], env=_env(**env), capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
+
+
+def _last_line(p: subprocess.CompletedProcess) -> str:
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert lines, f"no stderr; stdout:\n{p.stdout[-3000:]}"
+    return lines[-1]
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory) -> dict[str, str]:
+    from megatron_rl.demo import prepare
+
+    return prepare(str(tmp_path_factory.mktemp("demo")))
+
+
+def test_busy_port_fails_in_one_line_before_torchrun(tmp_path):
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        p = _launch(
+            ["--nproc", "1", "--master-port", str(port), "--log-dir", str(tmp_path), "--config", DEMO_CFG]
+        )
+    assert p.returncode == 1, p.stdout + p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1, p.stderr
+    assert lines[0].startswith(f"{lc.PREFIX}rendezvous port {port} is already in use on node 0"), lines[0]
+    assert "torch.distributed.run" not in (tmp_path / "node0.log").read_text()  # torchrun never started
+
+
+def test_busy_port_reported_by_torchrun_itself_is_explained(tmp_path):
+    """Past the pre-check (the port taken in between): torchrun's own bind error becomes the same line."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "1"]
+        cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", "is_host=1"]
+        cmd += ["--max-restarts", "0", "-m", "megatron_rl.train", "--config", DEMO_CFG]
+        p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert p.returncode != 0
+    assert "EADDRINUSE" in p.stderr  # the agent failed to host the store, at once
+    msg = lc.explain_log(p.stdout + p.stderr)
+    assert msg and msg.startswith(f"rendezvous port {port} is already in use"), msg
+
+
+@pytest.mark.parametrize(
+    "nproc,overrides,expect",
+    [
+        ("1", [], ("orld size 1", "tensor_model_parallel_size")),
+        ("2", ["trainer.device=cuda"], ("trainer.device=cuda but no GPU is visible", "trainer.device=cpu")),
+    ],
+    ids=["world-size-vs-tp2", "device-cuda-without-gpu"],
+)
+def test_trainer_failure_ends_in_one_line(tmp_path, nproc, overrides, expect):
+    import torch
+
+    if "trainer.device=cuda" in overrides and torch.cuda.is_available():
+        pytest.skip("needs a machine without a GPU")
+    p = _launch(["--nproc", nproc, "--log-dir", str(tmp_path), "--config", DEMO_CFG, *overrides])
+    assert p.returncode != 0
+    last = _last_line(p)
+    assert last.startswith(f"megatron-rl: node 0 failed (exit {p.returncode}): "), last
+    for part in expect:
+        assert part in last, last
+    assert last in (tmp_path / "node0.log").read_text()  # the node log ends with the same line
+
+
+def test_two_nodes_rendezvous_and_train_tp2_across_them(tmp_path, demo):
+    """Two torchrun agents (--nnodes 2, one process each, c10d on 127.0.0.1) run 2 PPO steps at TP=2."""
+    run_dir, logs = tmp_path / "run", tmp_path / "logs"
+    overrides = [
+        "trainer.total_training_steps=2",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        "trainer.save_at_end=true",
+        f"trainer.default_local_dir={run_dir}",
+        f"data.train_files=[{demo['train']}]",
+        f"data.val_files=[{demo['test']}]",
+        f"actor_rollout_ref.model.path={demo['model']}",
+    ]
+    env = _env(NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(lc.free_port()), LOG_DIR=str(logs))
+    env["RDZV_ID"] = f"two-nodes-{env['MASTER_PORT']}"
+    nodes = [
+        subprocess.Popen(
+            ["bash", SCRIPT, "--nproc", "1", "--node-rank", str(r), "--config", DEMO_CFG, *overrides],
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
+    try:
+        outs = [n.communicate(timeout=600)[0] for n in nodes]
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                n.kill()
+    for r, (n, out) in enumerate(zip(nodes, outs, strict=True)):
+        assert n.returncode == 0, f"node {r} exit {n.returncode}:\n{out[-6000:]}"
+        assert f"megatron-rl: node {r} of 2" in (logs / f"node{r}.log").read_text()
+
+    rows = [json.loads(line) for line in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(r["step"] for r in rows if "actor/pg_loss" in r) == [1, 2]
+    # One model replica sharded over both nodes: TP=2, world 2, a shard file per rank.
+    state = json.loads((run_dir / "global_step_2" / "trainer_state.json").read_text())
+    assert state["layout"] == {"tp": 2, "pp": 1, "dp": 1, "world_size": 2}, state["layout"]
+    assert sorted(p.name for p in (run_dir / "global_step_2").glob("rank_*.pt")) == [
+        "rank_00000.pt",
+        "rank_00001.pt",
+    ]

@@ -1,0 +1,195 @@
+"""launch_checks: pre-flight checks and one-line explanations, on real exceptions and real logs.
+
+The gloo timeout, the lost peer and the init timeout are produced by real process groups
+(workers/launch_failures.py); NCCL's watchdog abort cannot happen on CPU, so its explanation is
+checked on the log lines an H200 run printed (torch 2.11, a 2-GPU all_reduce whose peer slept).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from megatron_rl import launch_checks as lc
+from megatron_rl.config import ConfigError, load_config
+from tests.conftest import ROOT, read_json
+
+DEMO_CFG = os.path.join(ROOT, "yaml", "cpu_demo.yaml")
+
+# Recorded on an H200 pair (torch 2.11.0+cu130): rank 1 slept past an 8 s timeout; the watchdog
+# aborted rank 0 (exit -6) without a Python exception. Lines as torchrun's output carried them.
+NCCL_WATCHDOG_LOG = """\
+[rank0]:[E1130 04:14:59.714924980 ProcessGroupNCCL.cpp:689] [Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=2, OpType=ALLREDUCE, NumelIn=4, NumelOut=4, Timeout(ms)=8000) ran for 8088 milliseconds before timing out.
+[rank0]:[E1130 04:14:59.730849103 ProcessGroupNCCL.cpp:2303] [PG ID 0 PG GUID 0(default_pg) Rank 0]  failure detected by watchdog at work sequence id: 2 PG status: last enqueued work: 2, last completed work: 1
+[rank0]:[E1130 04:16:06.651926084 ProcessGroupNCCL.cpp:764] [Rank 0] To avoid data inconsistency, we are taking the entire process down.
+terminate called after throwing an instance of 'c10::DistBackendError'
+E1130 04:16:06.561000 799 torch/distributed/elastic/multiprocessing/api.py:986] failed (exitcode: -6) local_rank: 0 (pid: 845) of binary: /opt/torch/.venv/bin/python
+"""  # noqa: E501
+
+
+def _one_line(msg: str | None) -> str:
+    assert msg, "no explanation"
+    assert "\n" not in msg, msg
+    return msg
+
+
+@pytest.fixture(scope="module")
+def real_failures(tmp_path_factory):
+    """Explanations of real gloo/store failures: one torchrun job (2 ranks) and one plain process."""
+    from tests.conftest import run_torchrun
+
+    tmp = tmp_path_factory.mktemp("failures")
+    env = {**os.environ, "PYTHONPATH": ROOT, "RANK": "0"}
+    worker = os.path.join(ROOT, "tests", "dist", "workers", "launch_failures.py")
+    init = subprocess.Popen([sys.executable, worker, "--init-timeout", "--out", str(tmp / "i.json")], env=env)
+    run_torchrun("launch_failures.py", 2, ["--out", str(tmp / "c.json")], timeout=300)
+    assert init.wait(timeout=120) == 0
+    return {**read_json(str(tmp / "c.json")), **read_json(str(tmp / "i.json"))}
+
+
+def test_gloo_timeout_names_rank_op_duration_and_knob(real_failures):
+    r = real_failures["timeout"]
+    assert "Timed out waiting 2000ms" in r["raw"], r  # the real gloo error this rule is written for
+    msg = _one_line(r["explained"])
+    assert msg.startswith("rank 0 timed out in broadcast after 2 s: likely a rank died or is stuck"), msg
+    assert "see its log" in msg and "init_parallel" in msg, msg
+
+
+def test_lost_peer_is_marked_collateral(real_failures):
+    r = real_failures["peer"]
+    assert "Connection closed by peer" in r["raw"] or "Connection reset by peer" in r["raw"], r
+    msg = _one_line(r["explained"])
+    assert msg.startswith("rank 0 lost its connection to another rank during all_reduce"), msg
+    assert "collateral" in msg
+
+
+def test_init_timeout_says_a_rank_never_joined(real_failures):
+    r = real_failures["init"]
+    assert r["type"] == "DistStoreError" and "wait timeout after 1000ms" in r["raw"], r
+    msg = _one_line(r["explained"])
+    assert msg.startswith("rank 0 timed out in init_process_group after 1 s waiting for the other ranks"), msg
+
+
+def test_nccl_watchdog_abort_explained_from_the_log():
+    msg = _one_line(lc.explain_log(NCCL_WATCHDOG_LOG))
+    assert msg.startswith("rank 0 timed out in allreduce after 8 s: likely a rank died or is stuck"), msg
+    # The same text as a DistBackendError (what a rank sees when it waits on the aborted work).
+    import torch.distributed as dist
+
+    line = NCCL_WATCHDOG_LOG.splitlines()[0]
+    assert lc.explain(dist.DistBackendError(line.split("] ", 1)[1])).startswith(
+        "rank 0 timed out in allreduce"
+    )
+    assert lc.explain_text("Timeout(ms)=1800000 ran for 1800100 ms") is None  # needs the watchdog wording
+    assert "after 30 min" in lc.explain_text(line.replace("Timeout(ms)=8000", "Timeout(ms)=1800000"))
+
+
+def test_config_and_layout_errors(monkeypatch):
+    with pytest.raises(ConfigError) as e:
+        load_config(DEMO_CFG, ["trainer.totl_training_steps=2"])
+    assert _one_line(lc.explain(e.value)).startswith(
+        "config error: Unknown config key 'trainer.totl_training_steps'"
+    )
+
+    cfg = load_config(DEMO_CFG, [])
+    with pytest.raises(lc.LaunchError) as e:
+        lc.preflight(cfg, 3, env={"LOCAL_WORLD_SIZE": "1", "RANK": "0"})
+    msg = _one_line(lc.explain(e.value))
+    assert msg.startswith(
+        "world size 3 (3 node(s) x 1 process(es) per node) does not fit the parallel layout TP=2"
+    ), msg
+    assert "multiple of 2" in msg and "tensor_model_parallel_size" in msg
+    # A fitting layout passes the launch checks and reaches config.validate (which rejects the batch).
+    with pytest.raises(ConfigError, match="data.train_batch_size"):
+        lc.preflight(load_config(DEMO_CFG, ["data.train_batch_size=63"]), 2, env={"LOCAL_WORLD_SIZE": "2"})
+    lc.preflight(cfg, 2, env={"LOCAL_WORLD_SIZE": "2"})
+
+
+def test_missing_gpu():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without a GPU")
+    from megatron_rl.parallel import resolve_device
+
+    with pytest.raises(RuntimeError) as e:
+        resolve_device("cuda")
+    msg = _one_line(lc.explain(e.value))
+    assert "trainer.device=cuda but no GPU is visible" in msg and "trainer.device=cpu" in msg, msg
+    with pytest.raises(lc.LaunchError) as e:
+        lc.preflight(load_config(DEMO_CFG, ["trainer.device=cuda"]), 2, env={"RANK": "1"})
+    assert _one_line(lc.explain(e.value)).startswith("rank 1 on "), e.value
+
+
+def test_port_checks():
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        msg = _one_line(lc.check_port("127.0.0.1", port))
+        assert msg.startswith(f"rendezvous port {port} is already in use on node 0"), msg
+        assert "MASTER_PORT=" in msg
+        # The same port reported by torch's own bind failure (static rendezvous / is_host=1).
+        torch_line = (
+            "torch.distributed.DistNetworkError: The server socket has failed to listen on any local network "
+            f"address. port: {port}, useIpv6: false, code: -98, name: EADDRINUSE, message: address already "
+            "in use"
+        )
+        assert _one_line(lc.explain_log(torch_line)).startswith(f"rendezvous port {port} is already in use")
+    assert lc.check_port("127.0.0.1", lc.free_port()) is None
+    # TEST-NET-3 (RFC 5737) is nobody's address: node 0 must not claim it (bind fails locally, no traffic).
+    assert "is not an address of this machine" in _one_line(lc.check_port("203.0.113.7", lc.free_port()))
+
+
+def test_explain_failures_prints_one_line_and_exits_1(capsys, monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", os.devnull)
+    with pytest.raises(SystemExit) as e, lc.explain_failures():
+        load_config(DEMO_CFG, ["trainer.bogus=1"])
+    assert e.value.code == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        lc.PREFIX + "config error: Unknown config key 'trainer.bogus'"
+    ), err
+    # Identical on every rank: printed by local rank 0 only.
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(SystemExit), lc.explain_failures():
+        load_config(DEMO_CFG, ["trainer.bogus=1"])
+    assert capsys.readouterr().err == ""
+    # Unknown errors keep their traceback.
+    with pytest.raises(KeyError), lc.explain_failures():
+        raise KeyError("not a launch problem")
+
+
+def test_torchelastic_error_file_carries_the_line(tmp_path, monkeypatch):
+    path = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    with pytest.raises(SystemExit), lc.explain_failures():
+        raise lc.LaunchError("rank 3: something actionable.")
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    # torchrun's own reader of the file: its failure summary shows our line.
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(path))
+    assert failure.message["message"] == lc.PREFIX + "rank 3: something actionable."
+
+
+def test_explain_log_prefers_the_first_cause():
+    cause = "Traceback (most recent call last):\nKeyError: 'values'\n"
+    collateral = "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:6892\n"
+    timeout = (
+        "RuntimeError: [unbound_buffer.cc:78] Timed out waiting 1800000ms for recv operation to complete\n"
+    )
+    # An unexplained crash before a timeout is the cause; a lost peer alone is reported as collateral.
+    assert (
+        lc.explain_log(cause + timeout)
+        == "a rank failed with KeyError: 'values' (its traceback is in the log)."
+    )
+    assert "collateral" in lc.explain_log(collateral)
+    assert lc.explain_log(collateral + timeout).startswith("a rank timed out in a collective after 30 min")
+    assert lc.explain_log(collateral + lc.PREFIX + "config error: bad key\n") == "config error: bad key"
+    agent = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+    assert lc.explain_log(agent) is None

@@ -1,0 +1,195 @@
+"""One full PPO update (actor and critic) gives the same result at TP1, TP2, PP2 and DP2 (torchrun/gloo).
+
+Oracle: the unsharded TP1/PP1/DP1 run with one micro-batch per mini-batch (no gradient accumulation),
+whose losses are plain mini-batch means. The other layouts split every mini-batch into micro-batches of
+2 sequences with different token counts (responses of 1..5 tokens), so a wrong loss denominator, a
+missing DP/TP/PP reduction or a tied-embedding copy that is not kept in sync changes the result.
+The same checks run over NCCL on 2 GPUs in tests/gpu/test_ppo_gpu.py.
+
+Tolerances (fp32; O(1) random weights, |log-probs| up to ~30 at temperature 2):
+- log-probs and entropies vs the HF model: 1e-4 absolute (observed <= 1e-5);
+- log-probs, entropies and values between layouts: 5e-5 absolute (observed <= 8e-6);
+- loss, clip-fraction, KL, entropy, value and grad-norm metrics: 1e-4 relative or 1e-5 absolute
+  (observed <= 4e-5 relative, on ppo_kl, a mean of signed terms);
+- updated weights, per HF tensor: ||w - w_TP1|| <= 3e-3 ||w_TP1 - w_initial|| (observed <= 7e-4) and
+  every element within 5e-4 (observed <= 1.8e-4). Adam normalises each element's step by its own
+  gradient scale, so an element whose gradient is at cancellation level (~1e-8, the size of Adam's
+  eps) moves by a fraction of the LR that fp32 rounding changes; the 4 steps move weights by up to
+  6e-3 (checked, so the comparison is not vacuous).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+import torch
+
+from tests.conftest import read_json
+
+HF_ORACLE = ("tp1", "tp2")  # the other layouts' log-probs are compared with TP1's
+LAYOUTS = {  # name: (tp, pp, nproc, micro-batch size)
+    "tp1": (1, 1, 1, 8),
+    "tp2": (2, 1, 2, 2),
+    "pp2": (1, 2, 2, 2),
+    "dp2": (1, 1, 2, 2),
+}
+LOGP_HF_TOL = 1e-4
+LAYOUT_TOL = 5e-5
+METRIC_RTOL, METRIC_ATOL = 1e-4, 1e-5
+WEIGHT_REL_NORM_TOL = 3e-3
+WEIGHT_ELEM_TOL = 5e-4
+
+
+def save_models(root) -> tuple[str, str]:
+    """Actor: Qwen2 with tied embeddings (biases; the tied head lives on both stages at PP2) and an odd
+    vocabulary (99 -> padded to 100 at TP2). Critic: Llama trunk + value head."""
+    from megatron_rl.models.random_hf import save_random_hf_model
+
+    actor = save_random_hf_model(
+        str(root / "actor"), "qwen2", seed=3, num_hidden_layers=2, tie_word_embeddings=True
+    )
+    critic = save_random_hf_model(str(root / "critic"), "llama", seed=4, num_hidden_layers=2)
+    return actor, critic
+
+
+def run_layout(root, name: str, actor: str, critic: str, extra_args: list[str]) -> dict:
+    """One torchrun launch of the worker for LAYOUTS[name]; its result.json and per-stage weights."""
+    from tests.conftest import run_torchrun
+
+    tp, pp, nproc, micro = LAYOUTS[name]
+    d = root / name
+    d.mkdir()
+    args = ["--actor", actor, "--critic", critic, "--tp", str(tp), "--pp", str(pp), "--micro", str(micro)]
+    args += ["--out", str(d), *extra_args] + (["--hf-oracle"] if name in HF_ORACLE else [])
+    run_torchrun("ppo_update.py", nproc, args)
+    weights = {
+        os.path.basename(f)[len("weights_") : -3]: torch.load(f) for f in glob.glob(str(d / "weights_*.pt"))
+    }
+    return {"result": read_json(str(d / "result.json")), "weights": weights}
+
+
+def run_all_layouts(root, extra_args: list[str]) -> dict:
+    actor, critic = save_models(root)
+    out = {name: run_layout(root, name, actor, critic, extra_args) for name in LAYOUTS}
+    out["initial"] = {"actor": _load_hf(actor), "critic": _load_hf(critic)}
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return run_all_layouts(tmp_path_factory.mktemp("ppo"), ["--device", "cpu"])
+
+
+def _load_hf(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+@pytest.mark.parametrize("layout", HF_ORACLE)
+def test_log_probs_match_hf(runs, layout):
+    r = runs[layout]["result"]
+    assert r["max_abs_logp"] > 5.0, "weights too small to expose a layout bug"
+    assert r["hf_logp_max_diff"] < LOGP_HF_TOL, r["hf_logp_max_diff"]
+    assert r["hf_entropy_max_diff"] < LOGP_HF_TOL, r["hf_entropy_max_diff"]
+    # Negative control: logits taken one position late (the classic off-by-one) are far off.
+    assert r["hf_misaligned_diff"] > 100 * LOGP_HF_TOL
+    assert r["logp_only_vs_with_entropy"] < LAYOUT_TOL  # with_entropy=False, other micro-batches
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2"])
+def test_forward_passes_match_tp1(runs, layout):
+    ref, r = runs["tp1"]["result"], runs[layout]["result"]
+    for key in ("logp", "entropy", "values"):
+        diff = (torch.tensor(r[key]) - torch.tensor(ref[key])).abs().max().item()
+        assert diff < LAYOUT_TOL, f"{key} at {layout}: max diff {diff:.2e}"
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2"])
+def test_update_metrics_match_tp1(runs, layout):
+    ref, r = runs["tp1"]["result"], runs[layout]["result"]
+    for role in ("actor", "critic"):
+        assert set(r[role]) == set(ref[role])
+        for key, want in ref[role].items():
+            assert r[role][key] == pytest.approx(want, rel=METRIC_RTOL, abs=METRIC_ATOL), f"{key} at {layout}"
+    assert r["actor_steps"] == 4
+
+
+def test_update_exercises_every_loss_term(runs):
+    a, c = runs["tp1"]["result"]["actor"], runs["tp1"]["result"]["critic"]
+    expected = {
+        "actor/pg_loss",
+        "actor/pg_clipfrac",
+        "actor/pg_clipfrac_lower",
+        "actor/ppo_kl",
+        "actor/entropy",
+        "actor/kl_loss",
+        "actor/grad_norm",
+        "actor/lr",
+    }
+    assert set(a) == expected
+    assert set(c) == {
+        "critic/vf_loss",
+        "critic/vf_clipfrac",
+        "critic/vpred_mean",
+        "critic/grad_norm",
+        "critic/lr",
+    }
+    # clipping, dual-clip and value clipping are all active somewhere in the batch
+    assert a["actor/pg_clipfrac"] > 0 and a["actor/pg_clipfrac_lower"] > 0 and c["critic/vf_clipfrac"] > 0
+    assert a["actor/kl_loss"] > 0 and a["actor/entropy"] > 0
+    # warmup 1 step, then cosine from 2e-3 to min_lr 2e-4 at step 4: 2e-3, 2e-3, 1.55e-3, 6.5e-4
+    assert a["actor/lr"] == pytest.approx((2e-3 + 2e-3 + 1.55e-3 + 6.5e-4) / 4)
+    # linear 2e-3 -> 0 over 4 steps: 2e-3, 1.5e-3, 1e-3, 5e-4
+    assert c["critic/lr"] == pytest.approx((2e-3 + 1.5e-3 + 1e-3 + 5e-4) / 4)
+
+
+def _stages(run: dict, role: str, dp: int = 0) -> list[dict[str, torch.Tensor]]:
+    return [w[role] for k, w in sorted(run["weights"].items()) if k.endswith(f"_dp{dp}")]
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2"])
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_updated_weights_match_tp1(runs, layout, role):
+    (ref,) = _stages(runs["tp1"], role)
+    initial = runs["initial"][role]
+    moved = max((ref[n] - initial[n]).abs().max().item() for n in ref if n in initial)
+    assert moved > 5 * WEIGHT_ELEM_TOL, f"the update barely moved the {role}: {moved:.2e}"
+    seen = set()
+    for stage in _stages(runs[layout], role):
+        for name, w in stage.items():
+            update = ref[name] - initial[name] if name in initial else ref[name]  # value head: not in HF
+            rel = ((w - ref[name]).norm() / update.norm()).item()
+            elem = (w - ref[name]).abs().max().item()
+            assert rel < WEIGHT_REL_NORM_TOL, f"{role} {name} at {layout}: |diff| / |update| = {rel:.2e}"
+            assert elem < WEIGHT_ELEM_TOL, f"{role} {name} at {layout}: max diff {elem:.2e}"
+            seen.add(name)
+    assert seen == set(ref), f"missing at {layout}: {sorted(set(ref) - seen)}"
+
+
+def test_data_parallel_replicas_are_identical(runs):
+    for role in ("actor", "critic"):
+        (a,), (b,) = _stages(runs["dp2"], role, 0), _stages(runs["dp2"], role, 1)
+        for name in a:
+            assert torch.equal(a[name], b[name]), f"{role} {name} differs between DP replicas"
+
+
+def test_tied_embedding_copies_stay_equal_at_pp2(runs):
+    first, last = _stages(runs["pp2"], "actor")
+    assert torch.equal(first["model.embed_tokens.weight"], last["model.embed_tokens.weight"])
+
+
+def test_tensor_parallel_padding_and_replicas(runs):
+    for w in runs["tp2"]["weights"].values():
+        assert w["padded_max"] == 0.0, "padded vocabulary rows must stay zero (no gradient, no decay)"
+        assert w["replica_diff"] == 0.0, "TP-replicated parameters diverged between TP ranks"
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_policy_loss_moves_log_probs_in_the_direction_of_the_advantage(runs, layout):
+    d = runs[layout]["result"]["direction"]
+    assert d["n_pos"] > 10 and d["n_neg"] > 10
+    assert d["mean_delta_pos"] > 0 > d["mean_delta_neg"], d
+    assert d["frac_right_direction"] > 0.8, d

@@ -1,0 +1,278 @@
+"""Worker: one full PPO update of an actor and a critic at one TP x PP x DP layout.
+
+The same initial weights (HF directories) and the same global rollout batch (built from a seed) at every
+layout. Each data-parallel rank takes its rows of every mini-batch, so that the global mini-batches are
+the same sets of sequences as at DP=1. Steps:
+
+1. old log-probs/entropy (compute_log_probs) and values (compute_values) of the initial models; with
+   --hf-oracle rank 0 checks the log-probs against the HF model's full-vocabulary log_softmax (and a
+   misaligned variant as the negative control);
+2. update_actor and update_critic (2 epochs x 2 mini-batches: 4 optimizer steps each);
+3. direction check: a second, on-policy update with per-sequence advantages of +-1, then log-probs again.
+
+Outputs in --out: result.json (rank 0: metrics, gathered log-probs/values, checks) and, from every
+TP-rank-0 process, weights_pp{P}_dp{D}.pt: this stage's updated weights in HF names (TP shards
+gathered and scattered back through weights.tables / hf_io.scatter_shard).
+"""
+
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.batch import RolloutBatch, SeqMeta
+from megatron_rl.config import ActorConfig, CriticConfig, OptimConfig
+from megatron_rl.models.builder import DTYPES, build_model, load_hf_weights, named_global_params
+from megatron_rl.models.hf import load_model_args
+from megatron_rl.optim import build_optimizer
+from megatron_rl.parallel import destroy_parallel, init_parallel
+from megatron_rl.ppo import compute_log_probs, compute_values, update_actor, update_critic
+from megatron_rl.weights.hf_io import scatter_shard
+from megatron_rl.weights.tables import hf_shapes, iter_stage_layouts
+
+N_PROMPTS, ROLLOUT_N, P, R = 8, 2, 6, 5
+MINI_PROMPTS = 4  # ppo_mini_batch_size: 2 mini-batches of 8 sequences
+TEMPERATURE = 2.0
+LOGPROB_MICRO = 3  # does not divide the batch: exercises the padded last micro-batch
+
+
+def global_batch(vocab: int, seed: int = 0) -> tuple[RolloutBatch, dict[str, torch.Tensor]]:
+    """16 sequences: left-padded prompts (shared by the 2 samples of a prompt), responses of 1..5 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    b = N_PROMPTS * ROLLOUT_N
+    prompt_len = torch.randint(2, P + 1, (N_PROMPTS,), generator=g).repeat_interleave(ROLLOUT_N)
+    prompt_tok = torch.randint(3, vocab, (N_PROMPTS, P), generator=g).repeat_interleave(ROLLOUT_N, 0)
+    pos = torch.arange(P)
+    prompt_mask = pos[None] >= (P - prompt_len[:, None])
+    prompts = torch.where(prompt_mask, prompt_tok, 0)
+    resp_len = torch.tensor([5, 1, 3, 4, 2, 5, 5, 1, 2, 3, 4, 5, 1, 3, 5, 2])
+    resp_mask = torch.arange(R)[None] < resp_len[:, None]
+    responses = torch.where(resp_mask, torch.randint(3, vocab, (b, R), generator=g), 0)
+    meta = [SeqMeta(uid=str(i // ROLLOUT_N)) for i in range(b)]
+    batch = RolloutBatch.from_tokens(prompts, prompt_mask, responses, resp_mask, meta)
+    mask = batch.response_mask
+    extra = {
+        "old_noise": torch.randn(b, R, generator=g) * 0.3,
+        "ref_noise": torch.randn(b, R, generator=g) * 0.3,
+        "advantages": torch.randn(b, R, generator=g) * mask,
+        "value_noise": torch.randn(b, R, generator=g) * 0.5,
+        "return_noise": torch.randn(b, R, generator=g),
+        "signs": torch.tensor([1.0, -1.0]).repeat(b // 2)[torch.randperm(b, generator=g)],
+    }
+    # Tokens the policy now prefers strongly (ratio e^1.5 > clip_ratio_c) with negative advantages:
+    # dual-clip is active on them.
+    extra["old_noise"][:4, 0] = -1.5
+    extra["advantages"][:4, 0] = -extra["advantages"][:4, 0].abs() - 0.5
+    return batch, extra
+
+
+def dp_rows(dp_rank: int, dp_size: int) -> list[int]:
+    """This DP rank's rows: its 1/DP part of every global mini-batch, in mini-batch order."""
+    m = MINI_PROMPTS * ROLLOUT_N
+    per = m // dp_size
+    return [j * m + dp_rank * per + i for j in range(N_PROMPTS * ROLLOUT_N // m) for i in range(per)]
+
+
+def gather_dp(x: torch.Tensor, ps) -> torch.Tensor:
+    """Local rows [B/DP, ...] -> the global batch order [B, ...] on every rank."""
+    if ps.dp_size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(ps.dp_size)]
+    dist.all_gather(parts, x.contiguous(), group=ps.dp_group)
+    out = torch.empty((x.shape[0] * ps.dp_size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    for r, part in enumerate(parts):
+        out[dp_rows(r, ps.dp_size)] = part
+    return out
+
+
+def hf_named_weights(model, ps, role: str) -> tuple[dict[str, torch.Tensor], float, float]:
+    """This stage's parameters in HF names (on TP rank 0), the largest |padded vocab row| and the largest
+    difference between TP ranks' copies of a replicated parameter."""
+    args = model.args
+    params = named_global_params(model)
+    shapes = hf_shapes(args)
+    out: dict[str, torch.Tensor] = {}
+    padded_max, replica_diff = 0.0, 0.0
+    for lay in iter_stage_layouts(args, ps.tp_size, ps.pp_size, ps.pp_rank, role):
+        shard = params[lay.name].detach()
+        shards = [torch.empty_like(shard) for _ in range(ps.tp_size)]
+        dist.all_gather(shards, shard.contiguous(), group=ps.tp_group)
+        shards = [sh.float().cpu() for sh in shards]
+        for name in {pc.hf_name for rank in lay.pieces for pc in rank}:
+            out.setdefault(name, torch.zeros(shapes[name]))
+        for r, sh in enumerate(shards):
+            scatter_shard(lay, r, sh, out)
+            real = sum(pc.stop - pc.start for pc in lay.pieces[r])
+            if lay.dim == 0 and real < sh.shape[0]:
+                padded_max = max(padded_max, sh[real:].abs().max().item())
+            if lay.dim is None:
+                replica_diff = max(replica_diff, (sh - shards[0]).abs().max().item())
+    if role == "critic" and ps.is_last_stage:
+        out["value_head.weight"] = model.output_layer.weight.detach().float().cpu()
+        out["value_head.bias"] = model.output_layer.bias.detach().float().cpu()
+    return out, padded_max, replica_diff
+
+
+def hf_oracle(path: str, batch: RolloutBatch, lp: torch.Tensor, ent: torch.Tensor) -> dict[str, float]:
+    """Compare log-probs/entropy with the HF model's log_softmax over the full vocabulary."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        logits = hf(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits / TEMPERATURE
+    real = batch.response_mask.bool()
+
+    def at(shift: int):
+        logp_all = torch.log_softmax(logits[:, P - 1 + shift : P + R - 1 + shift].double(), -1)
+        return logp_all.gather(-1, batch.responses[..., None]).squeeze(-1), -(logp_all.exp() * logp_all).sum(
+            -1
+        )
+
+    ref_lp, ref_ent = at(0)
+    wrong_lp = torch.log_softmax(logits[:, P : P + R].double(), -1).gather(-1, batch.responses[..., None])[
+        ..., 0
+    ]
+    return {
+        "hf_logp_max_diff": (lp.double() - ref_lp)[real].abs().max().item(),
+        "hf_entropy_max_diff": (ent.double() - ref_ent)[real].abs().max().item(),
+        "hf_misaligned_diff": (lp.double() - wrong_lp)[real].abs().max().item(),
+        "max_abs_logp": ref_lp[real].abs().max().item(),
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--actor", required=True)
+    ap.add_argument("--critic", required=True)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--micro", type=int, required=True, help="ppo_micro_batch_size_per_gpu")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--hf-oracle", action="store_true", help="check log-probs against the HF model (rank 0)")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda")
+    ap.add_argument("--dtype", default="float32", help="parameter dtype: float32 | bfloat16")
+    a = ap.parse_args()
+    ps = init_parallel(a.tp, a.pp, seed=1, device=a.device)
+    dtype = DTYPES[a.dtype]
+    actor_args, critic_args = load_model_args(a.actor), load_model_args(a.critic)
+    full, extra = global_batch(actor_args.vocab_size)
+    rows = dp_rows(ps.dp_rank, ps.dp_size)
+    batch = full.select(rows).to(ps.device)
+    ex = {k: v[rows].to(ps.device) for k, v in extra.items()}
+    mask = batch.response_mask
+    res: dict = {"layout": {"tp": ps.tp_size, "pp": ps.pp_size, "dp": ps.dp_size}}
+
+    # ---- actor ----
+    actor = build_model(actor_args, ps, "actor", dtype=dtype)
+    load_hf_weights(actor, a.actor, ps)
+    lp, ent = compute_log_probs(actor, ps, batch, LOGPROB_MICRO, TEMPERATURE, with_entropy=True)
+    lp_only = compute_log_probs(actor, ps, batch, 4, TEMPERATURE)
+    res["logp_only_vs_with_entropy"] = (lp_only - lp).abs().max().item()
+    glp, gent = gather_dp(lp, ps), gather_dp(ent, ps)
+    res["logp"], res["entropy"] = glp.tolist(), gent.tolist()
+    if a.hf_oracle and ps.rank == 0:
+        res.update(hf_oracle(a.actor, full, glp.cpu(), gent.cpu()))
+
+    batch.old_log_probs = (lp + ex["old_noise"]) * mask
+    batch.ref_log_probs = (lp + ex["ref_noise"]) * mask
+    batch.advantages = ex["advantages"]
+    actor_cfg = ActorConfig(
+        ppo_mini_batch_size=MINI_PROMPTS,
+        ppo_micro_batch_size_per_gpu=a.micro,
+        ppo_epochs=2,
+        clip_ratio=0.2,
+        clip_ratio_high=0.28,
+        clip_ratio_c=3.0,
+        loss_agg_mode="token-mean",
+        entropy_coeff=0.01,
+        use_kl_loss=True,
+        kl_loss_coef=0.1,
+        kl_loss_type="low_var_kl",
+        optim=OptimConfig(
+            lr=2e-3, min_lr=2e-4, lr_warmup_steps=1, lr_decay_style="cosine", weight_decay=0.01, clip_grad=1.0
+        ),
+    )
+    opt = build_optimizer(actor, actor_cfg.optim, ps, total_steps=4)
+    res["actor"] = update_actor(actor, opt, ps, batch, actor_cfg, ROLLOUT_N, TEMPERATURE)
+    res["actor_steps"] = opt.num_steps
+    actor_w, padded_max, replica_diff = hf_named_weights(actor, ps, "actor")
+
+    # ---- critic ----
+    critic = build_model(critic_args, ps, "critic", dtype=dtype)
+    load_hf_weights(critic, a.critic, ps)
+    if ps.is_last_stage:  # a random value head, the same on every layout (zeros would block trunk grads)
+        g = torch.Generator().manual_seed(7)
+        h = critic_args.hidden_size
+        with torch.no_grad():
+            critic.output_layer.weight.copy_(torch.randn(1, h, generator=g) / h**0.5)
+            critic.output_layer.bias.copy_(torch.randn(1, generator=g))
+    values = compute_values(critic, ps, batch, LOGPROB_MICRO)
+    res["values"] = gather_dp(values, ps).tolist()
+    batch.values = (values + ex["value_noise"]) * mask
+    batch.returns = (batch.values + ex["return_noise"]) * mask
+    critic_cfg = CriticConfig(
+        ppo_mini_batch_size=MINI_PROMPTS,
+        ppo_micro_batch_size_per_gpu=a.micro,
+        ppo_epochs=2,
+        cliprange_value=0.5,
+        loss_agg_mode="seq-mean-token-mean",
+        optim=OptimConfig(
+            lr=2e-3, min_lr=0.0, lr_warmup_steps=0, lr_decay_style="linear", weight_decay=0.01, clip_grad=1.0
+        ),
+    )
+    copt = build_optimizer(critic, critic_cfg.optim, ps, total_steps=4)
+    res["critic"] = update_critic(critic, copt, ps, batch, critic_cfg, ROLLOUT_N)
+    critic_w, _, critic_replica_diff = hf_named_weights(critic, ps, "critic")
+
+    # ---- direction: an on-policy update with per-sequence advantages +-1 ----
+    lp_now = compute_log_probs(actor, ps, batch, LOGPROB_MICRO, TEMPERATURE)
+    adv = ex["signs"][:, None] * mask
+    batch.old_log_probs, batch.advantages = lp_now, adv
+    dir_cfg = ActorConfig(
+        ppo_mini_batch_size=N_PROMPTS,
+        ppo_micro_batch_size_per_gpu=a.micro,
+        ppo_epochs=1,
+        clip_ratio=0.2,
+        optim=OptimConfig(lr=1e-3, lr_warmup_steps=0, weight_decay=0.0, clip_grad=0.0),
+    )
+    update_actor(
+        actor,
+        build_optimizer(actor, dir_cfg.optim, ps, total_steps=1),
+        ps,
+        batch,
+        dir_cfg,
+        ROLLOUT_N,
+        TEMPERATURE,
+    )
+    delta = gather_dp(compute_log_probs(actor, ps, batch, LOGPROB_MICRO, TEMPERATURE) - lp_now, ps)
+    gadv, gmask = gather_dp(adv, ps), gather_dp(mask, ps).bool()
+    pos, neg = (gadv > 0) & gmask, (gadv < 0) & gmask
+    res["direction"] = {
+        "mean_delta_pos": delta[pos].mean().item(),
+        "mean_delta_neg": delta[neg].mean().item(),
+        "frac_right_direction": ((delta * gadv)[gmask] > 0).float().mean().item(),
+        "n_pos": int(pos.sum()),
+        "n_neg": int(neg.sum()),
+    }
+
+    if ps.tp_rank == 0:
+        torch.save(
+            {
+                "actor": actor_w,
+                "critic": critic_w,
+                "padded_max": padded_max,
+                "replica_diff": max(replica_diff, critic_replica_diff),
+            },
+            os.path.join(a.out, f"weights_pp{ps.pp_rank}_dp{ps.dp_rank}.pt"),
+        )
+    if ps.rank == 0:
+        with open(os.path.join(a.out, "result.json"), "w") as f:
+            json.dump(res, f)
+    dist.barrier()
+    destroy_parallel()
+
+
+if __name__ == "__main__":
+    main()

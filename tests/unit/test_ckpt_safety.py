@@ -1,0 +1,112 @@
+"""Checkpoint pickles are never executed: malicious legacy files, DCP ``.metadata`` and ``common.pt``
+are refused with the file and the offending global named, and the payload never runs."""
+
+import argparse
+import json
+import os
+import pickle
+import signal
+from dataclasses import dataclass
+from pathlib import PosixPath
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_rl.models.hf import load_model_args
+from megatron_rl.models.loading import detect_format, load_model_args_any, open_reader
+from megatron_rl.weights import megatron_ckpt as mc
+from megatron_rl.weights.hf_io import HFReader
+
+
+class Payload:
+    """Unpickling this runs a shell command (what a booby-trapped checkpoint would do)."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@dataclass
+class CustomState:
+    step: int
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    from megatron_rl.models.random_hf import save_random_hf_model
+
+    return save_random_hf_model(str(tmp_path_factory.mktemp("hf") / "llama"), "llama", num_hidden_layers=2)
+
+
+def test_malicious_legacy_checkpoint_is_refused(hf, tmp_path):
+    marker = tmp_path / "pwned"
+    out = str(tmp_path / "ckpt")
+    args = load_model_args(hf)
+    mc.save_legacy(HFReader(hf), args, out, tp=1, pp=1)
+    f = os.path.join(out, "iter_0000001", "mp_rank_00", mc.LEGACY_FILE)
+    state = mc.safe_torch_load(f)
+    state["optimizer"] = {"state": {0: Payload(str(marker))}}
+    torch.save(state, f)
+
+    assert detect_format(out) == "legacy"
+    with pytest.raises(mc.UnsafeCheckpointError) as e:
+        load_model_args_any(out)  # reads the saved args from this file
+    assert f in str(e.value) and "system" in str(e.value) and mc.SAFE_GLOBALS_ENV in str(e.value)
+    with pytest.raises(mc.UnsafeCheckpointError):
+        open_reader(out, args)  # loading the weights with a config.json at hand opens the same file
+    assert not marker.exists(), "the payload ran"
+
+
+def test_malicious_torch_dist_pickles_are_refused(tmp_path):
+    marker = tmp_path / "pwned"
+    d = tmp_path / "td"
+    d.mkdir()
+    (d / "metadata.json").write_text(
+        json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1})
+    )
+    # DCP reads .metadata with plain pickle.load; megatron-core reads common.pt with torch.load.
+    (d / ".metadata").write_bytes(pickle.dumps(Payload(str(marker))))
+    assert detect_format(str(d)) == "torch_dist"
+    with pytest.raises(mc.UnsafeCheckpointError, match=r"\.metadata.*system"):
+        mc.read_dcp_metadata(str(d))
+    with pytest.raises(mc.UnsafeCheckpointError):
+        load_model_args_any(str(d))  # no metadata / config.json: would read args from common.pt
+
+    (d / ".metadata").unlink()
+    torch.save({"args": Payload(str(marker))}, d / "common.pt")
+    (d / ".metadata").write_bytes(pickle.dumps({"plain": [1, 2]}))  # benign, so common.pt is reached
+    with pytest.raises(mc.UnsafeCheckpointError, match=r"common\.pt"):
+        mc.check_torch_dist(str(d))
+    assert not marker.exists(), "the payload ran"
+
+
+def test_what_megatron_lm_saves_is_allowed(tmp_path, monkeypatch):
+    """args Namespace with megatron enums, signals, paths, numpy scalars; numpy RNG states; BytesIO."""
+    from io import BytesIO
+
+    from megatron.core.enums import ModelType
+    from megatron.core.transformer.enums import AttnBackend
+
+    f = str(tmp_path / "ok.pt")
+    ns = argparse.Namespace(
+        attention_backend=AttnBackend.auto,
+        model_type=ModelType.encoder_or_decoder,
+        exit_signal=signal.SIGTERM,
+        save=PosixPath("/ckpt"),
+        lr=np.float64(3e-4),
+        params_dtype=torch.bfloat16,
+    )
+    torch.save({"args": ns, "np": np.random.get_state(), "te": BytesIO(b"x"), "w": torch.ones(2)}, f)
+    out = mc.safe_torch_load(f)
+    assert out["args"].attention_backend == AttnBackend.auto and out["args"].lr == 3e-4
+
+    # anything else needs an explicit opt-in by name
+    f2 = str(tmp_path / "custom.pt")
+    torch.save({"state": CustomState(3)}, f2)
+    with pytest.raises(mc.UnsafeCheckpointError, match="CustomState"):
+        mc.safe_torch_load(f2)
+    monkeypatch.setenv(mc.SAFE_GLOBALS_ENV, f"{__name__}.CustomState")
+    assert mc.safe_torch_load(f2)["state"].step == 3

@@ -1,0 +1,83 @@
+"""The reshard bucket plan (a pure function of the weight tables) and engine selection errors."""
+
+import math
+
+import pytest
+
+from megatron_rl.config import RolloutConfig
+from megatron_rl.models.hf import model_args_from_hf_config
+from megatron_rl.models.random_hf import QWEN25_1_5B
+from megatron_rl.rollout.base import create_engine
+from megatron_rl.rollout.reshard import plan_buckets
+from megatron_rl.weights.tables import hf_shapes
+
+
+def args_of(arch_cls: str, **dims):
+    hf = dict(
+        architectures=[arch_cls],
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=99,
+        max_position_embeddings=256,
+    )
+    hf.update(dims)
+    return model_args_from_hf_config(hf)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_plan_covers_every_hf_tensor_once(tie, tp, pp):
+    args = args_of("Qwen2ForCausalLM", tie_word_embeddings=tie)
+    shapes = hf_shapes(args)
+    expected = {k for k in shapes if not (tie and k == "lm_head.weight")}
+    bucket_bytes = 20_000
+    plan = plan_buckets(args, tp, pp, bucket_bytes, itemsize=2)
+    names = [t.name for b in plan for s in b.params for t in s.tensors]
+    assert len(names) == len(set(names)) and set(names) == expected
+    assert names[0] == "model.embed_tokens.weight"
+    assert ("lm_head.weight" in names) == (not tie)
+    stages = [b.stage for b in plan]
+    assert stages == sorted(stages) and set(stages) == set(range(pp))  # a bucket never spans stages
+    for b in plan:
+        # Offsets tile the bucket; only a lone oversized parameter may exceed the limit.
+        offs = sorted((t.offset, t.numel) for s in b.params for t in s.tensors)
+        assert offs[0][0] == 0 and all(a + n == c for (a, n), (c, _) in zip(offs, offs[1:], strict=False))
+        assert sum(n for _, n in offs) == b.numel
+        assert b.numel * 2 <= bucket_bytes or len(b.params) == 1
+        for s in b.params:
+            for t in s.tensors:
+                assert t.shape == tuple(shapes[t.name])
+
+
+def test_fused_layouts_stay_fused_and_norms_ride_along():
+    plan = plan_buckets(args_of("Phi3ForCausalLM"), 2, 1, 1 << 30, itemsize=4)
+    assert len(plan) == 1
+    names = {t.name for s in plan[0].params for t in s.tensors}
+    assert (
+        "model.layers.0.self_attn.qkv_proj.weight" in names
+        and "model.layers.0.mlp.gate_up_proj.weight" in names
+    )
+    assert "model.layers.0.input_layernorm.weight" in names
+
+
+def test_qwen25_1_5b_plan_size():
+    args = args_of("Qwen2ForCausalLM", **QWEN25_1_5B)
+    plan = plan_buckets(args, 2, 1, 512 << 20, itemsize=2)
+    total = sum(b.numel for b in plan)
+    assert total == sum(math.prod(s) for k, s in hf_shapes(args).items() if k != "lm_head.weight")
+    assert total == args.num_params() + 28 * (1536 + 2 * 256)  # + q/k/v biases
+    assert (
+        len(plan) == math.ceil(total * 2 / (512 << 20)) or len(plan) == math.ceil(total * 2 / (512 << 20)) + 1
+    )
+
+
+def test_bad_bucket_size_and_engine_name_are_explained():
+    with pytest.raises(ValueError, match="update_weights_bucket_megabytes"):
+        plan_buckets(args_of("LlamaForCausalLM"), 1, 1, 0, 2)
+    with pytest.raises(ValueError, match="rollout.name"):
+        create_engine(RolloutConfig(name="vllm"), "", None, None, 0)
+    with pytest.raises(ValueError, match="rollout.dtype"):
+        create_engine(RolloutConfig(name="hf", dtype="fp8"), "", None, None, 0)
