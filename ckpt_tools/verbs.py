@@ -80,9 +80,8 @@ def hf_to_mcore(a: argparse.Namespace) -> int:
     if rc is not None:
         return rc
     from ckpt_tools.hf_writer import copy_side_files
-    from megatron_rl.models.builder import build_model
+    from megatron_rl.models.builder import build_model, fill_from_reader
     from megatron_rl.models.hf import load_model_args
-    from megatron_rl.models.loading import fill_from_reader
     from megatron_rl.weights.hf_io import HFReader
     from megatron_rl.weights.megatron_ckpt import save_torch_dist
 
@@ -134,8 +133,8 @@ def legacy_to_dist(a: argparse.Namespace) -> int:
     if rc is not None:
         return rc
     from ckpt_tools.hf_writer import copy_side_files
-    from megatron_rl.models.builder import build_model
-    from megatron_rl.models.loading import fill_from_reader, load_model_args_any
+    from megatron_rl.models.builder import build_model, fill_from_reader
+    from megatron_rl.models.loading import load_model_args_any
     from megatron_rl.weights import megatron_ckpt as mc
 
     ckpt = _legacy(a.legacy)

@@ -101,7 +101,17 @@ def reduce_mean(metrics: dict[str, float], group, device: torch.device) -> dict[
     return dict(zip(keys, t.tolist(), strict=True))
 
 
-_GROUP_ORDER = ("actor", "critic", "reward", "response_length", "prompt_length", "val", "timing_s", "perf", "training")
+_GROUP_ORDER = (
+    "actor",
+    "critic",
+    "reward",
+    "response_length",
+    "prompt_length",
+    "val",
+    "timing_s",
+    "perf",
+    "training",
+)
 
 
 def format_console(step: int, metrics: dict[str, float]) -> str:

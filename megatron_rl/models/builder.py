@@ -161,20 +161,27 @@ def named_global_params(model: nn.Module) -> dict[str, nn.Parameter]:
 
 
 @torch.no_grad()
-def load_hf_weights(model: nn.Module, path: str, ps: ParallelState) -> HFReader:
-    """Fill this rank's shard from an HF directory, reading only its slices. Returns the reader
-    (its ``bytes_read`` says how much was materialised)."""
-    reader = HFReader(path)
+def fill_from_reader(model: nn.Module, ps: ParallelState, reader, progress: bool = False) -> None:
+    """Fill this rank's shard of ``model`` from HF tensors served by ``reader`` (``read(piece, dim)``),
+    whatever format stores them (HF safetensors, legacy Megatron-LM, torch_dist)."""
+    from tqdm import tqdm
+
     params = named_global_params(model)
-    expected = set()
-    for lay in iter_stage_layouts(model.args, ps.tp_size, ps.pp_size, ps.pp_rank, model.role):
-        expected.add(lay.name)
+    layouts = list(iter_stage_layouts(model.args, ps.tp_size, ps.pp_size, ps.pp_rank, model.role))
+    for lay in tqdm(layouts, desc="loading", disable=None if progress else True, leave=False):
         p = params.get(lay.name)
         if p is None:
             raise KeyError(f"Megatron model has no parameter {lay.name} (table/model mismatch)")
         p.copy_(assemble_shard(lay, ps.tp_rank, reader.read, p))
     value_head = {"output_layer.weight", "output_layer.bias"} if model.role == "critic" else set()
-    missing = set(params) - expected - value_head
+    missing = set(params) - {lay.name for lay in layouts} - value_head
     if missing:
         raise KeyError(f"Parameters not covered by the {model.args.arch} table: {sorted(missing)}")
+
+
+def load_hf_weights(model: nn.Module, path: str, ps: ParallelState) -> HFReader:
+    """Fill this rank's shard from an HF directory, reading only its slices. Returns the reader
+    (its ``bytes_read`` says how much was materialised)."""
+    reader = HFReader(path)
+    fill_from_reader(model, ps, reader)
     return reader

@@ -27,8 +27,6 @@ import torch
 from megatron_rl.models.hf import ModelArgs, load_model_args, model_args_from_hf_config
 from megatron_rl.parallel import ParallelState
 from megatron_rl.weights import megatron_ckpt as mc
-from megatron_rl.weights.hf_io import assemble_shard
-from megatron_rl.weights.tables import global_layer_name, iter_stage_layouts
 
 FORMATS = ("hf", "torch_dist", "legacy")
 
@@ -121,33 +119,13 @@ def open_reader(path: str, args: ModelArgs) -> mc.TensorSource:
     return mc.TorchDistReader(path, args)
 
 
-@torch.no_grad()
-def fill_from_reader(
-    model: torch.nn.Module, ps: ParallelState, reader: mc.TensorSource, progress: bool = False
-) -> None:
-    """Fill this rank's shard of ``model`` from HF tensors served by ``reader`` (any format)."""
-    from tqdm import tqdm
-
-    params = {global_layer_name(n, model.layer_offset): p for n, p in model.named_parameters()}
-    layouts = list(iter_stage_layouts(model.args, ps.tp_size, ps.pp_size, ps.pp_rank, model.role))
-    for lay in tqdm(layouts, desc="loading", disable=None if progress else True, leave=False):
-        p = params.get(lay.name)
-        if p is None:
-            raise KeyError(f"Megatron model has no parameter {lay.name} (table/model mismatch)")
-        p.copy_(assemble_shard(lay, ps.tp_rank, reader.read, p))
-    value_head = {"output_layer.weight", "output_layer.bias"} if model.role == "critic" else set()
-    missing = set(params) - {lay.name for lay in layouts} - value_head
-    if missing:
-        raise KeyError(f"Parameters not covered by the {model.args.arch} table: {sorted(missing)}")
-
-
 def load_weights(model: torch.nn.Module, path: str, ps: ParallelState, progress: bool = False) -> str:
     """Fill an already built model (``builder.build_model``) from ``path``; returns the format found.
 
     Collective for torch_dist (every rank calls it). A critic loaded from an HF or actor checkpoint
     gets the trunk; its value head is left as built.
     """
-    from megatron_rl.models.builder import load_hf_weights
+    from megatron_rl.models.builder import fill_from_reader, load_hf_weights
 
     fmt = detect_format(path)
     if fmt == "hf":

@@ -105,7 +105,7 @@ def test_bad_override_syntax():
         ),
         (["algorithm.adv_estimator=grpo"], 4, r"rollout\.n >= 2"),
         (["algorithm.adv_estimator=ppo2"], 4, r"algorithm\.adv_estimator='ppo2' is not one of"),
-        (["data.truncation=middle"], 4, r"data\.truncation"),
+        (["data.truncation=sideways"], 4, r"data\.truncation"),
         (["actor_rollout_ref.actor.clip_ratio_c=0.5"], 4, r"clip_ratio_c"),
         (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=5"], 4, r"ppo_micro_batch_size_per_gpu"),
         (["trainer.resume_mode=resume_path"], 4, r"resume_from_path"),
