@@ -5,12 +5,14 @@ Layout of ``trainer.default_local_dir``::
     latest_checkpointed_iteration.txt      newest complete step (written last, atomically)
     global_step_{N}/
         trainer_state.json                  step, sampler position, KL controller, layout
-        rank_{r:05d}.pt                     this rank's shards: models, optimizers + LR schedules, RNG
+        actor/  critic/                     model weights, megatron-core torch_dist (any TP/PP loads them;
+                                            ckpt_tools mcore-to-hf exports them)
+        rank_{r:05d}.pt                     this rank's optimizer states + LR schedules, RNG states
 
 A save writes into ``.global_step_{N}.partial`` and is published by one rename after every rank
 has written, so a crash mid-save never leaves a directory that looks complete. Only the newest
-``trainer.max_ckpt_to_keep`` are kept. Resuming needs the same TP/PP/DP layout (the shards are
-per rank); the directory must be on a filesystem every node sees.
+``trainer.max_ckpt_to_keep`` are kept. Resuming needs the same TP/PP/DP layout (optimizer states
+are per rank); the directory must be on a filesystem every node sees.
 """
 
 from __future__ import annotations
@@ -81,8 +83,16 @@ class CheckpointManager:
             path = self.step_dir(int(fh.read().strip()))
         return path if os.path.isdir(path) else None
 
-    def save(self, step: int, shards: dict[str, Any], trainer_state: dict[str, Any]) -> str:
-        """Collective: every rank passes its own ``shards`` (state dicts); rank 0 publishes."""
+    def save(
+        self,
+        step: int,
+        models: dict[str, torch.nn.Module],
+        shards: dict[str, Any],
+        trainer_state: dict[str, Any],
+    ) -> str:
+        """Collective: every rank passes the models and its own ``shards`` (state dicts); rank 0 publishes."""
+        from megatron_rl.weights.megatron_ckpt import save_torch_dist
+
         ps = self.ps
         final = self.step_dir(step)
         partial = os.path.join(self.root, f".global_step_{step}.partial")
@@ -90,6 +100,8 @@ class CheckpointManager:
             shutil.rmtree(partial, ignore_errors=True)
             os.makedirs(partial)
         dist.barrier()
+        for name, model in models.items():
+            save_torch_dist(model, ps, os.path.join(partial, name))
         torch.save({**shards, "rng": rng_state()}, os.path.join(partial, f"rank_{ps.rank:05d}.pt"))
         if ps.rank == 0:
             with open(os.path.join(partial, "trainer_state.json"), "w") as f:
@@ -113,8 +125,10 @@ class CheckpointManager:
         for s in steps[: -self.max_to_keep]:
             shutil.rmtree(self.step_dir(s), ignore_errors=True)
 
-    def load(self, path: str) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(this rank's shards, trainer_state); RNG states are restored as a side effect."""
+    def load(self, path: str, models: dict[str, torch.nn.Module]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Fill ``models`` and return (this rank's shards, trainer_state); RNG states are restored too."""
+        from megatron_rl.weights.megatron_ckpt import load_torch_dist
+
         state_file = os.path.join(path, "trainer_state.json")
         if not os.path.isfile(state_file):
             raise FileNotFoundError(
@@ -128,8 +142,13 @@ class CheckpointManager:
                 f"Checkpoint {path} was saved with layout {saved}, this job runs {now}: resume with the same "
                 "TP/PP and number of processes, or set trainer.resume_mode=disable."
             )
-        shards = torch.load(
-            os.path.join(path, f"rank_{self.ps.rank:05d}.pt"), map_location="cpu", weights_only=True
-        )
+        for name, model in models.items():
+            if not os.path.isdir(os.path.join(path, name)):
+                raise FileNotFoundError(
+                    f"{path} has no {name}/: resume with the same algorithm (critic.enable)."
+                )
+            load_torch_dist(model, self.ps, os.path.join(path, name))
+        rank_file = os.path.join(path, f"rank_{self.ps.rank:05d}.pt")
+        shards = torch.load(rank_file, map_location="cpu", weights_only=True)
         set_rng_state(shards.pop("rng"))
         return shards, trainer_state

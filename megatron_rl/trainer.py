@@ -456,13 +456,19 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ checkpoints
 
-    def save(self) -> str:
+    def _checkpointed(self) -> tuple[dict[str, torch.nn.Module], dict[str, object]]:
+        """(models saved as torch_dist, optimizers saved per rank)."""
         m = self.models
-        shards = {"actor": m.actor.state_dict(), "actor_optim": m.actor_optim.state_dict()}
+        models, optims = {"actor": m.actor}, {"actor_optim": m.actor_optim}
         if m.critic is not None:
-            shards.update(critic=m.critic.state_dict(), critic_optim=m.critic_optim.state_dict())
+            models["critic"], optims["critic_optim"] = m.critic, m.critic_optim
+        return models, optims
+
+    def save(self) -> str:
+        models, optims = self._checkpointed()
+        shards = {k: o.state_dict() for k, o in optims.items()}
         state = {"sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict()}
-        path = self.ckpt.save(self.global_step, shards, state)
+        path = self.ckpt.save(self.global_step, models, shards, state)
         if self.ps.rank == 0:
             log.info("saved checkpoint %s", path)
         return path
@@ -474,17 +480,10 @@ class Trainer:
         path = t.resume_from_path if t.resume_mode == "resume_path" else self.ckpt.latest()
         if path is None:
             return
-        shards, state = self.ckpt.load(path)
-        m = self.models
-        m.actor.load_state_dict(shards["actor"])
-        m.actor_optim.load_state_dict(shards["actor_optim"])
-        if m.critic is not None:
-            if "critic" not in shards:
-                raise RuntimeError(
-                    f"{path} has no critic but critic.enable is True: resume with the same algorithm."
-                )
-            m.critic.load_state_dict(shards["critic"])
-            m.critic_optim.load_state_dict(shards["critic_optim"])
+        models, optims = self._checkpointed()
+        shards, state = self.ckpt.load(path, models)
+        for k, o in optims.items():
+            o.load_state_dict(shards[k])
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.global_step = state["global_step"]

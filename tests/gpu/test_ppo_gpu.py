@@ -1,4 +1,4 @@
-"""The PPO layout-equivalence checks of tests/dist/test_ppo_layouts.py on GPUs (NCCL), plus a bf16 update.
+"""The PPO layout-equivalence checks of tests/distributed/test_ppo_layouts.py on GPUs (NCCL), plus a bf16 update.
 
 Same worker, same oracle (the TP1 run, fp32), same tolerances: the CUDA path differs from the CPU one
 in the collectives (NCCL), the device of every buffer and the kernels. The bf16 run trains through the
@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from tests.dist.test_ppo_layouts import (  # noqa: F401  (collected here, run against the GPU fixture)
+from tests.distributed.test_ppo_layouts import (  # noqa: F401  (collected here, run against the GPU fixture)
     run_all_layouts,
     run_layout,
     save_models,

@@ -41,7 +41,7 @@ TIE = 0.25  # logits; the random models' logits have std ~1 and a median top-2 m
 
 def judge(path: str, prompts: list[list[int]], outs: list[list[int]]) -> dict:
     """SGLang greedy outputs vs transformers on the same weights (see the module docstring)."""
-    from tests.dist.workers.reshard_sglang import judge_greedy
+    from tests.distributed.workers.reshard_sglang import judge_greedy
 
     res = judge_greedy(path, prompts, outs, torch.device("cuda"))
     print(f"SGLang greedy vs transformers: {res}")

@@ -1,4 +1,4 @@
-"""Two GPUs: the reshard stream into SGLang across ranks (tests/dist/workers/reshard_sglang.py).
+"""Two GPUs: the reshard stream into SGLang across ranks (tests/distributed/workers/reshard_sglang.py).
 
 * training TP=2 -> one SGLang engine of rollout TP=2 on rank 0: rank 1 feeds the engine's second
   worker from its own GPU; generation is collective and both ranks receive the same responses;
@@ -36,7 +36,7 @@ def run_torchrun_keep_path(script: str, nproc: int, args: list[str], timeout: in
     path = os.pathsep.join(x for x in (ROOT, os.environ.get("PYTHONPATH")) if x)
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    cmd += [os.path.join(ROOT, "tests", "dist", "workers", script), *args]
+    cmd += [os.path.join(ROOT, "tests", "distributed", "workers", script), *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         pytest.fail(

@@ -1,7 +1,7 @@
 """Vocab-parallel log-probs/entropy at TP=1 against torch.log_softmax over the full vocabulary.
 
 The TP=2 path (statistics all-reduced over a real gloo group) is checked against these TP=1 values in
-tests/dist/test_ppo_layouts.py.
+tests/distributed/test_ppo_layouts.py.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 and the PPO update's batch-size checks, in one process (DP = TP = PP = 1: no collectives).
 
 The distributed parts (DP average, tied-embedding sum, TP/PP grad norm) are checked against an
-unsharded run in tests/dist/test_ppo_layouts.py.
+unsharded run in tests/distributed/test_ppo_layouts.py.
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ def real_failures(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("failures")
     env = {**os.environ, "PYTHONPATH": ROOT, "RANK": "0"}
-    worker = os.path.join(ROOT, "tests", "dist", "workers", "launch_failures.py")
+    worker = os.path.join(ROOT, "tests", "distributed", "workers", "launch_failures.py")
     init = subprocess.Popen([sys.executable, worker, "--init-timeout", "--out", str(tmp / "i.json")], env=env)
     run_torchrun("launch_failures.py", 2, ["--out", str(tmp / "c.json")], timeout=300)
     assert init.wait(timeout=120) == 0

@@ -1,6 +1,6 @@
 """Reshard stream -> transformers engine at TP2 (x DP2), PP2 and TP2xPP2 (real torchrun/gloo jobs).
 
-One launch per layout runs every check (tests/dist/workers/reshard.py): engine logits == Megatron
+One launch per layout runs every check (tests/distributed/workers/reshard.py): engine logits == Megatron
 logits, engine weights == the original files bit for bit, tiny buckets == default buckets, a wrong
 qkv layout is caught, greedy generation == transformers' generate, seeded sampling reproduces,
 engine log-probs == reference log-probs, and TP/PP peers receive identical generations.

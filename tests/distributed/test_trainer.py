@@ -2,6 +2,9 @@
 
 import json
 import os
+import subprocess
+import sys
+import warnings
 
 import pytest
 import torch
@@ -83,6 +86,18 @@ def test_loop_runs_and_logs_verl_metrics(demo, tmp_path, torchrun):
     assert os.path.isfile(os.path.join(out, "global_step_2", "trainer_state.json"))
     assert open(os.path.join(out, "latest_checkpointed_iteration.txt")).read().strip() == "2"
 
+    # The trained actor exports to an HF directory that transformers loads, with the trained weights.
+    hf_dir = str(tmp_path / "hf")
+    actor_ckpt = os.path.join(out, "global_step_2", "actor")
+    cmd = [sys.executable, "-m", "ckpt_tools", "mcore-to-hf", "--ckpt", actor_ckpt, "--out", hf_dir]
+    subprocess.run(cmd, check=True, capture_output=True)
+    from transformers import AutoModelForCausalLM
+
+    trained = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    initial = AutoModelForCausalLM.from_pretrained(demo["model"], dtype=torch.float32)
+    w = "model.layers.0.mlp.down_proj.weight"
+    assert not torch.equal(trained.state_dict()[w], initial.state_dict()[w])
+
 
 def test_resume_is_bit_exact(demo, tmp_path, torchrun):
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
@@ -94,10 +109,47 @@ def test_resume_is_bit_exact(demo, tmp_path, torchrun):
     assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
     for ra, rb in zip(a, b, strict=True):
         assert stable(ra) == stable(rb), f"step {ra['step']} differs"
+    # Final weights: the published torch_dist checkpoints hold identical tensors.
+    for part in ("actor", "critic"):
+        wa, wb = (
+            torch_dist_tensors(os.path.join(straight, "global_step_6", part)),
+            torch_dist_tensors(os.path.join(split, "global_step_6", part)),
+        )
+        assert wa.keys() == wb.keys() and wa
+        for k in wa:
+            assert torch.equal(wa[k], wb[k]), f"{part}.{k} differs"
     for rank in range(2):
-        sa = torch.load(os.path.join(straight, "global_step_6", f"rank_{rank:05d}.pt"), weights_only=True)
-        sb = torch.load(os.path.join(split, "global_step_6", f"rank_{rank:05d}.pt"), weights_only=True)
-        for part in ("actor", "critic"):
-            for k, v in sa[part].items():
-                if isinstance(v, torch.Tensor):
-                    assert torch.equal(v, sb[part][k]), f"rank {rank} {part}.{k} differs"
+        oa = torch.load(os.path.join(straight, "global_step_6", f"rank_{rank:05d}.pt"), weights_only=True)
+        ob = torch.load(os.path.join(split, "global_step_6", f"rank_{rank:05d}.pt"), weights_only=True)
+        assert_same(oa["actor_optim"], ob["actor_optim"], f"rank {rank} actor_optim")
+
+
+def torch_dist_tensors(path):
+    """Every tensor of a torch_dist checkpoint, read with torch.distributed.checkpoint (no process group)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
+    meta = dcp.FileSystemReader(path).read_metadata()
+    sd = {
+        k: torch.empty(m.size, dtype=m.properties.dtype)
+        for k, m in meta.state_dict_metadata.items()
+        if isinstance(m, TensorStorageMetadata)
+    }
+    dcp.load(sd, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    return sd
+
+
+def assert_same(a, b, where):
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            assert_same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
