@@ -188,15 +188,8 @@ class _Ctx:
     """Innermost project frame of the failure (file:line in function)."""
 
 
-def _timeout_hint() -> str:
-    """The knob that sets the collective timeout (a config key once the config has one)."""
-    from megatron_rl.config import TrainerConfig
-
-    fields = {f.name for f in dataclasses.fields(TrainerConfig)}
-    for name in ("dist_timeout_minutes", "nccl_timeout_minutes"):
-        if name in fields:
-            return f"trainer.{name}"
-    return "the timeout_minutes passed to megatron_rl.parallel.init_parallel (30 by default)"
+TIMEOUT_KEY = "trainer.dist_timeout_minutes"
+"""The config key of the collective timeout, named in timeout messages."""
 
 
 def _duration(ms: str | int) -> str:
@@ -217,7 +210,7 @@ def _timeout(ctx: _Ctx, ms: str) -> str:
     return (
         f"{_rank(ctx)} timed out in {_in(ctx)} after {_duration(ms)}: likely a rank died or is stuck; "
         "see its log (the first rank that failed holds the cause); if the step is legitimately that slow, "
-        f"raise {_timeout_hint()}."
+        f"raise {TIMEOUT_KEY}."
     )
 
 

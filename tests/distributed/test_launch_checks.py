@@ -56,7 +56,7 @@ def test_gloo_timeout_names_rank_op_duration_and_knob(real_failures):
     assert "Timed out waiting 2000ms" in r["raw"], r  # the real gloo error this rule is written for
     msg = _one_line(r["explained"])
     assert msg.startswith("rank 0 timed out in broadcast after 2 s: likely a rank died or is stuck"), msg
-    assert "see its log" in msg and "init_parallel" in msg, msg
+    assert "see its log" in msg and "trainer.dist_timeout_minutes" in msg, msg
 
 
 def test_lost_peer_is_marked_collateral(real_failures):

@@ -7,14 +7,10 @@
 Same oracle and tolerances as test_sglang.py (greedy tokens teacher-forced through transformers).
 """
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from tests.conftest import ROOT, read_json
+from tests.conftest import read_json, run_torchrun
 from tests.gpu.test_sglang import TIE
 
 pytestmark = pytest.mark.gpu
@@ -28,20 +24,6 @@ DIMS = dict(
     vocab_size=512,
     max_position_embeddings=512,
 )
-
-
-def run_torchrun_keep_path(script: str, nproc: int, args: list[str], timeout: int = 600) -> None:
-    """tests.conftest.run_torchrun, but keeping PYTHONPATH (the GPU machine installs SGLang and
-    megatron-core under /tmp/site and finds them through it)."""
-    path = os.pathsep.join(x for x in (ROOT, os.environ.get("PYTHONPATH")) if x)
-    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    cmd += [os.path.join(ROOT, "tests", "distributed", "workers", script), *args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        pytest.fail(
-            f"torchrun {script} failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-        )
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +42,7 @@ def models(tmp_path_factory):
 )
 def test_multi_rank_sync_and_generate(models, tmp_path, tp, rollout_tp):
     out = str(tmp_path / "r.json")
-    run_torchrun_keep_path(
+    run_torchrun(
         "reshard_sglang.py",
         2,
         ["--models", models, "--tp", str(tp), "--rollout-tp", str(rollout_tp), "--out", out],
