@@ -1,4 +1,4 @@
-"""The PPO layout-equivalence checks of tests/distributed/test_ppo_layouts.py on GPUs (NCCL), plus a bf16 update.
+"""The PPO layout-equivalence checks of tests/distributed/test_ppo_layouts.py on GPUs (NCCL), and bf16.
 
 Same worker, same oracle (the TP1 run, fp32), same tolerances: the CUDA path differs from the CPU one
 in the collectives (NCCL), the device of every buffer and the kernels. The bf16 run trains through the

@@ -1,4 +1,4 @@
-"""Real distributed failures, each passed through launch_checks.explain (tests/distributed/test_launch_checks.py).
+"""Real distributed failures, each passed through launch_checks.explain (test_launch_checks.py).
 
 Under torchrun with 2 ranks (gloo):
   1. a 2 s group where rank 1 never joins rank 0's broadcast  -> gloo's recv timeout on rank 0;
