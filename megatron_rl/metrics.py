@@ -25,6 +25,8 @@ class Timer:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.times: dict[str, float] = {}
+        self.max_device_used = 0
+        """Most device memory in use (all allocators, the rollout engine's included) at a phase end."""
 
     @contextlib.contextmanager
     def __call__(self, name: str) -> Iterator[None]:
@@ -38,6 +40,9 @@ class Timer:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
+            if self.device.type == "cuda":
+                free, total = torch.cuda.mem_get_info(self.device)
+                self.max_device_used = max(self.max_device_used, total - free)
 
     def pop(self) -> dict[str, float]:
         out = {f"timing_s/{k}": v for k, v in self.times.items()}

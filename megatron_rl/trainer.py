@@ -448,6 +448,9 @@ class Trainer:
         if ps.device.type == "cuda":
             out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(ps.device) / 2**30
             out["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved(ps.device) / 2**30
+            # The engine allocates outside torch's caching allocator: device-level use is the true peak.
+            out["perf/max_device_memory_used_gb"] = self.timer.max_device_used / 2**30
+            out["perf/peak_tflops"] = self.peak_flops / 1e12
         else:
             import resource
 

@@ -11,19 +11,9 @@ import pytest
 import torch
 
 from tests.conftest import read_json, run_torchrun
-from tests.gpu.test_sglang import TIE
+from tests.gpu.test_sglang import DIMS, TIE
 
 pytestmark = pytest.mark.gpu
-
-DIMS = dict(
-    hidden_size=256,
-    intermediate_size=512,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=512,
-    max_position_embeddings=512,
-)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,189 @@
+"""Benchmark: real PPO steps of the trainer (actor + critic + reference, colocated with the engine).
+
+    python bench/ppo_step.py --model qwen2.5-1.5b --nproc 1 --tp 1 --out bench_out/tp1
+    python bench/ppo_step.py --model qwen2.5-1.5b --nproc 2 --tp 2 --out bench_out/tp2
+    python bench/ppo_step.py --model tiny --device cpu --rollout hf --nproc 2 --tp 2 --out /tmp/b  # CPU
+
+It prepares a random HF model (Qwen2.5-1.5B shape, or a tiny one), a word-level tokenizer whose
+tokens are ``t0 .. t{V-1}`` (so prompts are plain token ids), and parquet prompts of exactly
+--prompt-len tokens; then it runs ``torchrun -m megatron_rl.train`` unchanged, twice unless
+--no-compare: colocated (engine memory released during training) and not (free_cache_engine=False),
+and summarises the JSONL metrics (steps after the first, which includes compilation and warm-up):
+per-phase seconds, tokens/s/GPU, actor MFU against the bf16 matmul peak measured in the same run,
+peak device memory, and the colocated/non-colocated peak-memory ratio. Responses are
+--response-len tokens: a random model practically never samples EOS. The reward is a rule on the
+response text (bench/synthetic_reward.py), so every phase of a real step runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PHASES = ("gen", "reshard", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor")
+TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+def prepare(work: str, model: str, prompt_len: int, n_prompts: int, seed: int) -> tuple[str, str, str]:
+    """Model directory, tokenizer directory and a training parquet file under ``work``.
+
+    The tokenizer has its own directory: beside a Qwen2 config.json, transformers would load it as a
+    Qwen2 tokenizer and replace its whitespace pre-tokenizer with Qwen2's byte-level one.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from megatron_rl.models.random_hf import QWEN25_1_5B, TINY, save_random_hf_model
+
+    dims = dict(QWEN25_1_5B) if model == "qwen2.5-1.5b" else {**TINY, "vocab_size": 512}
+    model_dir, tok_dir = os.path.join(work, "model"), os.path.join(work, "tokenizer")
+    vocab = dims["vocab_size"]
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        words = {f"t{i}": i for i in range(vocab - 3)}
+        words.update({"<pad>": vocab - 3, "<s>": vocab - 2, "</s>": vocab - 1})
+        tok = Tokenizer(models.WordLevel(words, unk_token="<pad>"))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        hf_tok = PreTrainedTokenizerFast(
+            tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", chat_template=TEMPLATE
+        )
+        hf_tok.save_pretrained(tok_dir)
+        ids = dict(pad_token_id=vocab - 3, bos_token_id=vocab - 2, eos_token_id=vocab - 1)
+        # HF's default init (std 0.02): sane bf16 activations; the benchmark measures speed, not quality.
+        save_random_hf_model(model_dir, "qwen2", seed=seed, init="hf", dtype=torch.bfloat16, **dims, **ids)
+    data = os.path.join(work, "train.parquet")
+    rng = random.Random(seed)
+    rows = [
+        {
+            "prompt": [
+                {
+                    "role": "user",
+                    "content": " ".join(f"t{rng.randrange(vocab - 3)}" for _ in range(prompt_len)),
+                }
+            ],
+            "data_source": "bench/synthetic",
+            "reward_model": {"style": "rule", "ground_truth": ""},
+            "extra_info": {"index": i},
+        }
+        for i in range(n_prompts)
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), data)
+    return model_dir, tok_dir, data
+
+
+def run(a: argparse.Namespace, model_dir: str, tok_dir: str, data: str, colocate: bool) -> list[dict]:
+    out = os.path.join(a.out, "colocated" if colocate else "separate")
+    overrides = {
+        "data.train_files": f"[{data}]",
+        "data.tokenizer": tok_dir,
+        "data.max_prompt_length": a.prompt_len,
+        "data.max_response_length": a.response_len,
+        "data.train_batch_size": a.batch,
+        "actor_rollout_ref.model.path": model_dir,
+        "actor_rollout_ref.actor.ppo_mini_batch_size": a.batch,
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": a.micro,
+        "actor_rollout_ref.actor.use_kl_loss": True,  # keeps the reference model in the step
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size": a.tp,
+        "actor_rollout_ref.actor.megatron.params_dtype": "bfloat16",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": a.micro * 2,
+        "actor_rollout_ref.rollout.name": a.rollout,
+        "actor_rollout_ref.rollout.tensor_model_parallel_size": a.rollout_tp or a.tp,
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": a.micro * 2,
+        "actor_rollout_ref.rollout.free_cache_engine": colocate,
+        "actor_rollout_ref.rollout.gpu_memory_utilization": a.gpu_memory_utilization,
+        "critic.ppo_micro_batch_size_per_gpu": a.micro,
+        "custom_reward_function.path": os.path.join(ROOT, "bench", "synthetic_reward.py"),
+        "algorithm.adv_estimator": "gae",
+        "trainer.total_training_steps": a.steps,
+        "trainer.save_at_end": a.save,
+        "trainer.test_freq": -1,
+        "trainer.logger": "[console,jsonl]",
+        "trainer.default_local_dir": out,
+        "trainer.resume_mode": "disable",
+        "trainer.device": a.device,
+    }
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={a.nproc}"]
+    cmd += ["-m", "megatron_rl.train", *(f"{k}={v}" for k, v in overrides.items())]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+    subprocess.run(cmd, check=True, env=env, cwd=ROOT)
+    with open(os.path.join(out, "logs", "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def summarize(rows: list[dict], nproc: int) -> dict:
+    steady = rows[1:] or rows  # step 1 pays for compilation, CUDA-graph capture and allocator warm-up
+
+    def mean(key: str) -> float | None:
+        vals = [r[key] for r in steady if key in r]
+        return statistics.fmean(vals) if vals else None
+
+    step = mean("timing_s/step")
+    phases = {p: mean(f"timing_s/{p}") for p in PHASES}
+    busy = sum(v for v in phases.values() if v)
+    return {
+        "steps_measured": len(steady),
+        "step_s": step,
+        "phases_s": phases,
+        "other_s": step - busy if step else None,
+        "tokens_per_s_per_gpu": mean("perf/throughput"),
+        "mfu_actor": mean("perf/mfu/actor"),
+        "peak_tflops": mean("perf/peak_tflops"),
+        "max_memory_allocated_gb": max(
+            (r.get("perf/max_memory_allocated_gb", 0) for r in rows), default=None
+        ),
+        "max_device_memory_used_gb": max(
+            (r.get("perf/max_device_memory_used_gb", 0) for r in rows), default=None
+        ),
+        "response_length": mean("response_length/mean"),
+        "nproc": nproc,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen2.5-1.5b", choices=["qwen2.5-1.5b", "tiny"])
+    ap.add_argument("--nproc", type=int, default=1)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--rollout-tp", type=int, default=None)
+    ap.add_argument("--rollout", default="sglang", choices=["sglang", "hf"])
+    ap.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=128, help="prompts per step (n=1)")
+    ap.add_argument("--micro", type=int, default=8, help="ppo_micro_batch_size_per_gpu")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--response-len", type=int, default=256)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.4)
+    ap.add_argument("--no-compare", action="store_true", help="skip the non-colocated run")
+    ap.add_argument("--save", action="store_true", help="save a checkpoint after the last step")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+
+    os.makedirs(a.out, exist_ok=True)
+    model_dir, tok_dir, data = prepare(
+        os.path.join(a.out, "inputs"), a.model, a.prompt_len, a.batch * a.steps, a.seed
+    )
+    result = {
+        "args": vars(a),
+        "colocated": summarize(run(a, model_dir, tok_dir, data, colocate=True), a.nproc),
+    }
+    if not a.no_compare:
+        result["separate"] = summarize(run(a, model_dir, tok_dir, data, colocate=False), a.nproc)
+        key = "max_device_memory_used_gb"
+        co, sep = result["colocated"][key], result["separate"][key]
+        result["peak_memory_ratio_colocated_vs_separate"] = co / sep if co and sep else None
+    with open(os.path.join(a.out, "summary.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
