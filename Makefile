@@ -11,7 +11,7 @@ PYTEST  := $(BIN)/python -m pytest
 install: $(STAMP)
 
 # torch==2.13.0 resolves to the CPU wheel on machines that carry it locally; the GPU machine
-# brings its own torch and installs the rest from the wheel kit (docs/gpu.md).
+# brings its own CUDA build of torch and installs the rest beside it (docs/gpu.md).
 $(STAMP): setup.py pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[dev]'

@@ -23,9 +23,9 @@ from ckpt_tools.launch import relaunch_if_needed, require_single_process
 
 
 def _dtype(name: str):
-    import torch
+    from megatron_rl.models.builder import DTYPES
 
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    return DTYPES[name]
 
 
 def _config_dtype(args):

@@ -89,8 +89,6 @@ class OptimConfig:
     """Adam epsilon."""
     clip_grad: float = 1.0
     """Clip the global gradient norm (over all TP/PP/DP shards) to this value; 0 disables."""
-    total_training_steps: int = -1
-    """Optimizer steps of the schedule; set by the trainer from the data, leave at -1."""
 
 
 @dataclass
@@ -99,16 +97,8 @@ class MegatronConfig:
     """Tensor-parallel size; None: 1 for the actor, the actor's for ref and critic (they must match)."""
     pipeline_model_parallel_size: int | None = None
     """Pipeline-parallel size; None: 1 for the actor, the actor's for ref and critic (they must match)."""
-    use_distributed_optimizer: bool = True
-    """Shard optimizer states over data-parallel ranks (GPU)."""
-    param_offload: bool = False
-    """Move parameters to host memory while the rollout engine runs."""
-    optimizer_offload: bool = False
-    """Move optimizer states to host memory while the rollout engine runs."""
-    grad_offload: bool = False
-    """Move gradient buffers to host memory while the rollout engine runs."""
     seed: int = 42
-    """Seed of the model-parallel RNG streams."""
+    """Seed of the model-parallel RNG streams (the actor's section sets it for the job)."""
     params_dtype: str = "bfloat16"
     """Parameter dtype of the Megatron model: float32 | bfloat16 | float16 (float32 on CPU)."""
     use_sdpa_attention: bool = True
@@ -185,8 +175,6 @@ class RolloutConfig:
     """Top-k sampling (-1 = off)."""
     do_sample: bool = True
     """Sample (False = greedy)."""
-    ignore_eos: bool = False
-    """Keep generating past EOS (benchmarks only)."""
     dtype: str = "bfloat16"
     """Engine weight dtype."""
     tensor_model_parallel_size: int = 1
@@ -203,16 +191,12 @@ class RolloutConfig:
     """Sequences per forward when recomputing old log-probs."""
     update_weights_bucket_megabytes: int = 512
     """Size of the buckets in which weights are streamed into the engine."""
-    calculate_log_probs: bool = False
-    """Also return the engine's log-probs of sampled tokens (diagnostics)."""
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
     """Sampling parameters of validation."""
 
 
 @dataclass
 class ActorRolloutRefConfig:
-    hybrid_engine: bool = True
-    """Actor and rollout engine share processes and GPUs (the only mode)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """Policy model to train."""
     actor: ActorConfig = field(default_factory=ActorConfig)
@@ -228,7 +212,7 @@ class CriticConfig:
     enable: bool | None = None
     """Train a critic; None means: when algorithm.adv_estimator needs one (gae)."""
     model: ModelConfig = field(default_factory=ModelConfig)
-    """Critic trunk; path defaults to actor_rollout_ref.model.path."""
+    """Critic trunk (same architecture and size as the actor); path defaults to the actor's."""
     ppo_mini_batch_size: int | None = None
     """Prompts per critic optimizer step; defaults to the actor's."""
     ppo_micro_batch_size_per_gpu: int = 4
@@ -281,8 +265,6 @@ class AlgorithmConfig:
 class RewardModelConfig:
     enable: bool = False
     """A learned reward model (not supported yet: rewards come from rule functions)."""
-    reward_manager: str = "naive"
-    """How scores are computed from decoded responses."""
 
 
 @dataclass
@@ -558,6 +540,11 @@ def validate(cfg: Config, world_size: int, model_dims: dict[str, int] | None = N
         raise ConfigError(
             f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares samples of one prompt: "
             "set actor_rollout_ref.rollout.n >= 2."
+        )
+    if rollout.temperature <= 0:
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.temperature={rollout.temperature} must be > 0 (log-probs are taken "
+            "at the sampling temperature); for greedy rollouts set actor_rollout_ref.rollout.do_sample=False."
         )
     if actor.clip_ratio_c <= 1.0:
         raise ConfigError(f"actor_rollout_ref.actor.clip_ratio_c={actor.clip_ratio_c} must be > 1.0.")

@@ -262,7 +262,7 @@ _RULES: list[_Rule] = [
         lambda c, m: (
             f"{_rank(c)} ran out of GPU memory: lower actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
             " / *.log_prob_micro_batch_size_per_gpu or actor_rollout_ref.rollout.gpu_memory_utilization, "
-            "or enable actor_rollout_ref.actor.megatron.param_offload / optimizer_offload."
+            "or raise actor_rollout_ref.actor.megatron.tensor_model_parallel_size."
         ),
         False,
     ),

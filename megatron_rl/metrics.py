@@ -69,6 +69,26 @@ def _stats(name: str, x: torch.Tensor, group) -> dict[str, float]:
     }
 
 
+def _explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, group) -> float:
+    """1 - Var[returns - values] / Var[returns] over the masked tokens of all data-parallel ranks."""
+    ret, res = returns[mask.bool()].double(), (returns - values)[mask.bool()].double()
+    t = torch.stack(
+        [
+            torch.tensor(float(ret.numel()), dtype=torch.float64, device=ret.device),
+            ret.sum(),
+            (ret * ret).sum(),
+            res.sum(),
+            (res * res).sum(),
+        ]
+    )
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, group=group)
+    n = t[0].clamp(min=1)
+    var_ret = t[2] / n - (t[1] / n) ** 2
+    var_res = t[4] / n - (t[3] / n) ** 2
+    return (1.0 - var_res / (var_ret + 1e-5)).item()
+
+
 def _masked_tokens(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return x[mask.bool()]
 
@@ -85,25 +105,12 @@ def data_metrics(batch: RolloutBatch, max_response_length: int, dp_group) -> dic
     out.update(_stats("critic/returns", _masked_tokens(batch.returns, m), dp_group))
     if batch.values is not None:
         out.update(_stats("critic/values", _masked_tokens(batch.values, m), dp_group))
-        from megatron_rl.algos.losses import explained_variance
-
-        out["critic/vf_explained_var"] = float(explained_variance(batch.values, batch.returns, m))
+        out["critic/vf_explained_var"] = _explained_variance(batch.values, batch.returns, m, dp_group)
     out.update(_stats("response_length", resp_len, dp_group))
     clipped = (resp_len >= max_response_length).float()
     out["response_length/clip_ratio"] = _stats("c", clipped, dp_group)["c/mean"]
     out.update(_stats("prompt_length", prompt_len, dp_group))
     return out
-
-
-def reduce_mean(metrics: dict[str, float], group, device: torch.device) -> dict[str, float]:
-    """Average scalar metrics over a process group (same keys on every rank)."""
-    if group is None or dist.get_world_size(group) == 1 or not metrics:
-        return metrics
-    keys = sorted(metrics)
-    t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=device)
-    dist.all_reduce(t, group=group)
-    t /= dist.get_world_size(group)
-    return dict(zip(keys, t.tolist(), strict=True))
 
 
 _GROUP_ORDER = (

@@ -307,6 +307,4 @@ def build_optimizer(
 
     ``key`` is the config prefix named in error messages (e.g. ``actor_rollout_ref.actor.optim``).
     """
-    # Extension point: a megatron-core DDP + distributed optimizer backend for GPU goes here, chosen by
-    # MegatronConfig.use_distributed_optimizer, behind the ModelOptimizer interface.
     return ModelOptimizer(model, cfg, ps, total_steps, key)

@@ -53,10 +53,6 @@ class ParallelState:
         """Global rank of the last pipeline stage in this rank's pipeline."""
         return dist.get_global_rank(self.pp_group, self.pp_size - 1)
 
-    @property
-    def pp_first_rank(self) -> int:
-        return dist.get_global_rank(self.pp_group, 0)
-
 
 def _free_port() -> int:
     with socket.socket() as s:

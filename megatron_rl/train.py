@@ -44,9 +44,13 @@ def main(argv: list[str] | None = None) -> None:
             device=cfg.trainer.device,
             timeout_minutes=cfg.trainer.dist_timeout_minutes,
         )
+        trainer = None
         try:
-            Trainer(cfg, ps).fit()
+            trainer = Trainer(cfg, ps)
+            trainer.fit()
         finally:
+            if trainer is not None:
+                trainer.engine.shutdown()
             destroy_parallel()
 
 

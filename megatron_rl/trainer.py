@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from megatron_rl.batch import RolloutBatch, SeqMeta
 from megatron_rl.config import Config, to_dict
-from megatron_rl.metrics import MetricsLogger, Timer, data_metrics, progress_bar, reduce_mean
+from megatron_rl.metrics import MetricsLogger, Timer, data_metrics, progress_bar
 from megatron_rl.parallel import ParallelState
 
 log = logging.getLogger(__name__)
@@ -123,39 +123,43 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ setup
 
     def _build_models(self) -> Models:
+        """Actor (+ optimizer), reference (only when a KL term needs it), critic (+ optimizer).
+
+        Each role uses its own ``megatron`` section for dtype and attention; the parallel layout is
+        shared (validated). LR schedules span the optimizer steps each model will actually take.
+        """
         from megatron_rl.models.builder import DTYPES, build_model
         from megatron_rl.models.loading import load_weights
         from megatron_rl.optim import build_optimizer
 
         cfg, ps, arr = self.cfg, self.ps, self.cfg.actor_rollout_ref
-        dtype = torch.float32 if ps.device.type == "cpu" else DTYPES[arr.actor.megatron.params_dtype]
-        sdpa = arr.actor.megatron.use_sdpa_attention
-        opt_steps_per_ppo_step = arr.actor.ppo_epochs * (
-            cfg.data.train_batch_size // arr.actor.ppo_mini_batch_size
-        )
 
-        def model(role: str, path: str) -> torch.nn.Module:
-            m = build_model(self.model_args, ps, role=role, dtype=dtype, sdpa=sdpa)
+        def model(role: str, path: str, mcfg) -> torch.nn.Module:
+            dtype = torch.float32 if ps.device.type == "cpu" else DTYPES[mcfg.params_dtype]
+            m = build_model(self.model_args, ps, role=role, dtype=dtype, sdpa=mcfg.use_sdpa_attention)
             load_weights(m, path, ps)
             return m
 
-        actor = model("actor", arr.model.path)
+        def optim_steps(epochs: int, mini_batch: int, ppo_steps: int) -> int:
+            return ppo_steps * epochs * (cfg.data.train_batch_size // mini_batch)
+
+        actor = model("actor", arr.model.path, arr.actor.megatron)
+        # The actor does not step during trainer.critic_warmup.
+        actor_steps = optim_steps(
+            arr.actor.ppo_epochs, arr.actor.ppo_mini_batch_size, self.total_steps - cfg.trainer.critic_warmup
+        )
         actor_optim = build_optimizer(
-            actor,
-            arr.actor.optim,
-            ps,
-            self.total_steps * opt_steps_per_ppo_step,
-            key="actor_rollout_ref.actor.optim",
+            actor, arr.actor.optim, ps, actor_steps, key="actor_rollout_ref.actor.optim"
         )
         need_ref = cfg.algorithm.use_kl_in_reward or arr.actor.use_kl_loss
-        ref = model("actor", arr.model.path).eval() if need_ref else None
+        ref = model("actor", arr.model.path, arr.ref.megatron).eval() if need_ref else None
         critic = critic_optim = None
         if cfg.critic.enable:
-            critic = model("critic", cfg.critic.model.path)
-            crit_steps = cfg.critic.ppo_epochs * (cfg.data.train_batch_size // cfg.critic.ppo_mini_batch_size)
-            critic_optim = build_optimizer(
-                critic, cfg.critic.optim, ps, self.total_steps * crit_steps, key="critic.optim"
+            critic = model("critic", cfg.critic.model.path, cfg.critic.megatron)
+            critic_steps = optim_steps(
+                cfg.critic.ppo_epochs, cfg.critic.ppo_mini_batch_size, self.total_steps
             )
+            critic_optim = build_optimizer(critic, cfg.critic.optim, ps, critic_steps, key="critic.optim")
         return Models(actor, actor_optim, ref, critic, critic_optim)
 
     def _build_engine(self):
@@ -255,9 +259,10 @@ class Trainer:
         metrics.update(data_metrics(batch, cfg.data.max_response_length, ps.dp_group))
         metrics.update(self.timer.pop())
         metrics["timing_s/step"] = time.perf_counter() - t_step
+        metrics["perf/time_per_step"] = metrics["timing_s/step"]
         metrics.update(self._perf_metrics(batch, metrics))
         metrics["training/global_step"] = self.global_step
-        metrics["training/epoch"] = self.sampler.state_dict().get("epoch", 0)
+        metrics["training/epoch"] = (self.global_step - 1) // len(self.sampler)
         return metrics
 
     # ------------------------------------------------------------------------------------------ phases
@@ -305,7 +310,9 @@ class Trainer:
         with timer("gen"):
             gens = self.engine.generate([it.prompt_ids for it in items], params)
         if free:
+            # SGLang drops its weights with its memory: the next rollout streams them again.
             self.engine.release_memory()
+            self.weights_stale = True
 
         # [B*n] rows: prompt i's samples are adjacent and share a uid (the GRPO/RLOO group).
         prompts, metas, responses = [], [], []
@@ -336,23 +343,41 @@ class Trainer:
         ids = eos if isinstance(eos, list) else [eos]
         return [i for i in ids if i is not None]
 
-    def score(self, batch: RolloutBatch) -> dict[str, float]:
-        """Rule rewards, placed on each response's last real token -> batch.token_level_scores [B, R]."""
-        with self.timer("reward"):
-            lengths = batch.response_mask.sum(-1).long()
-            response_ids = [batch.responses[i, : lengths[i]].tolist() for i in range(len(batch))]
-            scores, info = self.reward_fn(
-                response_ids,
+    def reward_scores(self, batch: RolloutBatch) -> tuple[torch.Tensor, int]:
+        """Per-sequence scores [B] (on the device) and the number of reward errors.
+
+        Computed once per model replica, on its first rank, and broadcast to the other TP/PP ranks:
+        a non-deterministic reward function must not give the shards of one model different losses.
+        """
+        ps = self.ps
+        scores = torch.zeros(len(batch) + 1, dtype=torch.float32)
+        if ps.tp_rank == 0 and ps.pp_rank == 0:
+            lengths = batch.response_mask.sum(-1).long().tolist()
+            responses = batch.responses.cpu()
+            values, info = self.reward_fn(
+                [responses[i, :n].tolist() for i, n in enumerate(lengths)],
                 [mt.data_source for mt in batch.meta],
                 [mt.ground_truth for mt in batch.meta],
                 [mt.extra_info for mt in batch.meta],
             )
+            scores[:-1], scores[-1] = values, float(info.get("reward/num_errors", 0))
+        scores = scores.to(ps.device)
+        if ps.tp_size * ps.pp_size > 1:
+            dist.broadcast(scores, src=dist.get_global_rank(ps.mp_group, 0), group=ps.mp_group)
+        return scores[:-1], int(scores[-1].item())
+
+    def score(self, batch: RolloutBatch) -> dict[str, float]:
+        """Rule rewards, placed on each response's last real token -> batch.token_level_scores [B, R]."""
+        with self.timer("reward"):
+            scores, errors = self.reward_scores(batch)
+            lengths = batch.response_mask.sum(-1).long()
             token_scores = torch.zeros_like(batch.response_mask)
             last = (lengths - 1).clamp(min=0)
-            token_scores[torch.arange(len(batch)), last] = scores.to(token_scores) * (lengths > 0)
+            token_scores[torch.arange(len(batch), device=last.device), last] = scores * (lengths > 0)
             batch.token_level_scores = token_scores
-        errors = float(info.get("reward/num_errors", 0))
-        return reduce_mean({"reward/num_errors": errors}, self.ps.dp_group, self.ps.device)
+        t = torch.tensor(float(errors), device=self.ps.device)
+        dist.all_reduce(t, group=self.ps.dp_group)  # a count: summed over data-parallel ranks
+        return {"reward/num_errors": t.item()}
 
     def compute_advantages(self, batch: RolloutBatch) -> dict[str, float]:
         from megatron_rl.algos import advantages as adv
@@ -396,30 +421,30 @@ class Trainer:
         return metrics
 
     def validate(self) -> dict[str, float]:
-        """Greedy (val_kwargs) generation on the validation prompts; val/test_score/{data_source}."""
-        from megatron_rl.data import ResumableDistributedSampler
+        """Generation with val_kwargs on every validation prompt once; val/test_score/{data_source}.
 
+        Rank r of the data-parallel group takes prompts r, r + dp, ...; every rank runs the same number
+        of batches of the same size (the engine's generate is collective), a short last batch is filled
+        with a repeated prompt whose scores are not counted.
+        """
         ps = self.ps
-        size = self.cfg.data.val_batch_size or len(self.val_data)
-        size = max(ps.dp_size, size - size % ps.dp_size)
-        sampler = ResumableDistributedSampler(
-            len(self.val_data), size, ps.dp_rank, ps.dp_size, 0, shuffle=False, drop_last=False
-        )
+        n_val = len(self.val_data)
+        mine = list(range(ps.dp_rank, n_val, ps.dp_size))
+        per_rank = -(-n_val // ps.dp_size)
+        bs = max(1, (self.cfg.data.val_batch_size or n_val) // ps.dp_size)
+        n_samples = self.cfg.actor_rollout_ref.rollout.val_kwargs.n
         sums: dict[str, list[float]] = {}
-        timer = Timer(ps.device)
-        for _, idx in zip(range(len(sampler)), sampler, strict=False):
-            batch = self.rollout(idx, timer, validate=True)
-            lengths = batch.response_mask.sum(-1).long()
-            scores, _ = self.reward_fn(
-                [batch.responses[i, : lengths[i]].tolist() for i in range(len(batch))],
-                [mt.data_source for mt in batch.meta],
-                [mt.ground_truth for mt in batch.meta],
-                [mt.extra_info for mt in batch.meta],
-            )
-            for mt, s in zip(batch.meta, scores.tolist(), strict=True):
-                acc = sums.setdefault(mt.data_source, [0.0, 0.0])
-                acc[0] += s
-                acc[1] += 1
+        with self.timer("testing"):
+            for start in range(0, per_rank, bs):
+                idx = mine[start : start + bs]
+                real = len(idx) * n_samples
+                idx += [0] * (min(bs, per_rank - start) - len(idx))
+                batch = self.rollout(idx, Timer(ps.device), validate=True)
+                scores, _ = self.reward_scores(batch)
+                for mt, s in zip(batch.meta[:real], scores[:real].tolist(), strict=True):
+                    acc = sums.setdefault(mt.data_source, [0.0, 0.0])
+                    acc[0] += s
+                    acc[1] += 1
         # Every rank must contribute the same keys: reduce over the union of data sources.
         sources = [None] * ps.world_size
         dist.all_gather_object(sources, sorted(sums))
@@ -428,6 +453,7 @@ class Trainer:
             t = torch.tensor(sums.get(src, [0.0, 0.0]), dtype=torch.float64, device=ps.device)
             dist.all_reduce(t, group=ps.dp_group)
             out[f"val/test_score/{src}"] = (t[0] / t[1].clamp(min=1)).item()
+        out.update(self.timer.pop())
         return out
 
     def _perf_metrics(self, batch: RolloutBatch, metrics: dict[str, float]) -> dict[str, float]:

@@ -96,8 +96,9 @@ def transformer_config(args: ModelArgs, ps: ParallelState, dtype: torch.dtype):
         gradient_accumulation_fusion=False,
         apply_rope_fusion=False,
         attention_softmax_in_fp32=True,
+        # Losses arrive already normalised by the mini-batch's global token (or sequence) count: the
+        # schedule must not divide them again by the number of micro-batches.
         calculate_per_token_loss=True,
-        # The PPO loss reduces over TP itself; megatron must not average losses over micro-batches.
     )
 
 

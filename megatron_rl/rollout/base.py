@@ -38,8 +38,6 @@ if TYPE_CHECKING:
     from megatron_rl.models.hf import ModelArgs
     from megatron_rl.parallel import ParallelState
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 @dataclass
 class SamplingParams:
@@ -251,6 +249,8 @@ def create_engine(
     cfg: RolloutConfig, model_path: str, args: ModelArgs, ps: ParallelState, seed: int
 ) -> RolloutEngine:
     """The engine named by ``actor_rollout_ref.rollout.name`` (collective: every rank calls it)."""
+    from megatron_rl.models.builder import DTYPES
+
     if cfg.dtype not in DTYPES:
         raise ValueError(f"actor_rollout_ref.rollout.dtype={cfg.dtype!r}: choose one of {sorted(DTYPES)}")
     if cfg.name == "hf":

@@ -49,7 +49,8 @@ def stable(row):
 
 def test_loop_runs_and_logs_verl_metrics(demo, tmp_path, torchrun):
     out = str(tmp_path / "run")
-    torchrun("train.py", 2, overrides(demo, out, **{"trainer.total_training_steps": 2}))
+    steps = {"trainer.total_training_steps": 2, "trainer.save_freq": 1, "trainer.max_ckpt_to_keep": 1}
+    torchrun("train.py", 2, overrides(demo, out, **steps))
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2]
     last = rows[-1]
@@ -84,6 +85,8 @@ def test_loop_runs_and_logs_verl_metrics(demo, tmp_path, torchrun):
         assert key in last, key
         assert last[key] == last[key], f"{key} is NaN"
     assert os.path.isfile(os.path.join(out, "global_step_2", "trainer_state.json"))
+    # save_freq=1 with max_ckpt_to_keep=1: step 1 was published, then pruned; no partial save is left.
+    assert sorted(os.listdir(out)) == ["global_step_2", "latest_checkpointed_iteration.txt", "logs"]
     assert open(os.path.join(out, "latest_checkpointed_iteration.txt")).read().strip() == "2"
 
     # The trained actor exports to an HF directory that transformers loads, with the trained weights.
