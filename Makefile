@@ -40,6 +40,7 @@ format: install
 
 demo: install
 	$(BIN)/python -m megatron_rl.demo --out .demo
+	rm -rf outputs/demo  # a fresh run each time (metrics.jsonl appends)
 	$(BIN)/torchrun --nproc_per_node=$(NPROC) -m megatron_rl.train --config yaml/cpu_demo.yaml
 
 clean:

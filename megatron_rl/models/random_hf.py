@@ -56,7 +56,10 @@ def random_hf_model(arch: str, seed: int = 0, init: str = "o1", dtype=torch.floa
         kw.setdefault(key, default)
     config = cfg_cls(**kw)
     config._attn_implementation = "eager"
-    with torch.device("cpu"):
+    # HF's own init draws from the global generator: seed it (without disturbing the caller's stream)
+    # so that init="hf" models are reproducible too.
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+        torch.manual_seed(seed)
         model = model_cls(config).to(dtype)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
