@@ -7,12 +7,14 @@ Layout of ``trainer.default_local_dir``::
         trainer_state.json                  step, sampler position, KL controller, layout
         actor/  critic/                     model weights, megatron-core torch_dist (any TP/PP loads them;
                                             ckpt_tools mcore-to-hf exports them)
-        rank_{r:05d}.pt                     this rank's optimizer states + LR schedules, RNG states
+        mp_rank_{tp:02d}_{pp:03d}.pt        optimizer states + LR schedules and RNG states of one model
+                                            shard (written by data-parallel rank 0: replicas are equal)
 
 A save writes into ``.global_step_{N}.partial`` and is published by one rename after every rank
 has written, so a crash mid-save never leaves a directory that looks complete. Only the newest
-``trainer.max_ckpt_to_keep`` are kept. Resuming needs the same TP/PP/DP layout (optimizer states
-are per rank); the directory must be on a filesystem every node sees.
+``trainer.max_ckpt_to_keep`` are kept. Resuming needs the same TP/PP layout (optimizer states are
+per model shard) but may change the number of data-parallel replicas; the directory must be on a
+filesystem every node sees.
 """
 
 from __future__ import annotations
@@ -65,6 +67,10 @@ def _layout(ps: ParallelState) -> dict[str, int]:
     return {"tp": ps.tp_size, "pp": ps.pp_size, "dp": ps.dp_size, "world_size": ps.world_size}
 
 
+def _shard_file(path: str, ps: ParallelState) -> str:
+    return os.path.join(path, f"mp_rank_{ps.tp_rank:02d}_{ps.pp_rank:03d}.pt")
+
+
 class CheckpointManager:
     def __init__(self, root: str, ps: ParallelState, max_to_keep: int | None = None) -> None:
         self.root = root
@@ -90,7 +96,7 @@ class CheckpointManager:
         shards: dict[str, Any],
         trainer_state: dict[str, Any],
     ) -> str:
-        """Collective: every rank passes the models and its own ``shards`` (state dicts); rank 0 publishes."""
+        """Collective: every rank passes the models and its shard's state dicts; rank 0 publishes."""
         from megatron_rl.weights.megatron_ckpt import save_torch_dist
 
         ps = self.ps
@@ -102,7 +108,8 @@ class CheckpointManager:
         dist.barrier()
         for name, model in models.items():
             save_torch_dist(model, ps, os.path.join(partial, name))
-        torch.save({**shards, "rng": rng_state()}, os.path.join(partial, f"rank_{ps.rank:05d}.pt"))
+        if ps.dp_rank == 0:
+            torch.save({**shards, "rng": rng_state()}, _shard_file(partial, ps))
         if ps.rank == 0:
             with open(os.path.join(partial, "trainer_state.json"), "w") as f:
                 json.dump({**trainer_state, "global_step": step, "layout": _layout(ps)}, f, indent=1)
@@ -137,10 +144,11 @@ class CheckpointManager:
         with open(state_file) as f:
             trainer_state = json.load(f)
         saved, now = trainer_state["layout"], _layout(self.ps)
-        if saved != now:
+        if (saved["tp"], saved["pp"]) != (now["tp"], now["pp"]):
             raise RuntimeError(
-                f"Checkpoint {path} was saved with layout {saved}, this job runs {now}: resume with the same "
-                "TP/PP and number of processes, or set trainer.resume_mode=disable."
+                f"Checkpoint {path} was saved at TP={saved['tp']} PP={saved['pp']}, this job runs "
+                f"TP={now['tp']} PP={now['pp']}: resume with the same actor_rollout_ref.actor.megatron "
+                "parallel sizes (the data-parallel size may change), or set trainer.resume_mode=disable."
             )
         for name, model in models.items():
             if not os.path.isdir(os.path.join(path, name)):
@@ -148,7 +156,6 @@ class CheckpointManager:
                     f"{path} has no {name}/: resume with the same algorithm (critic.enable)."
                 )
             load_torch_dist(model, self.ps, os.path.join(path, name))
-        rank_file = os.path.join(path, f"rank_{self.ps.rank:05d}.pt")
-        shards = torch.load(rank_file, map_location="cpu", weights_only=True)
+        shards = torch.load(_shard_file(path, self.ps), map_location="cpu", weights_only=True)
         set_rng_state(shards.pop("rng"))
         return shards, trainer_state

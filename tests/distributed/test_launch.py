@@ -139,10 +139,10 @@ def test_two_nodes_rendezvous_and_train_tp2_across_them(tmp_path, demo):
 
     rows = [json.loads(line) for line in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert sorted(r["step"] for r in rows if "actor/pg_loss" in r) == [1, 2]
-    # One model replica sharded over both nodes: TP=2, world 2, a shard file per rank.
+    # One model replica sharded over both nodes: TP=2, world 2, a state file per TP shard.
     state = json.loads((run_dir / "global_step_2" / "trainer_state.json").read_text())
     assert state["layout"] == {"tp": 2, "pp": 1, "dp": 1, "world_size": 2}, state["layout"]
-    assert sorted(p.name for p in (run_dir / "global_step_2").glob("rank_*.pt")) == [
-        "rank_00000.pt",
-        "rank_00001.pt",
+    assert sorted(p.name for p in (run_dir / "global_step_2").glob("mp_rank_*.pt")) == [
+        "mp_rank_00_000.pt",
+        "mp_rank_01_000.pt",
     ]

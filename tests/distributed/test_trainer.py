@@ -121,10 +121,24 @@ def test_resume_is_bit_exact(demo, tmp_path, torchrun):
         assert wa.keys() == wb.keys() and wa
         for k in wa:
             assert torch.equal(wa[k], wb[k]), f"{part}.{k} differs"
-    for rank in range(2):
-        oa = torch.load(os.path.join(straight, "global_step_6", f"rank_{rank:05d}.pt"), weights_only=True)
-        ob = torch.load(os.path.join(split, "global_step_6", f"rank_{rank:05d}.pt"), weights_only=True)
-        assert_same(oa["actor_optim"], ob["actor_optim"], f"rank {rank} actor_optim")
+    for tp_rank in range(2):
+        name = f"mp_rank_{tp_rank:02d}_000.pt"
+        oa = torch.load(os.path.join(straight, "global_step_6", name), weights_only=True)
+        ob = torch.load(os.path.join(split, "global_step_6", name), weights_only=True)
+        for part in ("actor_optim", "critic_optim"):
+            assert_same(oa[part], ob[part], f"{name} {part}")
+
+
+def test_resume_with_more_data_parallel_replicas(demo, tmp_path, torchrun):
+    """Saved at TP=2 on 2 processes, resumed at TP=2 x DP=2 on 4: optimizer states are per model shard."""
+    out = str(tmp_path / "run")
+    common = {"trainer.test_freq": -1, "trainer.resume_mode": "auto"}
+    torchrun("train.py", 2, overrides(demo, out, **common, **{"trainer.total_training_steps": 1}))
+    torchrun("train.py", 4, overrides(demo, out, **common, **{"trainer.total_training_steps": 2}))
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    with open(os.path.join(out, "global_step_2", "trainer_state.json")) as f:
+        assert json.load(f)["layout"] == {"tp": 2, "pp": 1, "dp": 2, "world_size": 4}
 
 
 def torch_dist_tensors(path):
