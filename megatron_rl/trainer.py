@@ -255,6 +255,8 @@ class Trainer:
                     )
                 )
             self.weights_stale = True
+            if arr.actor.use_kl_loss:
+                metrics["actor/kl_coef"] = arr.actor.kl_loss_coef
 
         metrics.update(data_metrics(batch, cfg.data.max_response_length, ps.dp_group))
         metrics.update(self.timer.pop())
