@@ -182,3 +182,28 @@ def test_import_is_cheap_and_silent():
     )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert p.returncode == 0 and p.stderr == "" and p.stdout.strip()
+
+
+@pytest.mark.parametrize(
+    "name,world,dims",
+    [
+        ("cpu_demo", 2, (4, 2, 2)),
+        ("gsm8k_qwen2.5_0.5b", 8, (14, 2, 24)),  # heads, kv heads, layers of the real model
+        ("gsm8k_qwen2.5_1.5b", 8, (12, 2, 28)),
+        ("gsm8k_qwen2.5_7b", 16, (28, 4, 28)),
+    ],
+)
+def test_shipped_configs_validate(name, world, dims):
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cfg = load_config(os.path.join(root, "yaml", f"{name}.yaml"))
+    heads, kv, layers = dims
+    validate(
+        cfg,
+        world_size=world,
+        model_dims={"num_attention_heads": heads, "num_key_value_heads": kv, "num_layers": layers},
+    )
+    if name.startswith("gsm8k"):
+        assert cfg.actor_rollout_ref.actor.optim.lr == 1e-6 and cfg.critic.optim.lr == 1e-5
+        assert cfg.actor_rollout_ref.actor.clip_ratio == 0.2 and cfg.algorithm.adv_estimator == "gae"
