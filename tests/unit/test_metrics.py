@@ -1,0 +1,79 @@
+"""Step metrics (verl names, hand-computed values), console grouping, and the logger sinks."""
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from megatron_rl.batch import RolloutBatch, SeqMeta
+from megatron_rl.metrics import MetricsLogger, Timer, data_metrics, format_console
+
+
+def tiny_batch() -> RolloutBatch:
+    # 2 sequences: prompt lengths 2 and 3 (left padded to 3), response lengths 2 and 1 (padded to 2).
+    prompts = torch.tensor([[0, 5, 6], [7, 8, 9]])
+    prompt_mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    responses = torch.tensor([[3, 4], [3, 0]])
+    response_mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    b = RolloutBatch.from_tokens(prompts, prompt_mask, responses, response_mask, [SeqMeta("a"), SeqMeta("b")])
+    b.token_level_scores = torch.tensor([[0.0, 1.0], [0.5, 0.0]])
+    b.token_level_rewards = torch.tensor([[0.0, 0.8], [0.5, 0.0]])
+    b.advantages = torch.tensor([[1.0, -1.0], [3.0, 99.0]])  # 99 sits on padding: must not count
+    b.returns = torch.tensor([[1.0, 1.0], [0.0, 7.0]])
+    b.values = torch.tensor([[0.5, 1.0], [0.0, 7.0]])
+    return b
+
+
+def test_data_metrics_by_hand():
+    m = data_metrics(tiny_batch(), max_response_length=2, dp_group=None)
+    assert m["critic/score/mean"] == pytest.approx(0.75)  # (1.0 + 0.5) / 2 sequences
+    assert m["critic/score/max"] == 1.0 and m["critic/score/min"] == 0.5
+    assert m["critic/rewards/mean"] == pytest.approx(0.65)  # (0.8 + 0.5) / 2
+    assert m["critic/advantages/mean"] == pytest.approx(1.0)  # (1 - 1 + 3) / 3 real tokens
+    assert m["critic/advantages/max"] == 3.0  # the 99 on padding is ignored
+    assert m["response_length/mean"] == pytest.approx(1.5)
+    assert m["response_length/clip_ratio"] == pytest.approx(0.5)  # one of two hit max_response_length=2
+    assert m["prompt_length/mean"] == pytest.approx(2.5)
+    # returns over real tokens [1, 1, 0]: var = 2/9; residuals [0.5, 0, 0]: var = 1/18
+    assert m["critic/vf_explained_var"] == pytest.approx(1 - (1 / 18) / (2 / 9 + 1e-5), rel=1e-6)
+
+
+def test_console_groups_in_order():
+    text = format_console(3, {"perf/throughput": 1.0, "actor/pg_loss": 0.5, "critic/score/mean": 0.25})
+    lines = text.splitlines()
+    assert lines[0] == "step 3"
+    assert (
+        lines[1].split()[0] == "actor" and lines[2].split()[0] == "reward" and lines[3].split()[0] == "perf"
+    )
+
+
+def test_timer_accumulates_per_phase():
+    t = Timer(torch.device("cpu"))
+    for _ in range(2):
+        with t("gen"):
+            pass
+    out = t.pop()
+    assert set(out) == {"timing_s/gen"} and out["timing_s/gen"] >= 0
+    assert t.pop() == {}
+
+
+def test_jsonl_sink(tmp_path):
+    lg = MetricsLogger(["jsonl"], str(tmp_path), "p", "e", {}, enabled=True)
+    lg.log(1, {"actor/pg_loss": 0.5})
+    lg.log(2, {"actor/pg_loss": 0.25})
+    lg.close()
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [{"step": 1, "actor/pg_loss": 0.5}, {"step": 2, "actor/pg_loss": 0.25}]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is not None, reason="tensorboard is installed")
+def test_missing_tensorboard_is_a_clear_error(tmp_path):
+    with pytest.raises(RuntimeError, match="pip install tensorboard"):
+        MetricsLogger(["tensorboard"], str(tmp_path), "p", "e", {}, enabled=True)
+
+
+def test_disabled_logger_writes_nothing(tmp_path):
+    lg = MetricsLogger(["jsonl"], str(tmp_path / "x"), "p", "e", {}, enabled=False)
+    lg.log(1, {"a": 1.0})
+    assert not (tmp_path / "x").exists()
