@@ -621,7 +621,49 @@ class LegacyCheckpoint:
         return counts
 
 
-class LegacyReader:
+class _LayerCachedReader:
+    """``HFReader``'s interface over a Megatron checkpoint: HF tensors are produced one read unit (a
+    layer, or a non-layer tensor) at a time and cached until a tensor of another unit is asked for.
+
+    Subclasses fill ``_producer`` (HF name -> the Megatron layout that produces it) and define
+    ``_group_of`` (the read unit of a layout) and ``_produce`` (HF tensors of that unit).
+    """
+
+    args: ModelArgs
+    path: str
+
+    def _init_cache(self) -> None:
+        self._producer: dict[str, ParamLayout] = {}
+        self._cache: dict[str, torch.Tensor] = {}
+        self._cache_group: object = "empty"
+        self.bytes_read = 0
+
+    def keys(self) -> list[str]:
+        return list(self._producer)
+
+    def get(self, name: str) -> torch.Tensor:
+        lay = self._producer.get(name)
+        if lay is None:
+            raise KeyError(f"Tensor {name!r} is not part of the {self.args.arch} model in {self.path}")
+        group = self._group_of(lay)
+        if group != self._cache_group:
+            self._cache, self._cache_group = {}, group
+        if name not in self._cache:
+            self._cache.update(self._produce(lay, group))
+        return self._cache[name]
+
+    def read(self, piece: Piece, dim: int | None) -> torch.Tensor:
+        full = self.get(piece.hf_name)
+        return full[:, piece.start : piece.stop] if dim == 1 else full[piece.start : piece.stop]
+
+    def _group_of(self, lay: ParamLayout) -> object:
+        raise NotImplementedError
+
+    def _produce(self, lay: ParamLayout, group: object) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+
+class LegacyReader(_LayerCachedReader):
     """HF tensors from a legacy checkpoint, with ``HFReader``'s interface.
 
     Each requested HF tensor is produced by merging the TP shards of the Megatron parameter that
@@ -638,7 +680,7 @@ class LegacyReader:
                 f"{ckpt.ckpt_dir}: the stages hold {self.offsets[-1]} layers, the model config says "
                 f"{args.num_layers}; the config does not belong to this checkpoint"
             )
-        self._producer: dict[str, ParamLayout] = {}
+        self._init_cache()
         expected: dict[int, set[str]] = {p: set() for p in range(ckpt.pp)}
         for lay in param_layouts(args, ckpt.tp):
             stage, local = self._where(lay.name)
@@ -656,9 +698,6 @@ class LegacyReader:
                         f"{args.num_layers} layers: "
                         f"missing {sorted(names - found)[:8]}, unexpected {sorted(found - names)[:8]}"
                     )
-        self._cache: dict[str, torch.Tensor] = {}
-        self._cache_group: object = "empty"
-        self.bytes_read = 0
 
     def _where(self, name: str) -> tuple[int, str]:
         i = layer_index(name)
@@ -667,25 +706,11 @@ class LegacyReader:
         stage = next(s for s in range(self.ckpt.pp) if i < self.offsets[s + 1])
         return stage, local_layer_name(name, self.offsets[stage])
 
-    def keys(self) -> list[str]:
-        return list(self._producer)
+    def _group_of(self, lay: ParamLayout) -> object:
+        return layer_index(lay.name)
 
-    def get(self, name: str) -> torch.Tensor:
-        lay = self._producer.get(name)
-        if lay is None:
-            raise KeyError(f"Tensor {name!r} is not part of the {self.args.arch} model in {self.path}")
-        if name not in self._cache:
-            group = layer_index(lay.name)
-            if group != self._cache_group:
-                self._cache, self._cache_group = {}, group
-            self._cache.update(self._merge(lay))
-        return self._cache[name]
-
-    def read(self, piece: Piece, dim: int | None) -> torch.Tensor:
-        full = self.get(piece.hf_name)
-        return full[:, piece.start : piece.stop] if dim == 1 else full[piece.start : piece.stop]
-
-    def _merge(self, lay: ParamLayout) -> dict[str, torch.Tensor]:
+    def _produce(self, lay: ParamLayout, group: object) -> dict[str, torch.Tensor]:
+        """Merge the TP shards of one parameter into its HF tensors."""
         stage, local = self._where(lay.name)
         shards = [self.ckpt.model(t, stage)[local] for t in range(self.ckpt.tp)]
         if lay.name in VOCAB_PARAMS:
@@ -872,7 +897,7 @@ def load_torch_dist(model: torch.nn.Module, ps: ParallelState, path: str) -> Non
         raise KeyError(f"{path}: parameters not loaded: {missing}")
 
 
-class TorchDistReader:
+class TorchDistReader(_LayerCachedReader):
     """HF tensors from a torch_dist checkpoint, one layer at a time, with ``HFReader``'s interface.
 
     Each layer's global tensors are read with ``dist_checkpointing.load`` on hand-built ShardedTensors
@@ -899,7 +924,7 @@ class TorchDistReader:
         self.shapes = hf_shapes(args)
         # Read units: all tensors of one layer together; the embedding, final norm and head one by one.
         self._groups: dict[int | str, list[ParamLayout]] = {}
-        self._producer: dict[str, ParamLayout] = {}
+        self._init_cache()
         for lay in param_layouts(args, 1):
             key, i = torch_dist_key(lay.name)
             if lay.name == "output_layer.weight" and args.tie_embeddings:
@@ -911,28 +936,13 @@ class TorchDistReader:
             self._groups.setdefault(lay.name if i is None else i, []).append(lay)
             for n in hf_names(lay):
                 self._producer.setdefault(n, lay)
-        self._cache: dict[str, torch.Tensor] = {}
-        self._cache_group: object = "empty"
-        self.bytes_read = 0
 
-    def keys(self) -> list[str]:
-        return list(self._producer)
-
-    def get(self, name: str) -> torch.Tensor:
-        lay = self._producer.get(name)
-        if lay is None:
-            raise KeyError(f"Tensor {name!r} is not part of the {self.args.arch} model in {self.path}")
+    def _group_of(self, lay: ParamLayout) -> object:
         i = torch_dist_key(lay.name)[1]
-        group = lay.name if i is None else i
-        if group != self._cache_group:
-            self._cache, self._cache_group = self._load_group(group), group
-        return self._cache[name]
+        return lay.name if i is None else i
 
-    def read(self, piece: Piece, dim: int | None) -> torch.Tensor:
-        full = self.get(piece.hf_name)
-        return full[:, piece.start : piece.stop] if dim == 1 else full[piece.start : piece.stop]
-
-    def _load_group(self, group: int | str) -> dict[str, torch.Tensor]:
+    def _produce(self, lay: ParamLayout, group: object) -> dict[str, torch.Tensor]:
+        """Read every tensor of the unit ``group`` (one layer, or one non-layer tensor) at once."""
         from megatron.core import dist_checkpointing
         from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
