@@ -7,7 +7,9 @@
 It prepares a random HF model (Qwen2.5-1.5B shape, or a tiny one), a word-level tokenizer whose
 tokens are ``t0 .. t{V-1}`` (so prompts are plain token ids), and parquet prompts of exactly
 --prompt-len tokens; then it runs ``torchrun -m megatron_rl.train`` unchanged, twice unless
---no-compare: colocated (engine memory released during training) and not (free_cache_engine=False),
+--no-compare: colocated (the engine's memory released during training, and the training state parked
+in host memory during generation: every *.megatron.*_offload key on) and not (free_cache_engine=False,
+no offload),
 and summarises the JSONL metrics (steps after the first, which includes compilation and warm-up):
 per-phase seconds, tokens/s/GPU, actor MFU against the bf16 matmul peak measured in the same run,
 peak device memory, and the colocated/non-colocated peak-memory ratio. Responses are
@@ -26,7 +28,23 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PHASES = ("gen", "reshard", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor")
+PHASES = (
+    "offload",
+    "reshard",
+    "gen",
+    "reward",
+    "old_log_prob",
+    "ref",
+    "values",
+    "adv",
+    "update_critic",
+    "update_actor",
+)
+OFFLOAD_KEYS = [
+    *(f"actor_rollout_ref.actor.megatron.{k}_offload" for k in ("param", "grad", "optimizer")),
+    *(f"critic.megatron.{k}_offload" for k in ("param", "grad", "optimizer")),
+    "actor_rollout_ref.ref.megatron.param_offload",
+]
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
 
@@ -79,7 +97,9 @@ def prepare(work: str, model: str, prompt_len: int, n_prompts: int, seed: int) -
     return model_dir, tok_dir, data
 
 
-def run(a: argparse.Namespace, model_dir: str, tok_dir: str, data: str, colocate: bool) -> list[dict]:
+def run(
+    a: argparse.Namespace, model_dir: str, tok_dir: str, data: str, colocate: bool
+) -> tuple[list[dict], int]:
     out = os.path.join(a.out, "colocated" if colocate else "separate")
     overrides = {
         "data.train_files": f"[{data}]",
@@ -99,6 +119,8 @@ def run(a: argparse.Namespace, model_dir: str, tok_dir: str, data: str, colocate
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": a.micro * 2,
         "actor_rollout_ref.rollout.free_cache_engine": colocate,
         "actor_rollout_ref.rollout.gpu_memory_utilization": a.gpu_memory_utilization,
+        "actor_rollout_ref.rollout.enable_cuda_graph": a.cuda_graph,
+        **{k: colocate for k in OFFLOAD_KEYS},
         "critic.ppo_micro_batch_size_per_gpu": a.micro,
         "custom_reward_function.path": os.path.join(ROOT, "bench", "synthetic_reward.py"),
         "algorithm.adv_estimator": "gae",
@@ -113,9 +135,15 @@ def run(a: argparse.Namespace, model_dir: str, tok_dir: str, data: str, colocate
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={a.nproc}"]
     cmd += ["-m", "megatron_rl.train", *(f"{k}={v}" for k, v in overrides.items())]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
-    subprocess.run(cmd, check=True, env=env, cwd=ROOT)
-    with open(os.path.join(out, "logs", "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+    rc = subprocess.run(cmd, env=env, cwd=ROOT).returncode
+    path = os.path.join(out, "logs", "metrics.jsonl")
+    rows = []
+    if os.path.isfile(path):
+        with open(path) as f:
+            rows = [json.loads(line) for line in f]
+    if rc:  # e.g. out of memory: the steps that finished still tell their story
+        print(f"bench: the {os.path.basename(out)} run exited with status {rc} after {len(rows)} steps")
+    return rows, rc
 
 
 def summarize(rows: list[dict], nproc: int) -> dict:
@@ -133,6 +161,10 @@ def summarize(rows: list[dict], nproc: int) -> dict:
         "step_s": step,
         "phases_s": phases,
         "other_s": step - busy if step else None,
+        # Moving state around rather than computing: parking, the weight sync, and the untimed rest.
+        "non_compute_fraction": (
+            ((phases["offload"] or 0) + (phases["reshard"] or 0) + step - busy) / step if step else None
+        ),
         "tokens_per_s_per_gpu": mean("perf/throughput"),
         "mfu_actor": mean("perf/mfu/actor"),
         "peak_tflops": mean("perf/peak_tflops"),
@@ -155,13 +187,15 @@ def main() -> None:
     ap.add_argument("--rollout-tp", type=int, default=None)
     ap.add_argument("--rollout", default="sglang", choices=["sglang", "hf"])
     ap.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--batch", type=int, default=128, help="prompts per step (n=1)")
     ap.add_argument("--micro", type=int, default=8, help="ppo_micro_batch_size_per_gpu")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--response-len", type=int, default=256)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.4)
+    ap.add_argument("--cuda-graph", action="store_true", help="SGLang decode CUDA graphs (slower start)")
     ap.add_argument("--no-compare", action="store_true", help="skip the non-colocated run")
+    ap.add_argument("--only", choices=["colocated", "separate"], help="run one of the two configurations")
     ap.add_argument("--save", action="store_true", help="save a checkpoint after the last step")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
@@ -171,18 +205,25 @@ def main() -> None:
     model_dir, tok_dir, data = prepare(
         os.path.join(a.out, "inputs"), a.model, a.prompt_len, a.batch * a.steps, a.seed
     )
-    result = {
-        "args": vars(a),
-        "colocated": summarize(run(a, model_dir, tok_dir, data, colocate=True), a.nproc),
-    }
-    if not a.no_compare:
-        result["separate"] = summarize(run(a, model_dir, tok_dir, data, colocate=False), a.nproc)
-        key = "max_device_memory_used_gb"
-        co, sep = result["colocated"][key], result["separate"][key]
-        result["peak_memory_ratio_colocated_vs_separate"] = co / sep if co and sep else None
+    result = {"args": vars(a)}
+    runs = (("colocated", True), ("separate", False))[: 1 if a.no_compare else 2]
+    for name, colocate in [r for r in runs if a.only in (None, r[0])]:
+        rows, rc = run(a, model_dir, tok_dir, data, colocate)
+        result[name] = summarize(rows, a.nproc) if rows else {}
+        if rc:
+            result[name]["error"] = (
+                f"the trainer exited with status {rc} after {len(rows)} of {a.steps} steps"
+            )
+        with open(os.path.join(a.out, "summary.json"), "w") as f:
+            json.dump(result, f, indent=1)
+    key = "max_device_memory_used_gb"
+    co, sep = (result.get(n, {}).get(key) for n in ("colocated", "separate"))
+    result["peak_memory_ratio_colocated_vs_separate"] = co / sep if co and sep else None
     with open(os.path.join(a.out, "summary.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps(result, indent=1))
+    if any("error" in result.get(n, {}) for n in ("colocated", "separate")):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

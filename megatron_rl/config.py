@@ -103,6 +103,13 @@ class MegatronConfig:
     """Parameter dtype of the Megatron model: float32 | bfloat16 | float16 (float32 on CPU)."""
     use_sdpa_attention: bool = True
     """Use torch's scaled_dot_product_attention as the core attention (fused, same math)."""
+    param_offload: bool = False
+    """Hold this model's weights in host memory while the rollout engine generates (the actor's after
+    the weight sync); they return to the GPU before the next training phase."""
+    grad_offload: bool = False
+    """Free the gradient buckets while the rollout engine generates (zeroed before each update anyway)."""
+    optimizer_offload: bool = False
+    """Hold AdamW's moments and the fp32 master weights in host memory while the rollout engine generates."""
 
 
 @dataclass
@@ -550,6 +557,12 @@ def validate(cfg: Config, world_size: int, model_dims: dict[str, int] | None = N
         raise ConfigError(f"actor_rollout_ref.actor.clip_ratio_c={actor.clip_ratio_c} must be > 1.0.")
     if not 0.0 < rollout.gpu_memory_utilization <= 1.0:
         raise ConfigError("actor_rollout_ref.rollout.gpu_memory_utilization must be in (0, 1].")
+    for key in ("grad_offload", "optimizer_offload"):
+        if getattr(cfg.actor_rollout_ref.ref.megatron, key):
+            raise ConfigError(
+                f"actor_rollout_ref.ref.megatron.{key}=True: the reference model is not trained; "
+                "only actor_rollout_ref.ref.megatron.param_offload applies to it."
+            )
     if rollout.update_weights_bucket_megabytes <= 0:
         raise ConfigError("actor_rollout_ref.rollout.update_weights_bucket_megabytes must be > 0.")
     for key in ("data.max_prompt_length", "data.max_response_length"):

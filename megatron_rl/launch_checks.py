@@ -214,6 +214,20 @@ def _timeout(ctx: _Ctx, ms: str) -> str:
     )
 
 
+def _oom(ctx: _Ctx, m: re.Match) -> str:
+    sizes = ""
+    if m["want"]:
+        sizes = f" (wanted {m['want']}" + (f", {m['free']} free of {m['total']}" if m["free"] else "") + ")"
+    phase = f" in phase {m['phase']}" if m["phase"] else ""
+    return (
+        f"{_rank(ctx)} ran out of GPU memory{phase}{sizes}: lower "
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu / *.log_prob_micro_batch_size_per_gpu or "
+        "actor_rollout_ref.rollout.gpu_memory_utilization; keep rollout.free_cache_engine=True and turn on "
+        "*.megatron.param_offload / grad_offload / optimizer_offload; or raise "
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size."
+    )
+
+
 def _init_timeout(ctx: _Ctx, ms: str) -> str:
     ctx = dataclasses.replace(ctx, op=ctx.op or "init_process_group")
     return (
@@ -258,12 +272,13 @@ _RULES: list[_Rule] = [
         False,
     ),
     (
-        re.compile(r"CUDA out of memory"),
-        lambda c, m: (
-            f"{_rank(c)} ran out of GPU memory: lower actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
-            " / *.log_prob_micro_batch_size_per_gpu or actor_rollout_ref.rollout.gpu_memory_utilization, "
-            "or raise actor_rollout_ref.actor.megatron.tensor_model_parallel_size."
+        re.compile(
+            r"CUDA out of memory\.(?: Tried to allocate (?P<want>[\d.]+ [KMGT]iB)\.)?"
+            r"(?:.*?total capacity of (?P<total>[\d.]+ [KMGT]iB) of which (?P<free>[\d.]+ [KMGT]iB) is free)?"
+            r"(?:.*?\[megatron-rl phase (?P<phase>\w+)\])?",
+            re.DOTALL,
         ),
+        _oom,
         False,
     ),
     (
@@ -405,7 +420,8 @@ def explain(exc: BaseException) -> str | None:
             return f"config error: {e}"
     ctx = _context(exc)
     for e in reversed(chain):
-        hit = _match(f"{type(e).__name__}: {e}", ctx)
+        notes = "".join(f"\n{n}" for n in getattr(e, "__notes__", ()))
+        hit = _match(f"{type(e).__name__}: {e}{notes}", ctx)
         if hit:
             return hit[0]
     return None

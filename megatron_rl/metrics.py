@@ -36,6 +36,10 @@ class Timer:
         t0 = time.perf_counter()
         try:
             yield
+        except Exception as e:
+            if not any("[megatron-rl phase" in n for n in getattr(e, "__notes__", ())):
+                e.add_note(f"[megatron-rl phase {name}]")  # innermost phase: named in the error line
+            raise
         finally:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -50,66 +54,64 @@ class Timer:
         return out
 
 
-def _stats(name: str, x: torch.Tensor, group) -> dict[str, float]:
-    """mean/max/min of a 1-D tensor over all data-parallel ranks."""
-    x = x.double().flatten()
-    t = torch.stack([x.sum(), torch.tensor(float(x.numel()), dtype=torch.float64)]).to(x.device)
-    mx, mn = (
-        x.max().clone() if x.numel() else torch.tensor(-1e30),
-        x.min().clone() if x.numel() else torch.tensor(1e30),
-    )
+def _reduced_stats(named: list[tuple[str, torch.Tensor]], group) -> dict[str, float]:
+    """{name}/mean, /max, /min of each 1-D tensor over all data-parallel ranks.
+
+    Every statistic travels in two all-reduces (sums and counts; max and -min) and reaches the host
+    in one copy, whatever the number of metrics.
+    """
+    device = named[0][1].device
+    sums, extremes = [], []
+    for _, x in named:
+        x = x.double().flatten()
+        sums += [x.sum(), torch.tensor(float(x.numel()), dtype=torch.float64, device=device)]
+        if x.numel():
+            extremes += [x.max(), -x.min()]
+        else:  # an empty shard must not win the max or the min
+            extremes += [torch.tensor(-1e30, dtype=torch.float64, device=device)] * 2
+    s, e = torch.stack(sums), torch.stack(extremes)
     if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(t, group=group)
-        dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=group)
-        dist.all_reduce(mn, op=dist.ReduceOp.MIN, group=group)
-    return {
-        f"{name}/mean": (t[0] / t[1].clamp(min=1)).item(),
-        f"{name}/max": mx.item(),
-        f"{name}/min": mn.item(),
-    }
-
-
-def _explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, group) -> float:
-    """1 - Var[returns - values] / Var[returns] over the masked tokens of all data-parallel ranks."""
-    ret, res = returns[mask.bool()].double(), (returns - values)[mask.bool()].double()
-    t = torch.stack(
-        [
-            torch.tensor(float(ret.numel()), dtype=torch.float64, device=ret.device),
-            ret.sum(),
-            (ret * ret).sum(),
-            res.sum(),
-            (res * res).sum(),
-        ]
-    )
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(t, group=group)
-    n = t[0].clamp(min=1)
-    var_ret = t[2] / n - (t[1] / n) ** 2
-    var_res = t[4] / n - (t[3] / n) ** 2
-    return (1.0 - var_res / (var_ret + 1e-5)).item()
-
-
-def _masked_tokens(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return x[mask.bool()]
+        dist.all_reduce(s, group=group)
+        dist.all_reduce(e, op=dist.ReduceOp.MAX, group=group)
+    s, e = s.view(-1, 2).tolist(), e.view(-1, 2).tolist()
+    out: dict[str, float] = {}
+    for (name, _), (total, count), (mx, neg_mn) in zip(named, s, e, strict=True):
+        out[f"{name}/mean"] = total / max(count, 1.0)
+        out[f"{name}/max"] = mx
+        out[f"{name}/min"] = -neg_mn
+    return out
 
 
 def data_metrics(batch: RolloutBatch, max_response_length: int, dp_group) -> dict[str, float]:
-    """critic/score, critic/rewards, critic/advantages, critic/returns, critic/values, response_length, ..."""
+    """critic/score, critic/rewards, critic/advantages, critic/returns, critic/values, response_length, ...
+
+    ``critic/vf_explained_var`` is 1 - Var[returns - values] / Var[returns] over the response tokens
+    of all data-parallel ranks (its moments ride along as five more "mean" statistics).
+    """
     m = batch.response_mask
-    resp_len = m.sum(-1)
-    prompt_len = batch.attention_mask[:, : batch.prompts.shape[1]].sum(-1).float()
-    out: dict[str, float] = {}
-    out.update(_stats("critic/score", batch.token_level_scores.sum(-1), dp_group))
-    out.update(_stats("critic/rewards", batch.token_level_rewards.sum(-1), dp_group))
-    out.update(_stats("critic/advantages", _masked_tokens(batch.advantages, m), dp_group))
-    out.update(_stats("critic/returns", _masked_tokens(batch.returns, m), dp_group))
+    keep = m.bool()
+    resp_len = m.sum(-1).double()
+    prompt_len = batch.attention_mask[:, : batch.prompts.shape[1]].sum(-1).double()
+    named = [
+        ("critic/score", batch.token_level_scores.sum(-1)),
+        ("critic/rewards", batch.token_level_rewards.sum(-1)),
+        ("critic/advantages", batch.advantages[keep]),
+        ("critic/returns", batch.returns[keep]),
+        ("response_length", resp_len),
+        ("response_length/clip", (resp_len >= max_response_length).double()),
+        ("prompt_length", prompt_len),
+    ]
     if batch.values is not None:
-        out.update(_stats("critic/values", _masked_tokens(batch.values, m), dp_group))
-        out["critic/vf_explained_var"] = _explained_variance(batch.values, batch.returns, m, dp_group)
-    out.update(_stats("response_length", resp_len, dp_group))
-    clipped = (resp_len >= max_response_length).float()
-    out["response_length/clip_ratio"] = _stats("c", clipped, dp_group)["c/mean"]
-    out.update(_stats("prompt_length", prompt_len, dp_group))
+        ret, res = batch.returns[keep].double(), (batch.returns - batch.values)[keep].double()
+        named += [("critic/values", batch.values[keep])]
+        named += [(f"ev/{k}", v) for k, v in (("r", ret), ("r2", ret * ret), ("e", res), ("e2", res * res))]
+    stats = _reduced_stats(named, dp_group)
+    out = {k: v for k, v in stats.items() if not k.startswith(("ev/", "response_length/clip/"))}
+    out["response_length/clip_ratio"] = stats["response_length/clip/mean"]
+    if batch.values is not None:
+        var_ret = stats["ev/r2/mean"] - stats["ev/r/mean"] ** 2
+        var_res = stats["ev/e2/mean"] - stats["ev/e/mean"] ** 2
+        out["critic/vf_explained_var"] = 1.0 - var_res / (var_ret + 1e-5)
     return out
 
 

@@ -143,6 +143,14 @@ class ModelOptimizer:
         self.optimizer = torch.optim.AdamW(
             groups, lr=self.schedule.lr_at(0), betas=tuple(cfg.betas), eps=cfg.eps
         )
+        # AdamW's moments exist from the start rather than from the first step (as torch would create
+        # them): the memory a run needs shows at once, and host parking sees one fixed set of tensors.
+        for m in self.masters:
+            self.optimizer.state[m] = {
+                "step": torch.tensor(0.0, dtype=torch.float32),
+                "exp_avg": torch.zeros_like(m, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(m, memory_format=torch.preserve_format),
+            }
         # Each gradient element enters the norm once: TP-sharded parameters on every TP rank, replicated
         # ones on TP rank 0, the last stage's copy of a tied embedding (``shared``) nowhere.
         sharded = tp_sharded_params(model, ps)
@@ -258,6 +266,17 @@ class ModelOptimizer:
                         p.copy_(m)
         self.num_steps += 1
         return norm, lr
+
+    # -- offloading (see megatron_rl.offload) ------------------------------------------------------
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """What the next step needs besides the model: AdamW's moments and the fp32 masters."""
+        moments = [t for st in self.optimizer.state.values() for t in st.values() if torch.is_tensor(t)]
+        return self._low_precision_masters() + moments
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """The gradient buckets; zeroed before every update, so their values need not be kept."""
+        return list(self.buckets)
 
     @property
     def lr(self) -> float:

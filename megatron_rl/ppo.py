@@ -5,8 +5,8 @@ Shapes: B sequences on this data-parallel rank, P prompt tokens (left padded), R
 
 Forward passes (no grad, micro-batched through megatron's pipeline schedule):
 
-    compute_log_probs(actor|ref)  input_ids [B, S] -> logits [b, S, V_pad/TP] on the last stage
-                                  -> logits[:, P-1 : S-1] / temperature -> log p(responses) [B, R]
+    compute_log_probs(actor|ref)  input_ids [B, S] -> decoder output at positions P-1 .. S-2 only
+                                  -> logits [b, R, V_pad/TP] / temperature -> log p(responses) [B, R]
                                   (vocab-parallel softmax, see models/logprobs.py), broadcast to every stage
     compute_values(critic)        -> values [b, S, 1] -> values[:, P-1 : S-1] -> [B, R]
 
@@ -68,6 +68,7 @@ def _forward_response(
     micro_batch_size: int,
     per_micro_batch: Callable[[RolloutBatch, torch.Tensor], torch.Tensor],
     rows: int,
+    positions: slice | None = None,
 ) -> torch.Tensor:
     """Run ``batch`` through the pipeline; ``per_micro_batch(mb, output) -> [rows, b, R]`` on the last
     stage; returns [rows, B, R] float32 on every rank."""
@@ -75,7 +76,9 @@ def _forward_response(
         raise ValueError(f"micro_batch_size must be > 0, got {micro_batch_size}")
     n, r = len(batch), batch.response_length
     padded = _pad_to_multiple(batch, micro_batch_size)
-    outs = run_pipeline(model, ps, padded.split(micro_batch_size), per_micro_batch, forward_only=True)
+    outs = run_pipeline(
+        model, ps, padded.split(micro_batch_size), per_micro_batch, forward_only=True, positions=positions
+    )
     result = torch.cat(outs, dim=1)[:, :n].contiguous() if ps.is_last_stage else None
     return broadcast_from_last_stage(result, ps, (rows, n, r), torch.float32)
 
@@ -98,13 +101,14 @@ def compute_log_probs(
     vocab = model.args.vocab_size
 
     def per_micro_batch(mb: RolloutBatch, logits: torch.Tensor) -> torch.Tensor:
-        # logits [b, S, V_pad/TP]; position P+t-1 predicts response token t.
+        # logits [b, R, V_pad/TP] of positions P-1 .. S-2; position P+t-1 predicts response token t.
         out = vocab_parallel_log_probs_and_entropy(
-            logits[:, p - 1 : s - 1], mb.responses, ps, vocab, temperature, with_entropy=with_entropy
+            logits, mb.responses, ps, vocab, temperature, with_entropy=with_entropy
         )
         return torch.stack(out) if with_entropy else out[None]  # [2 or 1, b, R]
 
-    res = _forward_response(model, ps, batch, micro_batch_size, per_micro_batch, 2 if with_entropy else 1)
+    rows = 2 if with_entropy else 1
+    res = _forward_response(model, ps, batch, micro_batch_size, per_micro_batch, rows, slice(p - 1, s - 1))
     return (res[0], res[1]) if with_entropy else res[0]
 
 
@@ -177,9 +181,11 @@ def _run_update(
     make_loss_fn: Callable[[torch.Tensor], Callable[[RolloutBatch, torch.Tensor], Any]],
     prefix: str,
     key: str,
+    positions: slice | None = None,
 ) -> dict[str, float]:
     """epochs x mini-batches x micro-batches; ``make_loss_fn(counts)`` builds a mini-batch's loss_fn,
-    which returns (loss share x DP, num tokens, metric shares [len(names)])."""
+    which returns (loss share x DP, num tokens, metric shares [len(names)]). ``positions``: see
+    :func:`~megatron_rl.models.forward.run_pipeline`."""
     if epochs < 1:
         raise ConfigError(f"{key}.ppo_epochs must be >= 1, got {epochs}")
     model.train()
@@ -198,7 +204,12 @@ def _run_update(
             counts = _global_counts(mini.response_mask, ps)
             optimizer.zero_grad()
             outs = run_pipeline(
-                model, ps, mini.split(micro_batch_size), make_loss_fn(counts), forward_only=False
+                model,
+                ps,
+                mini.split(micro_batch_size),
+                make_loss_fn(counts),
+                forward_only=False,
+                positions=positions,
             )
             for m in outs:  # last stage only
                 shares += m
@@ -255,8 +266,9 @@ def update_actor(
 
         def loss_fn(mb: RolloutBatch, logits: torch.Tensor):
             mask = mb.response_mask
+            # logits [b, R, V_pad/TP]: the head ran on positions P-1 .. S-2 only
             log_probs, entropy = vocab_parallel_log_probs_and_entropy(
-                logits[:, p - 1 : s - 1], mb.responses, ps, vocab, temperature, with_entropy=True
+                logits, mb.responses, ps, vocab, temperature, with_entropy=True
             )
             pg_loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss(
                 mb.old_log_probs,
@@ -304,6 +316,7 @@ def update_actor(
         make_loss_fn=make_loss_fn,
         prefix="actor",
         key=key,
+        positions=slice(p - 1, s - 1),
     )
 
 

@@ -1,8 +1,9 @@
 """The PPO loop. One step, on every rank:
 
     prompts (this DP rank's shard)
+      -> park training state in host memory (*.megatron.*_offload keys)    timing_s/offload
       -> sync actor weights into the rollout engine (reshard stream)      timing_s/reshard
-      -> generate rollout.n responses per prompt                           timing_s/gen
+      -> generate rollout.n responses per prompt, reload the parked state  timing_s/gen, offload
       -> rule rewards on the decoded responses                             timing_s/reward
       -> old log-probs (actor), ref log-probs, values (critic)             timing_s/old_log_prob, ref, values
       -> KL-shaped token rewards, advantages                               timing_s/adv
@@ -10,8 +11,9 @@
       -> metrics; validation every test_freq; checkpoint every save_freq   timing_s/save_checkpoint
 
 The engine holds GPU memory only while it generates (colocated hybrid engine): it is resumed before
-generation and released right after. Sampling is seeded by (seed, step), so a resumed run repeats
-the same rollouts.
+generation and released right after; with the offload keys on, the training state is in host memory
+during that time, so the two never hold the GPU at once. Sampling is seeded by (seed, step), so a
+resumed run repeats the same rollouts.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch.distributed as dist
 from megatron_rl.batch import RolloutBatch, SeqMeta
 from megatron_rl.config import Config, to_dict
 from megatron_rl.metrics import MetricsLogger, Timer, data_metrics, progress_bar
+from megatron_rl.offload import HostParking
 from megatron_rl.parallel import ParallelState
 
 log = logging.getLogger(__name__)
@@ -104,8 +107,13 @@ class Trainer:
             cfg.algorithm.kl_ctrl.target_kl,
             cfg.algorithm.kl_ctrl.horizon,
         )
-        self.models = self._build_models()
+        # The engine starts first, on an empty GPU, so that rollout.gpu_memory_utilization is the share
+        # of the whole GPU it takes; colocated, it gives that memory back until the first rollout.
         self.engine = self._build_engine()
+        if cfg.actor_rollout_ref.rollout.free_cache_engine:
+            self.engine.release_memory()
+        self.models = self._build_models()
+        self.parking = HostParking(ps.device)
         self.ckpt = CheckpointManager(cfg.trainer.default_local_dir, ps, cfg.trainer.max_ckpt_to_keep)
         self.timer = Timer(ps.device)
         self.logger = MetricsLogger(
@@ -281,7 +289,11 @@ class Trainer:
         items = [data[i] for i in prompt_indices]
         free = rollout.free_cache_engine
 
+        with timer("offload"):
+            self._park_training_state()
         if free:
+            if ps.device.type == "cuda":
+                torch.cuda.empty_cache()  # training's cached blocks go back to the device for the engine
             self.engine.resume_memory()
         if self.weights_stale:
             with timer("reshard"):
@@ -293,6 +305,9 @@ class Trainer:
                     _dtype(rollout.dtype, ps),
                 )
             self.weights_stale = False
+        if cfg.actor_rollout_ref.actor.megatron.param_offload:
+            with timer("offload"):
+                self.parking.park("actor.params", self.models.actor.parameters())
         if validate:
             vk = rollout.val_kwargs
             n, temperature, top_p, top_k, greedy = vk.n, vk.temperature, vk.top_p, vk.top_k, not vk.do_sample
@@ -315,6 +330,8 @@ class Trainer:
             # SGLang drops its weights with its memory: the next rollout streams them again.
             self.engine.release_memory()
             self.weights_stale = True
+        with timer("offload"):
+            self.parking.reload()
 
         # [B*n] rows: prompt i's samples are adjacent and share a uid (the GRPO/RLOO group).
         prompts, metas, responses = [], [], []
@@ -339,6 +356,22 @@ class Trainer:
             resp[i, : len(r)] = torch.tensor(r, dtype=torch.long)
             resp_mask[i, : len(r)] = 1.0
         return RolloutBatch.from_tokens(prompt_ids, prompt_mask, resp, resp_mask, metas).to(ps.device)
+
+    def _park_training_state(self) -> None:
+        """Before generation: park what the *.megatron.*_offload keys name (see megatron_rl.offload)."""
+        m, arr, park = self.models, self.cfg.actor_rollout_ref, self.parking.park
+        trained = [("actor", m.actor, m.actor_optim, arr.actor.megatron)]
+        if m.critic is not None:
+            trained.append(("critic", m.critic, m.critic_optim, self.cfg.critic.megatron))
+        for name, model, optim, mcfg in trained:
+            if mcfg.optimizer_offload:
+                park(f"{name}.optim", optim.state_tensors())
+            if mcfg.grad_offload:
+                park(f"{name}.grads", optim.grad_tensors(), keep_values=False)
+            if mcfg.param_offload and name != "actor":  # the actor's after the weight sync
+                park(f"{name}.params", model.parameters())
+        if m.ref is not None and arr.ref.megatron.param_offload:
+            park("ref.params", m.ref.parameters())
 
     def _stop_ids(self) -> list[int]:
         eos = self.tokenizer.eos_token_id
@@ -460,18 +493,18 @@ class Trainer:
 
     def _perf_metrics(self, batch: RolloutBatch, metrics: dict[str, float]) -> dict[str, float]:
         ps = self.ps
-        tokens = torch.tensor(float(batch.attention_mask.sum()), device=ps.device)
-        dist.all_reduce(tokens, group=ps.dp_group)
-        total = tokens.item()
+        seq_lens = batch.attention_mask.sum(-1).double()
+        sums = torch.stack([seq_lens.sum(), batch.response_mask.sum().double(), seq_lens.square().sum()])
+        dist.all_reduce(sums, group=ps.dp_group)
+        total, responses, squares = sums.tolist()
         out = {
             "perf/total_num_tokens": total,
             "perf/throughput": total / max(metrics["timing_s/step"], 1e-9) / ps.world_size,
         }
         upd = metrics.get("timing_s/update_actor")
         if upd and self.peak_flops:
-            # 6N flops per token for forward+backward, times ppo_epochs passes; per GPU vs measured peak.
-            n = self.model_args.num_params()
-            flops = 6 * n * total * self.cfg.actor_rollout_ref.actor.ppo_epochs / ps.world_size
+            flops = _train_flops(self.model_args, total, responses, squares)
+            flops *= self.cfg.actor_rollout_ref.actor.ppo_epochs / ps.world_size  # per GPU
             out["perf/mfu/actor"] = flops / upd / self.peak_flops
         if ps.device.type == "cuda":
             out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(ps.device) / 2**30
@@ -527,6 +560,16 @@ def _dtype(name: str, ps: ParallelState) -> torch.dtype:
     from megatron_rl.models.builder import DTYPES
 
     return torch.float32 if ps.device.type == "cpu" else DTYPES[name]
+
+
+def _train_flops(args, tokens: float, response_tokens: float, sum_sq_lens: float) -> float:
+    """Model FLOPs of one forward + backward over a batch: 6 per weight per token for the transformer
+    body, the LM head on response tokens only (the only positions it runs on), and causal attention
+    scores (QK^T and AV over n^2 / 2 pairs per sequence of n tokens, times 3 for the backward)."""
+    head = args.vocab_size * args.hidden_size  # the embedding lookup itself costs no FLOPs
+    body = args.num_params() - head * (1 if args.tie_embeddings else 2)
+    attention = 6 * args.num_layers * args.num_heads * args.head_dim * sum_sq_lens
+    return 6 * body * tokens + 6 * head * response_tokens + attention
 
 
 def _measure_peak_flops(device: torch.device) -> float | None:

@@ -9,7 +9,8 @@ values) into either collected data (forward only) or ``(loss, num_tokens, metric
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -38,17 +39,45 @@ def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (~allowed)[:, None]
 
 
+@contextlib.contextmanager
+def output_positions(model: torch.nn.Module, positions: slice | None) -> Iterator[None]:
+    """Only sequence ``positions`` reach the output layer: the model returns [b, len(positions), ...].
+
+    Log-probs need the LM head on the response positions alone; with a 150k vocabulary the head is
+    ~15% of a 1.5B model's FLOPs and its [b, s, V/TP] logits the largest activation, so computing it
+    on the prompt too would waste both. A forward pre-hook slices the decoder output [s, b, h]
+    (sequence first, no sequence parallelism) before the head; gradients flow back to those positions.
+    """
+    head = getattr(model, "output_layer", None)  # absent before the last pipeline stage
+    if positions is None or head is None:
+        yield
+        return
+    if getattr(head, "sequence_parallel", False):
+        raise NotImplementedError("output_positions with sequence parallelism")
+
+    def keep(module, args, kwargs):
+        return (args[0][positions], *args[1:]), kwargs
+
+    handle = head.register_forward_pre_hook(keep, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def run_pipeline(
     model: torch.nn.Module,
     ps: ParallelState,
     microbatches: Sequence[Any],
     loss_fn: Callable[[Any, torch.Tensor], Any],
     forward_only: bool,
+    positions: slice | None = None,
 ) -> list:
     """One pass over ``microbatches`` (all of one shape [b, s]) through the pipeline schedule.
 
     Returns what ``loss_fn`` produced per micro-batch on the last stage (forward only), or the
-    metrics dicts (training); an empty list on other stages.
+    metrics dicts (training); an empty list on other stages. With ``positions``, the last stage's
+    output covers only those sequence positions (:func:`output_positions`).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -63,7 +92,7 @@ def run_pipeline(
 
         return out, on_output
 
-    with cpu_bridge.device_mode():
+    with cpu_bridge.device_mode(), output_positions(model, positions):
         return get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iter(microbatches),

@@ -125,6 +125,25 @@ def test_missing_gpu():
     assert _one_line(lc.explain(e.value)).startswith("rank 1 on "), e.value
 
 
+def test_gpu_oom_names_phase_sizes_and_keys():
+    import torch
+
+    from megatron_rl.metrics import Timer
+
+    # torch 2.11's message on the H200 (caching allocator), raised inside a timed trainer phase.
+    text = (
+        "CUDA out of memory. Tried to allocate 2.32 GiB. GPU 0 has a total capacity of 139.81 GiB of "
+        "which 1.07 GiB is free. Including non-PyTorch memory, this process has 82.10 GiB memory in use."
+    )
+    timer = Timer(torch.device("cpu"))
+    with pytest.raises(torch.OutOfMemoryError) as e, timer("update_critic"), timer("inner"):
+        raise torch.OutOfMemoryError(text)
+    msg = _one_line(lc.explain(e.value))
+    assert "ran out of GPU memory in phase inner (wanted 2.32 GiB, 1.07 GiB free of 139.81 GiB)" in msg
+    assert "ppo_micro_batch_size_per_gpu" in msg and "optimizer_offload" in msg, msg
+    assert "in phase" not in _one_line(lc.explain(torch.OutOfMemoryError("CUDA out of memory.")))
+
+
 def test_port_checks():
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))

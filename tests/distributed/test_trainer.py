@@ -102,12 +102,23 @@ def test_loop_runs_and_logs_verl_metrics(demo, tmp_path, torchrun):
     assert not torch.equal(trained.state_dict()[w], initial.state_dict()[w])
 
 
+OFFLOAD_ALL = {
+    **{f"actor_rollout_ref.actor.megatron.{k}_offload": True for k in ("param", "grad", "optimizer")},
+    **{f"critic.megatron.{k}_offload": True for k in ("param", "grad", "optimizer")},
+    "actor_rollout_ref.ref.megatron.param_offload": True,
+}
+
+
 def test_resume_is_bit_exact(demo, tmp_path, torchrun):
+    """Six steps in one run (with every *_offload key on: the training state is parked in host memory
+    during each rollout) equal 3 + 3 steps resumed from a checkpoint (no offload), bit for bit."""
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
     common = {"trainer.test_freq": -1, "trainer.resume_mode": "auto"}
-    torchrun("train.py", 2, overrides(demo, straight, **common, **{"trainer.total_training_steps": 6}))
-    torchrun("train.py", 2, overrides(demo, split, **common, **{"trainer.total_training_steps": 3}))
-    torchrun("train.py", 2, overrides(demo, split, **common, **{"trainer.total_training_steps": 6}))
+    six = {"trainer.total_training_steps": 6, **OFFLOAD_ALL, "actor_rollout_ref.actor.use_kl_loss": True}
+    torchrun("train.py", 2, overrides(demo, straight, **common, **six))
+    kl = {"actor_rollout_ref.actor.use_kl_loss": True}  # a reference model too
+    torchrun("train.py", 2, overrides(demo, split, **common, **kl, **{"trainer.total_training_steps": 3}))
+    torchrun("train.py", 2, overrides(demo, split, **common, **kl, **{"trainer.total_training_steps": 6}))
     a, b = metrics(straight), metrics(split)
     assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
     for ra, rb in zip(a, b, strict=True):

@@ -2,6 +2,8 @@
 
 import importlib.util
 import json
+import multiprocessing as mp
+import os
 
 import pytest
 import torch
@@ -37,6 +39,50 @@ def test_data_metrics_by_hand():
     assert m["prompt_length/mean"] == pytest.approx(2.5)
     # returns over real tokens [1, 1, 0]: var = 2/9; residuals [0.5, 0, 0]: var = 1/18
     assert m["critic/vf_explained_var"] == pytest.approx(1 - (1 / 18) / (2 / 9 + 1e-5), rel=1e-6)
+
+
+def _shard(b: RolloutBatch, rows: slice) -> RolloutBatch:
+    out = RolloutBatch.from_tokens(
+        b.prompts[rows],
+        b.attention_mask[rows, : b.prompts.shape[1]],
+        b.responses[rows],
+        b.response_mask[rows],
+        b.meta[rows],
+    )
+    for k in ("token_level_scores", "token_level_rewards", "advantages", "returns", "values"):
+        setattr(out, k, getattr(b, k)[rows])
+    return out
+
+
+def _metrics_worker(rank: int, init_file: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    m = data_metrics(_shard(tiny_batch(), slice(rank, rank + 1)), 2, dist.new_group([0, 1]))
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(m, f)
+    dist.destroy_process_group()
+
+
+def test_data_metrics_over_data_parallel_ranks(tmp_path):
+    """Each of two ranks holds one sequence; the metrics equal those of one process holding both."""
+    ctx = mp.get_context("fork")
+    procs = [
+        ctx.Process(target=_metrics_worker, args=(r, str(tmp_path / "store"), str(tmp_path))) for r in (0, 1)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=60)
+        if p.is_alive():
+            p.kill()
+    assert [p.exitcode for p in procs] == [0, 0]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    whole = data_metrics(tiny_batch(), max_response_length=2, dp_group=None)
+    for m in ranks:
+        assert m.keys() == whole.keys()
+        for k, v in whole.items():
+            assert m[k] == pytest.approx(v, rel=1e-9, abs=1e-12), k
 
 
 def test_console_groups_in_order():
