@@ -619,8 +619,13 @@ def to_dict(cfg: Config) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Print the fully resolved config: ``python -m megatron_rl.config [file.yaml] [key=value ...]``."""
+    """Print the fully resolved config:
+    ``python -m megatron_rl.config [[--config] file.yaml] [key=value ...]`` (as ``megatron_rl.train``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "--config":
+        argv.pop(0)
+        if not argv:
+            sys.exit("config error: --config needs a YAML file")
     yaml_path = argv.pop(0) if argv and "=" not in argv[0] else None
     from omegaconf import OmegaConf
 

@@ -1,6 +1,7 @@
 """Config: YAML + overrides, did-you-mean for unknown keys, and every validation error path."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -173,6 +174,19 @@ def test_print_config_command():
         [sys.executable, "-m", "megatron_rl.config", "data.nope=1"], capture_output=True, text=True
     )
     assert bad.returncode != 0 and "Unknown config key 'data.nope'" in bad.stderr
+    # The training entry point's form (--config FILE) is accepted too, with the file's values.
+    from megatron_rl.config import main
+
+    yaml_out = subprocess.run(
+        [sys.executable, "-m", "megatron_rl.config", "--config", "yaml/gsm8k_qwen2.5_7b.yaml"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    ).stdout
+    assert "tensor_model_parallel_size: 4" in yaml_out and "optimizer_offload: true" in yaml_out
+    with pytest.raises(SystemExit, match="--config needs a YAML file"):
+        main(["--config"])
 
 
 def test_import_is_cheap_and_silent():
