@@ -8,9 +8,12 @@ views into gradient buckets, AdamW's state) stay valid and see their values agai
 :meth:`HostParking.reload`. Storages whose contents need not survive (gradients, re-zeroed before
 every update) are freed without a copy and come back as zeros.
 
-Host buffers are allocated once (the first park) and reused, so a step pays two PCIe copies of the
-parked bytes and no allocation. The torch allocator keeps freed blocks cached; the caller empties the
-cache before the engine takes the memory.
+Host memory comes in pinned slabs of a power-of-two size, handed out back to back (a storage may
+span two slabs): torch's pinned allocator rounds every request up to a power of two, which would
+cost up to 2x the parked bytes with one buffer per tensor. The slabs are allocated by the first park
+and reused, in the same order, by every later one; a step pays two PCIe copies of the parked bytes.
+The torch allocator keeps freed device blocks cached; the caller empties the cache before the engine
+takes the memory.
 """
 
 from __future__ import annotations
@@ -25,22 +28,54 @@ def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
+SLAB_BYTES = 1 << 28  # 256 MiB
+
+
+class _HostSlabs:
+    """Pinned host memory in slabs of ``slab_bytes``, handed out as consecutive byte ranges."""
+
+    def __init__(self, slab_bytes: int, pin: bool) -> None:
+        self.slab_bytes, self.pin = slab_bytes, pin
+        self.slabs: list[torch.Tensor] = []
+        self.used = 0
+
+    def take(self, n: int) -> list[torch.Tensor]:
+        """The next ``n`` bytes, as uint8 views of one or more slabs."""
+        pieces = []
+        while n:
+            i, off = divmod(self.used, self.slab_bytes)
+            if i == len(self.slabs):
+                self.slabs.append(torch.empty(self.slab_bytes, dtype=torch.uint8, pin_memory=self.pin))
+            k = min(n, self.slab_bytes - off)
+            pieces.append(self.slabs[i][off : off + k])
+            self.used += k
+            n -= k
+        return pieces
+
+
 class HostParking:
     """Park tensors' device storage in host memory and bring it back (see the module docstring)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, slab_bytes: int = SLAB_BYTES) -> None:
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())  # tensors report their index
         self.device = device
-        self._host: dict[tuple[str, int], torch.Tensor] = {}
-        self._parked: list[tuple[torch.UntypedStorage, int, torch.Tensor | None]] = []
+        self._pin = device.type == "cuda"
+        self._host = _HostSlabs(slab_bytes, self._pin)
+        self._parked: list[tuple[torch.UntypedStorage, int, list[torch.Tensor]]] = []
 
     @property
     def parked_bytes(self) -> int:
         return sum(n for _, n, _ in self._parked)
 
-    def park(self, name: str, tensors: Iterable[torch.Tensor], keep_values: bool = True) -> int:
+    @property
+    def host_bytes(self) -> int:
+        """Host memory held for parking (allocated by the first park, kept for the next)."""
+        return len(self._host.slabs) * self._host.slab_bytes
+
+    def park(self, tensors: Iterable[torch.Tensor], keep_values: bool = True) -> int:
         """Free the device storage of ``tensors`` (those on this device), keeping a host copy unless
-        ``keep_values`` is False. ``name`` identifies the set across steps (host buffers are reused).
-        Returns the bytes freed."""
+        ``keep_values`` is False. Returns the bytes freed."""
         storages, seen = [], set()
         for t in tensors:
             if t is None or t.device != self.device:
@@ -49,17 +84,16 @@ class HostParking:
             if st.nbytes() and st.data_ptr() not in seen:
                 seen.add(st.data_ptr())
                 storages.append(st)
-        pin = self.device.type == "cuda"
         parked = []
-        for i, st in enumerate(storages):
-            n, host = st.nbytes(), None
+        for st in storages:
+            n, pieces = st.nbytes(), []
             if keep_values:
-                host = self._host.get((name, i))
-                if host is None or host.numel() != n:
-                    host = self._host[(name, i)] = torch.empty(n, dtype=torch.uint8, pin_memory=pin)
-                host.copy_(_bytes_view(st), non_blocking=pin)
-            parked.append((st, n, host))
-        if pin:
+                pieces, src, off = self._host.take(n), _bytes_view(st), 0
+                for piece in pieces:
+                    piece.copy_(src[off : off + piece.numel()], non_blocking=self._pin)
+                    off += piece.numel()
+            parked.append((st, n, pieces))
+        if self._pin:
             torch.cuda.synchronize(self.device)  # the copies must land before the storage is freed
         for st, _, _ in parked:
             st.resize_(0)
@@ -68,13 +102,15 @@ class HostParking:
 
     def reload(self) -> None:
         """Give every parked storage its device memory and contents back."""
-        for st, n, host in self._parked:
+        for st, n, pieces in self._parked:
             st.resize_(n)
-            view = _bytes_view(st)
-            if host is None:
-                view.zero_()
-            else:
-                view.copy_(host, non_blocking=self.device.type == "cuda")
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # host buffers are reused by the next park
+            dst, off = _bytes_view(st), 0
+            if not pieces:
+                dst.zero_()
+            for piece in pieces:
+                dst[off : off + piece.numel()].copy_(piece, non_blocking=self._pin)
+                off += piece.numel()
+        if self._pin:
+            torch.cuda.synchronize(self.device)  # the slabs are reused by the next park
         self._parked = []
+        self._host.used = 0

@@ -307,7 +307,7 @@ class Trainer:
             self.weights_stale = False
         if cfg.actor_rollout_ref.actor.megatron.param_offload:
             with timer("offload"):
-                self.parking.park("actor.params", self.models.actor.parameters())
+                self.parking.park(self.models.actor.parameters())
         if validate:
             vk = rollout.val_kwargs
             n, temperature, top_p, top_k, greedy = vk.n, vk.temperature, vk.top_p, vk.top_k, not vk.do_sample
@@ -365,13 +365,13 @@ class Trainer:
             trained.append(("critic", m.critic, m.critic_optim, self.cfg.critic.megatron))
         for name, model, optim, mcfg in trained:
             if mcfg.optimizer_offload:
-                park(f"{name}.optim", optim.state_tensors())
+                park(optim.state_tensors())
             if mcfg.grad_offload:
-                park(f"{name}.grads", optim.grad_tensors(), keep_values=False)
+                park(optim.grad_tensors(), keep_values=False)
             if mcfg.param_offload and name != "actor":  # the actor's after the weight sync
-                park(f"{name}.params", model.parameters())
+                park(model.parameters())
         if m.ref is not None and arr.ref.megatron.param_offload:
-            park("ref.params", m.ref.parameters())
+            park(m.ref.parameters())
 
     def _stop_ids(self) -> list[int]:
         eos = self.tokenizer.eos_token_id

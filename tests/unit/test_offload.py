@@ -12,12 +12,14 @@ def test_park_frees_storage_and_reload_restores_views_in_place():
     other = torch.randn(5)
     grads = torch.full((8,), 3.0)
     expect_base, expect_other = base.clone(), other.clone()
-    parking = HostParking(torch.device("cpu"))
+    # 40-byte slabs: the 96-byte storage spans three of them, the 20-byte one two.
+    parking = HostParking(torch.device("cpu"), slab_bytes=40)
 
-    freed = parking.park("state", [base, view, other])
-    freed += parking.park("grads", [grads], keep_values=False)
+    freed = parking.park([base, view, other])
+    freed += parking.park([grads], keep_values=False)
     assert freed == (24 + 5 + 8) * 4  # the shared storage counts once
     assert base.untyped_storage().nbytes() == 0 and grads.untyped_storage().nbytes() == 0
+    assert parking.host_bytes == 3 * 40  # 116 bytes kept; the freed gradients take none
 
     parking.reload()
     assert torch.equal(base, expect_base) and torch.equal(view, expect_base[2:4])
@@ -28,15 +30,17 @@ def test_park_frees_storage_and_reload_restores_views_in_place():
     assert parking.parked_bytes == 0
 
 
-def test_host_buffers_are_reused_across_steps():
-    t = torch.randn(16)
-    parking = HostParking(torch.device("cpu"))
-    parking.park("x", [t])
-    first = parking._host[("x", 0)]
+def test_host_slabs_are_reused_across_steps():
+    tensors = [torch.randn(16), torch.randn(3, 7)]
+    parking = HostParking(torch.device("cpu"), slab_bytes=64)
+    parking.park(tensors)
+    slabs = [s.data_ptr() for s in parking._host.slabs]
     parking.reload()
-    t.mul_(2.0)
-    expect = t.clone()
-    parking.park("x", [t])
-    assert parking._host[("x", 0)] is first
+    for t in tensors:
+        t.mul_(2.0)
+    expect = [t.clone() for t in tensors]
+    parking.park(tensors)
+    assert [s.data_ptr() for s in parking._host.slabs] == slabs, "a later park allocated anew"
     parking.reload()
-    assert torch.equal(t, expect)
+    for t, e in zip(tensors, expect, strict=True):
+        assert torch.equal(t, e)
