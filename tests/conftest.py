@@ -1,11 +1,13 @@
-"""Shared fixtures: launching real multi-process torchrun jobs (gloo on CPU)."""
+"""Shared fixtures: launching real multi-process jobs (torchrun, or forked gloo ranks) on CPU."""
 
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 
 import pytest
 
@@ -24,6 +26,22 @@ def run_torchrun(script: str, nproc: int, args: list[str], timeout: int = 600, n
             f"torchrun {script} failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
         )
     return proc.stdout
+
+
+def run_forked_ranks(worker: Callable[[int, str, str], None], tmp_path, nproc: int = 2) -> None:
+    """Run ``worker(rank, init_file, out_dir)`` in ``nproc`` forked processes (a gloo group through
+    ``file://init_file``); every rank must exit 0 within 60 s. Results go to files in ``out_dir``."""
+    ctx = mp.get_context("fork")
+    init_file, out_dir = str(tmp_path / "store"), str(tmp_path)
+    procs = [ctx.Process(target=worker, args=(r, init_file, out_dir)) for r in range(nproc)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=60)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert [p.exitcode for p in procs] == [0] * nproc
 
 
 @pytest.fixture

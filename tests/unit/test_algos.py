@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
 import os
 
 import pytest
@@ -30,6 +29,7 @@ from megatron_rl.algos import (
     masked_var,
     masked_whiten,
 )
+from tests.conftest import run_forked_ranks
 
 
 def T(rows) -> torch.Tensor:
@@ -431,18 +431,7 @@ def _dist_worker(rank: int, init_file: str, out_dir: str) -> None:
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed unavailable")
 def test_whitening_across_process_group(tmp_path):
-    ctx = mp.get_context("fork")
-    init_file = str(tmp_path / "store")
-    procs = [ctx.Process(target=_dist_worker, args=(r, init_file, str(tmp_path))) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=60)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert [p.exitcode for p in procs] == [0, 0]
+    run_forked_ranks(_dist_worker, tmp_path)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
 
     # Whitening each rank's part against the group equals whitening the concatenation of the valid

@@ -2,7 +2,6 @@
 
 import importlib.util
 import json
-import multiprocessing as mp
 import os
 
 import pytest
@@ -10,6 +9,7 @@ import torch
 
 from megatron_rl.batch import RolloutBatch, SeqMeta
 from megatron_rl.metrics import MetricsLogger, Timer, data_metrics, format_console
+from tests.conftest import run_forked_ranks
 
 
 def tiny_batch() -> RolloutBatch:
@@ -66,17 +66,7 @@ def _metrics_worker(rank: int, init_file: str, out_dir: str) -> None:
 
 def test_data_metrics_over_data_parallel_ranks(tmp_path):
     """Each of two ranks holds one sequence; the metrics equal those of one process holding both."""
-    ctx = mp.get_context("fork")
-    procs = [
-        ctx.Process(target=_metrics_worker, args=(r, str(tmp_path / "store"), str(tmp_path))) for r in (0, 1)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=60)
-        if p.is_alive():
-            p.kill()
-    assert [p.exitcode for p in procs] == [0, 0]
+    run_forked_ranks(_metrics_worker, tmp_path)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     whole = data_metrics(tiny_batch(), max_response_length=2, dp_group=None)
     for m in ranks:
