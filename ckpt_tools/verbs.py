@@ -14,8 +14,10 @@ Data flow:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 
 from ckpt_tools.launch import relaunch_if_needed, require_single_process
 
@@ -39,22 +41,24 @@ def _say(ps, msg: str) -> None:
         print(msg, flush=True)
 
 
-def _start(tp: int, pp: int):
-    """init_parallel on the CPU; returns (state, whether this verb started torch.distributed)."""
+@contextlib.contextmanager
+def _parallel(tp: int, pp: int, needed: bool = True) -> Iterator:
+    """init_parallel on the CPU for the verb's duration (None when not ``needed``); a process group
+    that the caller started stays up afterwards."""
+    if not needed:
+        yield None
+        return
     import torch.distributed as dist
 
-    from megatron_rl.parallel import init_parallel
+    from megatron_rl.parallel import destroy_parallel, init_parallel
 
     owned = not dist.is_initialized()
-    return init_parallel(tp, pp, device="cpu"), owned
-
-
-def _stop(owned: bool) -> None:
-    """Tear down what :func:`_start` started; a process group that the caller started stays up."""
-    from megatron_rl.parallel import destroy_parallel
-
-    if owned:
-        destroy_parallel()
+    ps = init_parallel(tp, pp, device="cpu")
+    try:
+        yield ps
+    finally:
+        if owned:
+            destroy_parallel()
 
 
 def _side_dirs(path: str) -> list[str]:
@@ -85,8 +89,7 @@ def hf_to_mcore(a: argparse.Namespace) -> int:
     from megatron_rl.weights.hf_io import HFReader
     from megatron_rl.weights.megatron_ckpt import save_torch_dist
 
-    ps, owned = _start(a.tp, a.pp)
-    try:
+    with _parallel(a.tp, a.pp) as ps:
         args = load_model_args(a.hf)
         dtype = _dtype(a.dtype) if a.dtype else _config_dtype(args)
         model = build_model(args, ps, dtype=dtype, sdpa=False)
@@ -95,8 +98,6 @@ def hf_to_mcore(a: argparse.Namespace) -> int:
         if ps.rank == 0:
             copied = copy_side_files([a.hf], a.out)
             _say(ps, f"wrote torch_dist checkpoint {a.out} (TP={a.tp} PP={a.pp}, {dtype}); copied {copied}")
-    finally:
-        _stop(owned)
     return 0
 
 
@@ -109,8 +110,7 @@ def mcore_to_hf(a: argparse.Namespace) -> int:
     fmt = detect_format(a.ckpt)
     if fmt == "hf":
         raise SystemExit(f"{a.ckpt} is already an HF model directory")
-    ps, owned = _start(1, 1) if fmt == "torch_dist" else (None, False)  # dist_checkpointing needs a world
-    try:
+    with _parallel(1, 1, needed=fmt == "torch_dist"):  # dist_checkpointing needs a world
         args = load_model_args_any(a.ckpt)
         reader = open_reader(a.ckpt, args)
         # default: the embedding's dtype, i.e. the model's parameter dtype
@@ -118,8 +118,6 @@ def mcore_to_hf(a: argparse.Namespace) -> int:
         files = write_hf(reader, args, a.out, parse_size(a.max_shard_size), progress=True, dtype=dtype)
         copied = copy_side_files(_side_dirs(a.ckpt), a.out)
         print(f"wrote HF model {a.out} from {fmt} checkpoint: {files}; copied {copied}", flush=True)
-    finally:
-        _stop(owned)
     return 0
 
 
@@ -138,8 +136,7 @@ def legacy_to_dist(a: argparse.Namespace) -> int:
     from megatron_rl.weights import megatron_ckpt as mc
 
     ckpt = _legacy(a.legacy)
-    ps, owned = _start(tp, pp)
-    try:
+    with _parallel(tp, pp) as ps:
         args = load_model_args_any(a.legacy)
         dtype = next(iter(ckpt.model(0, 0).values())).dtype
         model = build_model(args, ps, dtype=dtype, sdpa=False)
@@ -152,8 +149,6 @@ def legacy_to_dist(a: argparse.Namespace) -> int:
                 f"wrote torch_dist checkpoint {a.out} (TP={tp} PP={pp}) from legacy TP={ckpt.tp} "
                 f"PP={ckpt.pp}; copied {copied}",
             )
-    finally:
-        _stop(owned)
     return 0
 
 
@@ -167,8 +162,7 @@ def reshard(a: argparse.Namespace) -> int:
     from megatron_rl.models.loading import load_model_args_any
     from megatron_rl.weights import megatron_ckpt as mc
 
-    ps, owned = _start(a.tp, a.pp)
-    try:
+    with _parallel(a.tp, a.pp) as ps:
         loc = mc.locate_megatron_checkpoint(a.ckpt)
         if loc is None or loc.format != "torch_dist":
             raise SystemExit(f"{a.ckpt} is not a torch_dist checkpoint")
@@ -183,8 +177,6 @@ def reshard(a: argparse.Namespace) -> int:
         if ps.rank == 0:
             copy_side_files(_side_dirs(a.ckpt), a.out)
             _say(ps, f"wrote torch_dist checkpoint {a.out} at TP={a.tp} PP={a.pp}")
-    finally:
-        _stop(owned)
     return 0
 
 
@@ -195,15 +187,12 @@ def mcore_to_legacy(a: argparse.Namespace) -> int:
     from megatron_rl.weights.megatron_ckpt import save_legacy
 
     fmt = detect_format(a.ckpt)
-    ps, owned = _start(1, 1) if fmt == "torch_dist" else (None, False)
-    try:
+    with _parallel(1, 1, needed=fmt == "torch_dist"):
         args = load_model_args_any(a.ckpt)
         reader = open_reader(a.ckpt, args)
         dtype = reader.get(reader.keys()[0]).dtype
         save_legacy(reader, args, a.out, a.tp, a.pp, iteration=a.iteration, dtype=dtype, progress=True)
         print(f"wrote legacy Megatron-LM checkpoint {a.out} (TP={a.tp} PP={a.pp}) from {fmt}", flush=True)
-    finally:
-        _stop(owned)
     return 0
 
 
@@ -221,8 +210,7 @@ def verify(a: argparse.Namespace) -> int:
     from megatron_rl.models.forward import gather_tp, run_pipeline
     from megatron_rl.models.loading import load_model_args_any, load_weights
 
-    ps, owned = _start(a.tp, a.pp)
-    try:
+    with _parallel(a.tp, a.pp) as ps:
         with open(os.path.join(a.hf, "config.json")) as f:
             hf_vocab = json.load(f)["vocab_size"]
         args = load_model_args_any(a.ckpt)
@@ -256,6 +244,4 @@ def verify(a: argparse.Namespace) -> int:
             f"{a.batch}x{a.seq_len} tokens, {vocab} logits (max |logit| {top:.2f}); tol {a.tol:g}: "
             + ("OK" if ok else "FAILED"),
         )
-    finally:
-        _stop(owned)
     return 0 if ok else 1
