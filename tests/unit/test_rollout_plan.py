@@ -6,23 +6,14 @@ import pytest
 
 from megatron_rl.config import RolloutConfig
 from megatron_rl.models.hf import model_args_from_hf_config
-from megatron_rl.models.random_hf import QWEN25_1_5B
+from megatron_rl.models.random_hf import QWEN25_1_5B, TINY
 from megatron_rl.rollout.base import create_engine
 from megatron_rl.rollout.reshard import plan_buckets
 from megatron_rl.weights.tables import hf_shapes
 
 
 def args_of(arch_cls: str, **dims):
-    hf = dict(
-        architectures=[arch_cls],
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=99,
-        max_position_embeddings=256,
-    )
+    hf = dict(architectures=[arch_cls], **TINY)
     hf.update(dims)
     return model_args_from_hf_config(hf)
 
