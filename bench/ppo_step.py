@@ -121,6 +121,14 @@ def run(
         "actor_rollout_ref.rollout.gpu_memory_utilization": a.gpu_memory_utilization,
         "actor_rollout_ref.rollout.enable_cuda_graph": a.cuda_graph,
         **{k: colocate for k in OFFLOAD_KEYS},
+        **{
+            f"{m}.megatron.{key}": not off
+            for m in ("actor_rollout_ref.actor", "critic")
+            for key, off in (
+                ("sequence_parallel", a.no_sequence_parallel),
+                ("use_distributed_optimizer", a.no_distributed_optimizer),
+            )
+        },
         "critic.ppo_micro_batch_size_per_gpu": a.micro,
         "custom_reward_function.path": os.path.join(ROOT, "bench", "synthetic_reward.py"),
         "algorithm.adv_estimator": "gae",
@@ -174,6 +182,7 @@ def summarize(rows: list[dict], nproc: int) -> dict:
         "max_device_memory_used_gb": max(
             (r.get("perf/max_device_memory_used_gb", 0) for r in rows), default=None
         ),
+        "optimizer_state_gb_per_gpu": mean("perf/optimizer_state_gb"),
         "response_length": mean("response_length/mean"),
         "nproc": nproc,
     }
@@ -190,10 +199,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--batch", type=int, default=128, help="prompts per step (n=1)")
     ap.add_argument("--micro", type=int, default=8, help="ppo_micro_batch_size_per_gpu")
+    ap.add_argument("--no-sequence-parallel", action="store_true", help="TP > 1 without sequence parallelism")
+    ap.add_argument(
+        "--no-distributed-optimizer", action="store_true", help="DP > 1 with replicated optimizer states"
+    )
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--response-len", type=int, default=256)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.4)
-    ap.add_argument("--cuda-graph", action="store_true", help="SGLang decode CUDA graphs (slower start)")
+    ap.add_argument(
+        "--no-cuda-graph", dest="cuda_graph", action="store_false", help="SGLang without decode CUDA graphs"
+    )
     ap.add_argument("--no-compare", action="store_true", help="skip the non-colocated run")
     ap.add_argument("--only", choices=["colocated", "separate"], help="run one of the two configurations")
     ap.add_argument("--save", action="store_true", help="save a checkpoint after the last step")

@@ -7,8 +7,11 @@ Layout of ``trainer.default_local_dir``::
         trainer_state.json                  step, sampler position, KL controller, layout
         actor/  critic/                     model weights, megatron-core torch_dist (any TP/PP loads them;
                                             ckpt_tools mcore-to-hf exports them)
-        mp_rank_{tp:02d}_{pp:03d}.pt        optimizer states + LR schedules and RNG states of one model
-                                            shard (written by data-parallel rank 0: replicas are equal)
+        actor_optim/  critic_optim/         optimizer states (fp32 main weights, Adam's moments), megatron's
+                                            sharded optimizer state dict in torch_dist: each DP rank writes
+                                            its shard of the distributed optimizer; any DP size loads it
+        mp_rank_{tp:02d}_{pp:03d}.pt        LR-schedule positions and RNG states of one model shard
+                                            (written by data-parallel rank 0)
 
 A save writes into ``.global_step_{N}.partial`` and is published by one rename after every rank
 has written, so a crash mid-save never leaves a directory that looks complete. Only the newest
@@ -93,10 +96,12 @@ class CheckpointManager:
         self,
         step: int,
         models: dict[str, torch.nn.Module],
+        optimizers: dict[str, Any],
         shards: dict[str, Any],
         trainer_state: dict[str, Any],
     ) -> str:
-        """Collective: every rank passes the models and its shard's state dicts; rank 0 publishes."""
+        """Collective: every rank passes the models, their optimizers (``ModelOptimizer`` by the model's
+        name) and its shard's state dicts; rank 0 publishes."""
         from megatron_rl.weights.megatron_ckpt import save_torch_dist
 
         ps = self.ps
@@ -108,6 +113,8 @@ class CheckpointManager:
         dist.barrier()
         for name, model in models.items():
             save_torch_dist(model, ps, os.path.join(partial, name))
+        for name, opt in optimizers.items():
+            save_optimizer(opt, ps, os.path.join(partial, f"{name}_optim"))
         if ps.dp_rank == 0:
             torch.save({**shards, "rng": rng_state()}, _shard_file(partial, ps))
         if ps.rank == 0:
@@ -132,8 +139,11 @@ class CheckpointManager:
         for s in steps[: -self.max_to_keep]:
             shutil.rmtree(self.step_dir(s), ignore_errors=True)
 
-    def load(self, path: str, models: dict[str, torch.nn.Module]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Fill ``models`` and return (this rank's shards, trainer_state); RNG states are restored too."""
+    def load(
+        self, path: str, models: dict[str, torch.nn.Module], optimizers: dict[str, Any]
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Fill ``models`` and ``optimizers`` and return (this rank's shards, trainer_state); RNG states
+        are restored too."""
         from megatron_rl.weights.megatron_ckpt import load_torch_dist
 
         state_file = os.path.join(path, "trainer_state.json")
@@ -156,6 +166,36 @@ class CheckpointManager:
                     f"{path} has no {name}/: resume with the same algorithm (critic.enable)."
                 )
             load_torch_dist(model, self.ps, os.path.join(path, name))
+        for name, opt in optimizers.items():
+            if not os.path.isdir(os.path.join(path, f"{name}_optim")):
+                raise RuntimeError(
+                    f"{path} holds no {name}_optim/ (written before optimizer states were sharded): resume "
+                    f"its weights only with actor_rollout_ref.model.path={os.path.join(path, 'actor')} and "
+                    "critic.model.path=.../critic (Adam restarts), and trainer.resume_mode=disable."
+                )
+            load_optimizer(opt, os.path.join(path, f"{name}_optim"))
         shards = torch.load(_shard_file(path, self.ps), map_location="cpu", weights_only=True)
         set_rng_state(shards.pop("rng"))
         return shards, trainer_state
+
+
+def save_optimizer(opt: Any, ps: ParallelState, path: str) -> None:
+    """Write ``opt``'s sharded state (megatron's optimizer sharded_state_dict) into ``path``. Collective."""
+    from megatron.core import dist_checkpointing
+
+    if ps.rank == 0:
+        os.makedirs(path, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(opt.sharded_state_dict(opt.model.sharded_state_dict()), path)
+    dist.barrier()
+
+
+def load_optimizer(opt: Any, path: str) -> None:
+    """Fill ``opt`` from :func:`save_optimizer`'s directory, at any data-parallel size. Collective."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_rl.weights.megatron_ckpt import safe_globals
+
+    state = opt.sharded_state_dict(opt.model.sharded_state_dict(), is_loading=True)
+    with torch.serialization.safe_globals(safe_globals()):
+        opt.load_sharded_state_dict(dist_checkpointing.load(state, path))

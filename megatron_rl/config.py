@@ -67,6 +67,9 @@ class ModelConfig:
     """Tokenizer directory if it is not beside the weights."""
     trust_remote_code: bool = False
     """Passed to transformers when loading the tokenizer."""
+    enable_gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass (megatron's recompute, shaped by the model's
+    megatron.recompute_* keys) instead of keeping them: less memory, about one more forward."""
 
 
 @dataclass
@@ -89,6 +92,9 @@ class OptimConfig:
     """Adam epsilon."""
     clip_grad: float = 1.0
     """Clip the global gradient norm (over all TP/PP/DP shards) to this value; 0 disables."""
+    stochastic_rounding: bool = False
+    """bf16 models: round the fp32 main weights into the bf16 parameters stochastically (unbiased)
+    instead of to nearest, so that updates smaller than half a bf16 ulp still move the policy."""
 
 
 @dataclass
@@ -110,6 +116,26 @@ class MegatronConfig:
     """Free the gradient buckets while the rollout engine generates (zeroed before each update anyway)."""
     optimizer_offload: bool = False
     """Hold AdamW's moments and the fp32 master weights in host memory while the rollout engine generates."""
+    use_distributed_optimizer: bool = True
+    """Shard the fp32 master weights and Adam's moments over the data-parallel ranks (megatron's
+    distributed optimizer, ZeRO-1): optimizer memory per GPU falls as 1/DP. Its checkpoints resume at
+    any DP size; a run resumes only with the setting it was saved with."""
+    overlap_grad_reduce: bool = False
+    """Reduce each gradient bucket over DP as soon as the backward pass has filled it."""
+    overlap_param_gather: bool = False
+    """With the distributed optimizer: all-gather updated parameters during the next forward pass."""
+    grad_reduce_in_fp32: bool = True
+    """Accumulate and reduce gradients in fp32 (bf16/fp16 models); off halves the gradient buffers."""
+    sequence_parallel: bool = True
+    """With TP > 1: split norms, dropout and residuals along the sequence over the TP ranks (less
+    activation memory, reduce-scatter/all-gather instead of all-reduce). Ignored at TP = 1."""
+    recompute_granularity: str = "full"
+    """With model.enable_gradient_checkpointing: full (whole layers) | selective (attention core only)."""
+    recompute_method: str = "uniform"
+    """Full recompute: uniform (every layer, in chunks of recompute_num_layers) | block (the first
+    recompute_num_layers layers of each pipeline stage)."""
+    recompute_num_layers: int = 1
+    """Full recompute: layers per chunk (uniform) or recomputed layers per stage (block)."""
 
 
 @dataclass
@@ -449,6 +475,10 @@ _CHOICES = {
     "trainer.resume_mode": ("auto", "disable", "resume_path"),
     "trainer.device": ("auto", "cuda", "cpu"),
     "actor_rollout_ref.actor.megatron.params_dtype": ("float32", "bfloat16", "float16"),
+    "actor_rollout_ref.actor.megatron.recompute_granularity": ("full", "selective"),
+    "actor_rollout_ref.actor.megatron.recompute_method": ("uniform", "block"),
+    "critic.megatron.recompute_granularity": ("full", "selective"),
+    "critic.megatron.recompute_method": ("uniform", "block"),
     "actor_rollout_ref.rollout.dtype": ("float32", "bfloat16", "float16"),
 }
 
@@ -563,6 +593,9 @@ def validate(cfg: Config, world_size: int, model_dims: dict[str, int] | None = N
                 f"actor_rollout_ref.ref.megatron.{key}=True: the reference model is not trained; "
                 "only actor_rollout_ref.ref.megatron.param_offload applies to it."
             )
+    for key in ("actor_rollout_ref.actor.megatron", "critic.megatron"):
+        if get_key(cfg, key).recompute_num_layers < 1:
+            raise ConfigError(f"{key}.recompute_num_layers must be >= 1.")
     if rollout.update_weights_bucket_megabytes <= 0:
         raise ConfigError("actor_rollout_ref.rollout.update_weights_bucket_megabytes must be > 0.")
     for key in ("data.max_prompt_length", "data.max_response_length"):

@@ -10,6 +10,11 @@ megatron-core assumes CUDA in three ways that matter for our models and schedule
    a TorchFunctionMode entered around model construction and every forward/backward.
 3. The CUDA RNG tracker (forked by attention dropout on every forward) is replaced by
    :class:`CpuRNGStatesTracker`, which keeps the same named streams on the CPU generator.
+4. megatron's optimizers (``optimizer.py``, ``distrib_optimizer.py``, ``clip_grads.py``) accept
+   parameters and gradients by their CUDA type names (``param.type() == "torch.cuda.FloatTensor"``);
+   under :class:`CpuDeviceMode` a CPU tensor's ``type()`` answers with the CUDA name of its dtype.
+   With that, megatron's DDP, optimizers (distributed one included), ``finalize_model_grads`` and
+   their dist_checkpointing state run on CPU as they do on GPU.
 
 Causal masks are always passed explicitly (``get_default_causal_mask`` allocates on "cuda").
 Everything here is inert when CUDA is available; :func:`install` checks the megatron-core version it
@@ -45,6 +50,9 @@ class CpuDeviceMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # megatron's optimizers accept parameters by their CUDA type name ("torch.cuda.FloatTensor").
+            return func(*args).replace("torch.", "torch.cuda.", 1)
         if "device" in kwargs:
             kwargs["device"] = _to_cpu_device(kwargs["device"])
         if func in (torch.Tensor.to,) and len(args) > 1 and not isinstance(args[1], torch.Tensor):

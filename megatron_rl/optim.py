@@ -1,31 +1,26 @@
-"""Optimizer for one model shard: data-parallel gradient buckets, global-norm clipping, AdamW, LR schedule.
+"""Megatron-core's training path for one model shard: DDP gradient buffers, its optimizer, our LR schedule.
 
-Data flow of one optimizer step (:meth:`ModelOptimizer.step`), after the micro-batches' backward passes
-have accumulated gradients:
+:class:`ModelOptimizer` wraps a model built by :mod:`megatron_rl.models.builder` in megatron-core's
+``DistributedDataParallel`` and builds megatron-core's optimizer over it (``get_megatron_optimizer``).
+The same classes run on CPU over gloo (:mod:`megatron_rl.cpu_bridge` bridges their CUDA assumptions)
+and on GPU over NCCL, so there is one gradient semantics. Data flow of one optimizer step, after the
+micro-batches' backward passes (``run_pipeline`` on :attr:`ModelOptimizer.ddp`):
 
-1. Gradients live in flat fp32 buckets (``param.grad`` of an fp32 parameter is a view into a bucket,
-   so autograd accumulates micro-batches in place; a bf16/fp16 parameter adds its gradient to the
-   bucket through a post-accumulate hook and is trained through an fp32 master copy).
-2. Each bucket is all-reduced over ``ps.dp_group`` and divided by the DP size (an average: losses are
-   scaled by the DP size so that the average is the gradient of the global mini-batch loss).
-3. With pipeline parallelism and tied embeddings, the two copies of the shared embedding/head weight
-   (first and last stage, marked ``shared_embedding`` by megatron) are summed over
-   ``ps.embedding_group``, so both receive the same update.
-4. Global gradient norm: squares of this rank's gradients, counting TP-sharded parameters on every TP
-   rank, TP-replicated ones (norms, the value head) on TP rank 0 only, and the last stage's copy of a
-   tied weight (``shared``) not at all; summed over the model-parallel group (TP x PP). Which
-   parameters are sharded comes from the weight table (:func:`tp_sharded_params`). DP replicas hold
-   equal gradients after step 2 and are not summed.
-5. Clip to ``clip_grad`` (coefficient ``clip_grad / (norm + 1e-6)`` when below 1, as megatron does),
-   set the scheduled LR, ``torch.optim.AdamW`` (no weight decay on biases and 1-D parameters), copy
-   masters back into low-precision parameters. A non-finite norm skips the update (and the schedule
-   does not advance); the returned norm shows it.
-
-The same math runs on CPU (gloo) and GPU (nccl). Extension point: on GPU, megatron-core's
-``DistributedDataParallel`` with its distributed optimizer (``get_megatron_optimizer``, sharded
-optimizer states, overlapped reduce-scatter) can replace this class behind the same interface
-(``step() -> (grad_norm, lr)``, ``zero_grad()``, ``state_dict()``, ``load_state_dict()``); megatron's
-version hard-codes CUDA, which is why this plain path exists.
+1. Backward hooks accumulate every parameter's gradient into DDP's contiguous buffers (``main_grad``,
+   fp32 with ``grad_reduce_in_fp32``). Buckets are reduced over ``ps.dp_group`` as they fill when
+   ``overlap_grad_reduce`` is on, otherwise after the last micro-batch; with the distributed optimizer
+   the reduction is a reduce-scatter and each DP rank keeps only its 1/DP of the gradients.
+   The reduction is a SUM (``calculate_per_token_loss``): each micro-batch loss is already its share
+   of the mini-batch mean over all DP ranks (see :mod:`megatron_rl.ppo`).
+2. ``finalize_model_grads`` (megatron) then sums what TP or PP ranks hold in pieces: layernorm weights
+   under sequence parallelism, Qwen3's q/k-norm weights (each TP rank sees only its own heads), the two
+   copies of a tied embedding on the first and last pipeline stages.
+3. Global gradient norm over all TP/PP (and, sharded, DP) ranks, each element counted once. A
+   non-finite norm skips the update: counted in :attr:`ModelOptimizer.skipped_steps`, the LR schedule
+   does not advance, and the returned norm shows it.
+4. Clip to ``clip_grad``, set the scheduled LR, Adam on the fp32 main parameters (bf16/fp16 models keep
+   fp32 masters; the distributed optimizer shards masters and moments over DP), copy back into the
+   model's parameters (all-gathered over DP when sharded).
 """
 
 from __future__ import annotations
@@ -37,10 +32,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_rl.config import ConfigError, OptimConfig
+from megatron_rl import cpu_bridge
+from megatron_rl.config import ConfigError, MegatronConfig, OptimConfig
 from megatron_rl.parallel import ParallelState
 
-BUCKET_NUMEL = 1 << 25  # 32M fp32 elements (128 MiB) per all-reduce bucket
+BUCKET_NUMEL = 1 << 25  # 32M elements per DDP bucket (megatron's default scales with DP; fixed here)
 
 
 class LRSchedule:
@@ -85,245 +81,285 @@ class LRSchedule:
         return self.lr - (self.lr - self.min_lr) * progress
 
 
-def _accumulate_into_main_grad(param: torch.Tensor) -> None:
-    """Post-accumulate hook of a bf16/fp16 parameter: add its gradient to the fp32 bucket, free it."""
-    param.main_grad.add_(param.grad.float())
-    param.grad = None
+def _finalize_grads(model: list[nn.Module], num_tokens: torch.Tensor | None = None, **kwargs: Any) -> None:
+    """megatron's finalize_model_grads without its division by the token count: our losses arrive
+    already normalised by the mini-batch's global denominator (step 1 of the module docstring)."""
+    from megatron.core.distributed import finalize_model_grads
 
-
-def tp_sharded_params(model: nn.Module, ps: ParallelState) -> set[int]:
-    """ids of the parameters split over TP (each TP rank holds different elements).
-
-    ``models.builder.mark_tensor_parallel`` sets megatron's ``tensor_model_parallel`` attribute from
-    the weight tables (megatron itself sets it only when it initialises the weights).
-    """
-    if ps.tp_size == 1:
-        return set()
-    return {id(p) for p in model.parameters() if getattr(p, "tensor_model_parallel", False)}
+    finalize_model_grads(model, None, **kwargs)
 
 
 class ModelOptimizer:
-    """AdamW over one model shard with DP-averaged, globally clipped gradients (see module docstring)."""
+    """megatron-core DDP + optimizer over one model shard, with an LR schedule (see the module docstring).
+
+    ``ddp`` is the module the training passes run (``run_pipeline(optimizer.ddp, ...)``); the plain
+    ``model`` stays valid for no-grad forwards, the weight sync and checkpoints (same parameters).
+    """
 
     def __init__(
-        self, model: nn.Module, cfg: OptimConfig, ps: ParallelState, total_steps: int, key: str = "optim"
+        self,
+        model: nn.Module,
+        cfg: OptimConfig,
+        mcfg: MegatronConfig,
+        ps: ParallelState,
+        total_steps: int,
+        key: str = "optim",
     ) -> None:
-        self.ps = ps
-        self.cfg = cfg
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        if not any(p.requires_grad for p in model.parameters()):
+            raise ValueError("the model has no trainable parameters")
+        self.ps, self.cfg, self.model = ps, cfg, model
         self.schedule = LRSchedule(cfg, total_steps, key)
         self.num_steps = 0
         self.skipped_steps = 0
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        if not named:
-            raise ValueError("the model has no trainable parameters")
-        self.params = [p for _, p in named]
-        self.mixed = any(p.dtype != torch.float32 for p in self.params)
-        # masters[i]: the fp32 tensor AdamW updates (the parameter itself when it is fp32).
-        self.masters: list[torch.Tensor] = [
-            p if p.dtype == torch.float32 else p.detach().float().clone().requires_grad_(True)
-            for p in self.params
-        ]
-        self._build_buckets()
-        for p in self.params:
-            if p.dtype != torch.float32 and not getattr(p, "_main_grad_hook", False):
-                # Once per parameter: a later optimizer over the same model re-points main_grad.
-                p.register_post_accumulate_grad_hook(_accumulate_into_main_grad)
-                p._main_grad_hook = True
-        decay, no_decay = [], []
-        for (name, p), m in zip(named, self.masters, strict=True):
-            (no_decay if p.ndim <= 1 or name.endswith(".bias") else decay).append(m)
-        groups = [
-            g
-            for g in (
-                {"params": decay, "weight_decay": cfg.weight_decay},
-                {"params": no_decay, "weight_decay": 0.0},
-            )
-            if g["params"]
-        ]
-        self.optimizer = torch.optim.AdamW(
-            groups, lr=self.schedule.lr_at(0), betas=tuple(cfg.betas), eps=cfg.eps
+        # At DP = 1 the distributed optimizer holds the whole state, as the plain one would; using it at
+        # every DP size gives checkpoints one format that any DP size loads.
+        self.distributed = distributed = mcfg.use_distributed_optimizer
+        self.overlap_param_gather = distributed and mcfg.overlap_param_gather
+        config = model.config  # the TransformerConfig the schedule reads its hooks from
+        dtype = config.params_dtype
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=mcfg.grad_reduce_in_fp32,
+            overlap_grad_reduce=mcfg.overlap_grad_reduce,
+            overlap_param_gather=self.overlap_param_gather,
+            use_distributed_optimizer=distributed,
+            bucket_size=BUCKET_NUMEL,
         )
-        # AdamW's moments exist from the start rather than from the first step (as torch would create
-        # them): the memory a run needs shows at once, and host parking sees one fixed set of tensors.
-        for m in self.masters:
-            self.optimizer.state[m] = {
-                "step": torch.tensor(0.0, dtype=torch.float32),
-                "exp_avg": torch.zeros_like(m, memory_format=torch.preserve_format),
-                "exp_avg_sq": torch.zeros_like(m, memory_format=torch.preserve_format),
-            }
-        # Each gradient element enters the norm once: TP-sharded parameters on every TP rank, replicated
-        # ones on TP rank 0, the last stage's copy of a tied embedding (``shared``) nowhere.
-        sharded = tp_sharded_params(model, ps)
-        self._norm_mask = [
-            not getattr(p, "shared", False) and (id(p) in sharded or ps.tp_rank == 0) for p in self.params
-        ]
-        self._tied = [p for p in self.params if getattr(p, "shared_embedding", False)]
+        optim_config = OptimizerConfig(
+            optimizer="adam",
+            lr=cfg.lr,
+            min_lr=cfg.min_lr,
+            weight_decay=cfg.weight_decay,
+            adam_beta1=cfg.betas[0],
+            adam_beta2=cfg.betas[1],
+            adam_eps=cfg.eps,
+            clip_grad=cfg.clip_grad,
+            bf16=dtype == torch.bfloat16,
+            fp16=dtype == torch.float16,
+            params_dtype=dtype,
+            use_distributed_optimizer=distributed,
+            overlap_param_gather=self.overlap_param_gather,
+        )
+        with cpu_bridge.device_mode():
+            self.ddp = DistributedDataParallel(config, ddp_config, model)
+            self.optimizer = get_megatron_optimizer(optim_config, [self.ddp])
+        self.ddp.role, self.ddp.args = model.role, model.args
+        config.finalize_model_grads_func = _finalize_grads
+        config.grad_scale_func = self.optimizer.scale_loss  # the fp16 loss scale (1 otherwise)
+        config.no_sync_func = self.ddp.no_sync if mcfg.overlap_grad_reduce else None
+        self._init_adam_state()
+        # Low-precision models: megatron's copy of the fp32 main weights into the model's parameters is
+        # replaced by one that can round stochastically and counts the elements that change.
+        self.stochastic_rounding = cfg.stochastic_rounding
+        self._changed = torch.zeros((), dtype=torch.float64, device=ps.device)
+        self._elements = torch.zeros((), dtype=torch.float64, device=ps.device)
+        if dtype != torch.float32:
+            for sub in self._sub_optimizers:
+                pairs = _main_to_model_pairs(sub)
+                sub._copy_main_params_to_model_params = lambda pairs=pairs: self._copy_main_to_model(pairs)
 
-    # -- gradient buffers ---------------------------------------------------------------------------
+    @property
+    def _sub_optimizers(self) -> list:
+        return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
 
-    def _build_buckets(self) -> None:
-        """Flat fp32 buckets on the parameters' device; each master's ``.grad`` is a view into one."""
-        self.buckets: list[torch.Tensor] = []
-        self._main_grad: dict[int, torch.Tensor] = {}
-        start = 0
-        members: list[int] = []
+    def _init_adam_state(self) -> None:
+        """Adam's moments exist from the start rather than from the first step (as torch would create
+        them): the memory a run needs shows at once, and host parking sees one fixed set of tensors."""
+        for sub in self._sub_optimizers:
+            inner = getattr(sub, "optimizer", None)
+            if inner is None:
+                continue
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    if inner.state[p]:
+                        continue
+                    inner.state[p] = {
+                        "step": torch.tensor(0.0, dtype=torch.float32),
+                        "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                        "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    }
 
-        def close(members: list[int]) -> None:
-            if not members:
-                return
-            device = self.params[members[0]].device
-            flat = torch.zeros(
-                sum(self.params[i].numel() for i in members), dtype=torch.float32, device=device
-            )
-            off = 0
-            for i in members:
-                n = self.params[i].numel()
-                view = flat[off : off + n].view_as(self.params[i])
-                self._main_grad[id(self.params[i])] = view
-                if self.masters[i] is not self.params[i]:
-                    self.params[i].main_grad = view  # target of _accumulate_into_main_grad
-                self.masters[i].grad = view
-                off += n
-            self.buckets.append(flat)
+    # -- writing the updated weights --------------------------------------------------------------
 
-        for i, p in enumerate(self.params):
-            if members and (start + p.numel() > BUCKET_NUMEL or p.device != self.params[members[0]].device):
-                close(members)
-                members, start = [], 0
-            members.append(i)
-            start += p.numel()
-        close(members)
+    @torch.no_grad()
+    def _copy_main_to_model(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """fp32 main weights -> bf16/fp16 parameters, rounded to nearest or stochastically.
 
-    def zero_grad(self) -> None:
-        for flat in self.buckets:
-            flat.zero_()
-        for p, m in zip(self.params, self.masters, strict=True):
-            # Re-attach the views (after model.zero_grad(set_to_none=True), or another optimizer built
-            # over the same model).
-            m.grad = self._main_grad[id(p)]
-            if m is not p:
-                p.main_grad = self._main_grad[id(p)]
-                p.grad = None
+        An RL-sized Adam step (~lr, e.g. 5e-6) is below half a bf16 ulp for most weights (ulp/2 of 0.02
+        is 6e-5): rounded to nearest, the parameter does not move at all and the policy (and the engine,
+        which receives these parameters) learns only from the few large updates. Stochastic rounding
+        rounds up with probability (distance to the lower value / ulp): unbiased, so small updates move
+        the parameter on average. The noise stream is seeded by the step, and replicas walk the same
+        parameters in the same order, so TP and DP replicas of a parameter round alike.
+        """
+        gen = None
+        if self.stochastic_rounding:
+            gen = torch.Generator(device=self.ps.device).manual_seed(1_000_003 * self.num_steps + 17)
+        for main, model in pairs:
+            new = _stochastic_round(main, model.dtype, gen) if gen is not None else main.to(model.dtype)
+            self._changed += (new != model).sum()
+            self._elements += model.numel()
+            model.copy_(new)
 
-    def _check_views(self) -> None:
-        for p, m in zip(self.params, self.masters, strict=True):
-            view = self._main_grad[id(p)]
-            target = m.grad if m is p else getattr(p, "main_grad", None)
-            if target is None or m.grad is None or target.data_ptr() != view.data_ptr():
-                raise RuntimeError(
-                    "a parameter's gradient no longer points into this optimizer's gradient bucket "
-                    "(model.zero_grad(set_to_none=True), or another optimizer over the same model?): call "
-                    "ModelOptimizer.zero_grad() before the backward passes."
-                )
+    def pop_update_fraction(self) -> float | None:
+        """Fraction of the low-precision parameter elements that changed value in the steps since the
+        last call (over all ranks; None for fp32 models). Collective over the whole job."""
+        counts = torch.stack([self._changed, self._elements])
+        dist.all_reduce(counts)
+        self._changed.zero_()
+        self._elements.zero_()
+        changed, total = counts.tolist()
+        return changed / total if total else None
 
     # -- the step -----------------------------------------------------------------------------------
 
-    def reduce_grads(self) -> None:
-        """Average over DP ranks, then sum the two copies of a tied embedding over the embedding group."""
-        ps = self.ps
-        if ps.dp_size > 1:
-            for flat in self.buckets:
-                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=ps.dp_group)
-                flat.div_(ps.dp_size)
-        if ps.pp_size > 1 and self._tied:
-            for p in self._tied:
-                dist.all_reduce(self._main_grad[id(p)], op=dist.ReduceOp.SUM, group=ps.embedding_group)
+    def zero_grad(self) -> None:
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
 
-    def grad_norm(self) -> float:
-        """Global L2 norm of the (reduced) gradients over all TP and PP shards."""
-        device = self.buckets[0].device
-        counted = zip(self.params, self._norm_mask, strict=True)
-        grads = [self._main_grad[id(p)] for p, keep in counted if keep]
-        if grads:
-            sq = torch.stack([torch.linalg.vector_norm(g) for g in grads]).square().sum()
-        else:
-            sq = torch.zeros((), dtype=torch.float32, device=device)
-        if self.ps.tp_size * self.ps.pp_size > 1:
-            dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=self.ps.mp_group)
-        return math.sqrt(sq.item())
-
+    @torch.no_grad()
     def step(self) -> tuple[float, float]:
-        """Reduce, clip and apply the accumulated gradients. Returns (grad norm before clipping, LR used)."""
-        self._check_views()
-        self.reduce_grads()
-        norm = self.grad_norm()
+        """Clip and apply the reduced gradients (steps 3-4 of the module docstring).
+
+        Returns (grad norm before clipping, LR used)."""
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
         lr = self.schedule.lr_at(self.num_steps)
-        if not math.isfinite(norm):
-            self.skipped_steps += 1
-            return norm, lr
-        if self.cfg.clip_grad > 0:
-            coeff = self.cfg.clip_grad / (norm + 1.0e-6)
-            if coeff < 1.0:
-                for flat in self.buckets:
-                    flat.mul_(coeff)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-        if self.mixed:
-            with torch.no_grad():
-                for p, m in zip(self.params, self.masters, strict=True):
-                    if m is not p:
-                        p.copy_(m)
+        with cpu_bridge.device_mode():
+            # Main grads ready; with fp16, unscaled and checked for overflow (the loss scale backs off).
+            found_inf = self.optimizer.prepare_grads()
+            norm = float("inf") if found_inf else float(self.optimizer.get_grad_norm())
+            if not math.isfinite(norm):
+                self.skipped_steps += 1
+                return norm, lr
+            if self.cfg.clip_grad > 0:
+                for sub in self._sub_optimizers:
+                    params = sub.get_parameters()
+                    if params:
+                        clip_grad_by_total_norm_fp32(params, max_norm=self.cfg.clip_grad, total_norm=norm)
+            # What megatron's OptimizerParamScheduler does each step: the groups carry multipliers
+            # (wd_mult = 0 for biases and 1-D parameters), the values come from the schedule.
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr * group.get("lr_mult", 1.0)
+                group["weight_decay"] = self.cfg.weight_decay * group.get("wd_mult", 1.0)
+            self.optimizer.step_with_ready_grads()
+            if self.overlap_param_gather:
+                # The next forward may be the weight sync or a no-grad pass outside DDP: gather now.
+                self.ddp.start_param_sync(force_sync=True)
         self.num_steps += 1
         return norm, lr
-
-    # -- offloading (see megatron_rl.offload) ------------------------------------------------------
-
-    def state_tensors(self) -> list[torch.Tensor]:
-        """What the next step needs besides the model: AdamW's moments and the fp32 masters."""
-        moments = [t for st in self.optimizer.state.values() for t in st.values() if torch.is_tensor(t)]
-        return self._low_precision_masters() + moments
-
-    def grad_tensors(self) -> list[torch.Tensor]:
-        """The gradient buckets; zeroed before every update, so their values need not be kept."""
-        return list(self.buckets)
 
     @property
     def lr(self) -> float:
         """The LR the next step will use."""
         return self.schedule.lr_at(self.num_steps)
 
+    # -- offloading (see megatron_rl.offload) ------------------------------------------------------
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """What the next step needs besides the model: Adam's moments and the fp32 main parameters
+        (this rank's 1/DP of them with the distributed optimizer)."""
+        model_storages = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        out = []
+        for sub in self._sub_optimizers:
+            inner = getattr(sub, "optimizer", None)
+            if inner is None:
+                continue
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    if p.untyped_storage().data_ptr() not in model_storages:
+                        # an fp32 master; fp32 models train their own parameters (param_offload's)
+                        out.append(p)
+                    out += [t for t in inner.state[p].values() if torch.is_tensor(t) and t.dim()]
+        return out
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """DDP's gradient buffers; zeroed before every update, so their values need not be kept."""
+        return [buf.grad_data for buf in self.ddp.buffers + self.ddp.expert_parallel_buffers]
+
+    def state_bytes(self) -> int:
+        """Bytes of :meth:`state_tensors` on this rank (optimizer-state memory per GPU)."""
+        seen, total = set(), 0
+        for t in self.state_tensors():
+            if t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                total += t.untyped_storage().nbytes()
+        return total
+
     # -- checkpoints --------------------------------------------------------------------------------
 
-    def _low_precision_masters(self) -> list[torch.Tensor]:
-        return [m for p, m in zip(self.params, self.masters, strict=True) if m is not p]
+    def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False) -> dict:
+        """megatron's sharded optimizer state (dist_checkpointing); with the distributed optimizer it
+        loads at any DP size."""
+        # The distributed optimizer writes each DP rank's buffer shards in parallel; loading re-slices
+        # them for the current DP size (TP/PP must match, as for the rest of a trainer checkpoint).
+        kwargs = {"metadata": {"distrib_optim_sharding_type": "dp_reshardable"}} if self.distributed else {}
+        return self.optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading, **kwargs)
 
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's optimizer state: AdamW moments, step counters (the LR schedule's position) and,
-        for low-precision models, the fp32 master weights."""
-        return {
-            "optimizer": self.optimizer.state_dict(),
-            "num_steps": self.num_steps,
-            "skipped_steps": self.skipped_steps,
-            "master_params": [m.detach().clone() for m in self._low_precision_masters()],
-        }
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; the schedule's shape comes from the current config."""
-        self.optimizer.load_state_dict(sd["optimizer"])
-        self.num_steps = int(sd["num_steps"])
-        self.skipped_steps = int(sd.get("skipped_steps", 0))
-        masters = self._low_precision_masters()
-        saved = sd.get("master_params", [])
-        if len(saved) != len(masters):
-            raise ValueError(
-                f"optimizer checkpoint holds {len(saved)} fp32 master tensors, this model needs "
-                f"{len(masters)}: was it saved with a different params_dtype or parallel layout?"
-            )
-        with torch.no_grad():
-            for m, s in zip(masters, saved, strict=True):
-                m.copy_(s)
-            for p, m in zip(self.params, self.masters, strict=True):
-                if m is not p:
-                    p.copy_(m)
+    def load_sharded_state_dict(self, state: dict) -> None:
+        with torch.no_grad(), cpu_bridge.device_mode():  # fp32 models: main params view the parameters
+            self.optimizer.load_state_dict(state)
+        # torch's Adam keeps its step count per parameter; megatron saves it once, in the param groups,
+        # and its per-parameter restore writes back the count the states were created with.
+        for sub in self._sub_optimizers:
+            for group in getattr(sub, "optimizer", sub).param_groups:
+                for p in group["params"] if "step" in group else ():
+                    sub.optimizer.state[p]["step"] = torch.tensor(float(group["step"]))
         self.zero_grad()
+
+    def counters(self) -> dict[str, int]:
+        """The LR schedule's position and the skipped-step count (saved beside the sharded state)."""
+        return {"num_steps": self.num_steps, "skipped_steps": self.skipped_steps}
+
+    def load_counters(self, counters: dict[str, int]) -> None:
+        self.num_steps = int(counters["num_steps"])
+        self.skipped_steps = int(counters.get("skipped_steps", 0))
+
+
+def _stochastic_round(x: torch.Tensor, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """fp32 ``x`` -> bf16, rounded up or down at random in proportion to the distance (unbiased).
+
+    bf16 is fp32's upper 16 bits: add uniform noise in [0, 2^16) to the lower 16 bits, then truncate.
+    The int32 view of a float is sign-magnitude, so the same works for negative values. fp16 (other
+    exponent range) is rounded to nearest.
+    """
+    if dtype != torch.bfloat16:
+        return x.to(dtype)
+    bits = x.contiguous().view(torch.int32)
+    noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=x.device, generator=gen)
+    return ((bits + noise) & -65536).view(torch.float32).to(dtype)  # exact: the low bits are zero
+
+
+def _main_to_model_pairs(sub) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(fp32 main tensor, model memory it is copied into) for each low-precision parameter of one of
+    megatron's optimizers: the whole parameter, or with the distributed optimizer this rank's shard of
+    it in DDP's parameter buffer (all-gathered over DP after the copy)."""
+    if hasattr(sub, "shard_fp32_from_float16_groups"):  # DistributedOptimizer
+        pairs = []
+        for mains, params in zip(sub.shard_fp32_from_float16_groups, sub.model_float16_groups, strict=True):
+            for main, param in zip(mains, params, strict=True):
+                world = sub._get_model_param_range_map(param)["gbuf_world_in_bucket"]
+                buf, _, bucket = sub.model_param_gbuf_map[param]
+                view = sub.buffers[buf].buckets[bucket].param_data.view(-1)[world.start : world.end]
+                pairs.append((main, view))
+        return pairs
+    mains = [m for group in sub.fp32_from_float16_groups for m in group]
+    params = [p for group in sub.float16_groups for p in group]
+    return list(zip(mains, params, strict=True))
 
 
 def build_optimizer(
-    model: nn.Module, cfg: OptimConfig, ps: ParallelState, total_steps: int, key: str = "optim"
+    model: nn.Module,
+    cfg: OptimConfig,
+    mcfg: MegatronConfig,
+    ps: ParallelState,
+    total_steps: int,
+    key: str = "optim",
 ) -> ModelOptimizer:
     """The optimizer of one model shard; ``total_steps`` optimizer steps define the LR schedule.
 
     ``key`` is the config prefix named in error messages (e.g. ``actor_rollout_ref.actor.optim``).
     """
-    return ModelOptimizer(model, cfg, ps, total_steps, key)
+    return ModelOptimizer(model, cfg, mcfg, ps, total_steps, key)

@@ -124,7 +124,7 @@ def init_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         distributed_timeout_minutes=timeout_minutes,
-        create_gloo_process_groups=False,
+        create_gloo_process_groups=True,
     )
     state = ParallelState(
         rank=dist.get_rank(),

@@ -20,9 +20,9 @@ One update (:func:`update_actor` / :func:`update_critic`), for each of ppo_epoch
 
 On the last pipeline stage each micro-batch's loss is an additive share of the mini-batch loss: the
 aggregation (token-mean, seq-mean-*) divides by the count over the WHOLE mini-batch on all DP ranks
-(``global_denominator``), and is multiplied by the DP size because the optimizer averages gradients over
-DP. The summed micro-batch gradients, averaged over DP, are therefore exactly the gradient of the
-mini-batch mean loss, whatever the layout or the micro-batch split.
+(``global_denominator``), and megatron's DDP sums gradients over DP (``calculate_per_token_loss``). The
+summed micro-batch gradients are therefore exactly the gradient of the mini-batch mean loss, whatever
+the layout or the micro-batch split.
 
     actor loss  = pg_loss(old_log_probs, log_probs, advantages; clip low/high, dual-clip c)
                   - entropy_coeff * entropy + kl_loss_coef * KL(log_probs, ref_log_probs)
@@ -184,7 +184,7 @@ def _run_update(
     positions: slice | None = None,
 ) -> dict[str, float]:
     """epochs x mini-batches x micro-batches; ``make_loss_fn(counts)`` builds a mini-batch's loss_fn,
-    which returns (loss share x DP, num tokens, metric shares [len(names)]). ``positions``: see
+    which returns (loss share, num tokens, metric shares [len(names)]). ``positions``: see
     :func:`~megatron_rl.models.forward.run_pipeline`."""
     if epochs < 1:
         raise ConfigError(f"{key}.ppo_epochs must be >= 1, got {epochs}")
@@ -204,7 +204,7 @@ def _run_update(
             counts = _global_counts(mini.response_mask, ps)
             optimizer.zero_grad()
             outs = run_pipeline(
-                model,
+                optimizer.ddp,
                 ps,
                 mini.split(micro_batch_size),
                 make_loss_fn(counts),
@@ -223,6 +223,9 @@ def _run_update(
     metrics = {f"{prefix}/{name}": v for name, v in zip(names, shares.tolist(), strict=True)}
     metrics[f"{prefix}/grad_norm"] = sum(grad_norms) / len(grad_norms)
     metrics[f"{prefix}/lr"] = sum(lrs) / len(lrs)
+    updated = optimizer.pop_update_fraction()
+    if updated is not None:  # bf16/fp16 models: how much of the model the update actually moved
+        metrics[f"{prefix}/param_update_frac"] = updated
     return metrics
 
 
@@ -298,7 +301,7 @@ def update_actor(
                 kl_loss = agg_loss(kld, mask, cfg.loss_agg_mode, denom)
                 loss = loss + cfg.kl_loss_coef * kl_loss
                 metrics.append(kl_loss.detach())
-            return loss * ps.dp_size, mask.sum().int(), torch.stack(metrics).float()
+            return loss, mask.sum().int(), torch.stack(metrics).float()
 
         return loss_fn
 
@@ -368,7 +371,7 @@ def update_critic(
             weight = mask.sum() / tokens.clamp_min(1)
             vpred_mean = masked_mean(vpreds.detach(), mask) * weight
             metrics = torch.stack([vf_loss.detach(), clipfrac * weight, vpred_mean]).float()
-            return vf_loss * ps.dp_size, mask.sum().int(), metrics
+            return vf_loss, mask.sum().int(), metrics
 
         return loss_fn
 

@@ -50,6 +50,7 @@ class Trainer:
         from megatron_rl.algos.kl import get_kl_controller
         from megatron_rl.checkpoint import CheckpointManager
         from megatron_rl.data import PromptDataset, ResumableDistributedSampler
+        from megatron_rl.models.hf import check_sliding_window
         from megatron_rl.models.loading import load_model_args_any
         from megatron_rl.reward import RewardManager, load_custom_reward_function
 
@@ -64,6 +65,10 @@ class Trainer:
             else self.tokenizer.eos_token_id
         )
         self.model_args = load_model_args_any(arr.model.path)
+        # Full causal attention equals the model's sliding window only for sequences within the window.
+        check_sliding_window(
+            self.model_args, cfg.data.max_prompt_length + cfg.data.max_response_length, arr.model.path
+        )
 
         def dataset(files):
             return PromptDataset(
@@ -136,38 +141,53 @@ class Trainer:
         Each role uses its own ``megatron`` section for dtype and attention; the parallel layout is
         shared (validated). LR schedules span the optimizer steps each model will actually take.
         """
-        from megatron_rl.models.builder import DTYPES, build_model
+        from megatron_rl.models.builder import DTYPES, TrainingOptions, build_model
         from megatron_rl.models.loading import load_weights
         from megatron_rl.optim import build_optimizer
 
         cfg, ps, arr = self.cfg, self.ps, self.cfg.actor_rollout_ref
 
-        def model(role: str, path: str, mcfg) -> torch.nn.Module:
+        def model(role: str, path: str, mcfg, recompute: bool = False) -> torch.nn.Module:
             dtype = torch.float32 if ps.device.type == "cpu" else DTYPES[mcfg.params_dtype]
-            m = build_model(self.model_args, ps, role=role, dtype=dtype, sdpa=mcfg.use_sdpa_attention)
+            options = TrainingOptions(
+                sequence_parallel=mcfg.sequence_parallel,
+                recompute_granularity=mcfg.recompute_granularity if recompute else None,
+                recompute_method=mcfg.recompute_method,
+                recompute_num_layers=mcfg.recompute_num_layers,
+            )
+            m = build_model(
+                self.model_args, ps, role=role, dtype=dtype, sdpa=mcfg.use_sdpa_attention, options=options
+            )
             load_weights(m, path, ps)
             return m
 
         def optim_steps(epochs: int, mini_batch: int, ppo_steps: int) -> int:
             return ppo_steps * epochs * (cfg.data.train_batch_size // mini_batch)
 
-        actor = model("actor", arr.model.path, arr.actor.megatron)
+        actor = model("actor", arr.model.path, arr.actor.megatron, arr.model.enable_gradient_checkpointing)
         # The actor does not step during trainer.critic_warmup.
         actor_steps = optim_steps(
             arr.actor.ppo_epochs, arr.actor.ppo_mini_batch_size, self.total_steps - cfg.trainer.critic_warmup
         )
         actor_optim = build_optimizer(
-            actor, arr.actor.optim, ps, actor_steps, key="actor_rollout_ref.actor.optim"
+            actor, arr.actor.optim, arr.actor.megatron, ps, actor_steps, key="actor_rollout_ref.actor.optim"
         )
         need_ref = cfg.algorithm.use_kl_in_reward or arr.actor.use_kl_loss
         ref = model("actor", arr.model.path, arr.ref.megatron).eval() if need_ref else None
         critic = critic_optim = None
         if cfg.critic.enable:
-            critic = model("critic", cfg.critic.model.path, cfg.critic.megatron)
+            critic = model(
+                "critic",
+                cfg.critic.model.path,
+                cfg.critic.megatron,
+                cfg.critic.model.enable_gradient_checkpointing,
+            )
             critic_steps = optim_steps(
                 cfg.critic.ppo_epochs, cfg.critic.ppo_mini_batch_size, self.total_steps
             )
-            critic_optim = build_optimizer(critic, cfg.critic.optim, ps, critic_steps, key="critic.optim")
+            critic_optim = build_optimizer(
+                critic, cfg.critic.optim, cfg.critic.megatron, ps, critic_steps, key="critic.optim"
+            )
         return Models(actor, actor_optim, ref, critic, critic_optim)
 
     def _build_engine(self):
@@ -506,6 +526,10 @@ class Trainer:
             flops = _train_flops(self.model_args, total, responses, squares)
             flops *= self.cfg.actor_rollout_ref.actor.ppo_epochs / ps.world_size  # per GPU
             out["perf/mfu/actor"] = flops / upd / self.peak_flops
+        # fp32 main weights and Adam's moments held on this rank (sharded over DP by the distributed
+        # optimizer), wherever they are parked
+        opts = [o for o in (self.models.actor_optim, self.models.critic_optim) if o is not None]
+        out["perf/optimizer_state_gb"] = sum(o.state_bytes() for o in opts) / 2**30
         if ps.device.type == "cuda":
             out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(ps.device) / 2**30
             out["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved(ps.device) / 2**30
@@ -521,18 +545,18 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ checkpoints
 
     def _checkpointed(self) -> tuple[dict[str, torch.nn.Module], dict[str, object]]:
-        """(models saved as torch_dist, optimizers saved per rank)."""
+        """(trained models by name, their optimizers by the same name)."""
         m = self.models
-        models, optims = {"actor": m.actor}, {"actor_optim": m.actor_optim}
+        models, optims = {"actor": m.actor}, {"actor": m.actor_optim}
         if m.critic is not None:
-            models["critic"], optims["critic_optim"] = m.critic, m.critic_optim
+            models["critic"], optims["critic"] = m.critic, m.critic_optim
         return models, optims
 
     def save(self) -> str:
         models, optims = self._checkpointed()
-        shards = {k: o.state_dict() for k, o in optims.items()}
+        shards = {f"{k}_optim": o.counters() for k, o in optims.items()}
         state = {"sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict()}
-        path = self.ckpt.save(self.global_step, models, shards, state)
+        path = self.ckpt.save(self.global_step, models, optims, shards, state)
         if self.ps.rank == 0:
             log.info("saved checkpoint %s", path)
         return path
@@ -545,9 +569,9 @@ class Trainer:
         if path is None:
             return
         models, optims = self._checkpointed()
-        shards, state = self.ckpt.load(path, models)
+        shards, state = self.ckpt.load(path, models, optims)
         for k, o in optims.items():
-            o.load_state_dict(shards[k])
+            o.load_counters(shards[f"{k}_optim"])
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.global_step = state["global_step"]

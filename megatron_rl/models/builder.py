@@ -10,6 +10,8 @@ reads exactly those slices from the safetensors files.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -49,20 +51,59 @@ class SDPAttention(nn.Module):
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
-class ValueHead(nn.Module):
-    """hidden [s, b, H] -> values [s, b, 1]; replicated over TP (its input is identical there)."""
+class RMSNorm(nn.RMSNorm):
+    """torch's RMSNorm behind megatron's norm signature, usable with sequence parallelism.
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype) -> None:
+    Under sequence parallelism each TP rank normalises 1/TP of the tokens, so its weight gradient is a
+    partial sum: the ``sequence_parallel`` mark makes megatron's ``finalize_model_grads`` sum it over
+    TP (megatron's own torch-norm wrapper refuses sequence parallelism for want of that mark).
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_) -> None:
+        # params_dtype like every other weight: megatron's mixed-precision optimizer (and its checkpoint
+        # of fp32 masters) expects a bf16/fp16 model to hold no fp32 parameters.
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
+class ValueHead(nn.Module):
+    """hidden [s, b, H] -> values [s, b, 1]; replicated over TP (its input is identical there).
+
+    Under sequence parallelism the input is [s/TP, b, H]: it is gathered first, so that every TP rank
+    computes the same values and the same (full) weight gradient."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(1, dtype=dtype))
-        self.sequence_parallel = False
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            # backward keeps this rank's slice of a gradient that is already complete on every rank
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, False)
         return F.linear(hidden_states, self.weight, self.bias), None
 
 
-def transformer_config(args: ModelArgs, ps: ParallelState, dtype: torch.dtype):
+@dataclass(frozen=True)
+class TrainingOptions:
+    """How a trained model runs its layers (from its config section; the reference keeps the defaults)."""
+
+    sequence_parallel: bool = False
+    """Split activations outside attention/MLP along the sequence over TP (needs TP > 1)."""
+    recompute_granularity: str | None = None
+    """None | full | selective: recompute activations in the backward pass instead of storing them."""
+    recompute_method: str | None = None
+    """uniform | block (full recompute): which layers are recomputed."""
+    recompute_num_layers: int | None = None
+    """Layers per recompute chunk (uniform) or recomputed layers per stage (block)."""
+
+
+def transformer_config(
+    args: ModelArgs, ps: ParallelState, dtype: torch.dtype, options: TrainingOptions = TrainingOptions()
+):
     from megatron.core.transformer import TransformerConfig
 
     return TransformerConfig(
@@ -99,6 +140,12 @@ def transformer_config(args: ModelArgs, ps: ParallelState, dtype: torch.dtype):
         # Losses arrive already normalised by the mini-batch's global token (or sequence) count: the
         # schedule must not divide them again by the number of micro-batches.
         calculate_per_token_loss=True,
+        sequence_parallel=options.sequence_parallel and ps.tp_size > 1,
+        recompute_granularity=options.recompute_granularity,
+        recompute_method=options.recompute_method if options.recompute_granularity == "full" else None,
+        recompute_num_layers=options.recompute_num_layers
+        if options.recompute_granularity == "full"
+        else None,
     )
 
 
@@ -108,17 +155,30 @@ def build_model(
     role: str = "actor",
     dtype: torch.dtype = torch.float32,
     sdpa: bool = True,
+    options: TrainingOptions = TrainingOptions(),
 ) -> nn.Module:
     """This rank's pipeline stage of the actor/ref (``role="actor"``) or critic (``role="critic"``)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 
     if role not in ("actor", "critic"):
         raise ValueError(f"role must be actor or critic, got {role!r}")
-    config = transformer_config(args, ps, dtype)
-    spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_norm, normalization="RMSNorm")
+    config = transformer_config(args, ps, dtype, options)
+    layer = get_gpt_layer_local_spec(qk_layernorm=args.qk_norm, normalization="RMSNorm")
+    sub = layer.submodules
+    sub.input_layernorm = sub.pre_mlp_layernorm = RMSNorm
+    if args.qk_norm:
+        sub.self_attention.submodules.q_layernorm = sub.self_attention.submodules.k_layernorm = RMSNorm
     if sdpa:
-        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+        sub.self_attention.submodules.core_attention = SDPAttention
+    spec = ModuleSpec(
+        module=TransformerBlock,
+        submodules=TransformerBlockSubmodules(
+            layer_specs=[layer] * (args.num_layers // ps.pp_size), layer_norm=RMSNorm
+        ),
+    )
     tie = args.tie_embeddings and role == "actor"
     with cpu_bridge.device_mode():
         model = GPTModel(
@@ -132,9 +192,11 @@ def build_model(
             position_embedding_type="rope",
             rotary_percent=1.0,
             rotary_base=int(args.rope_theta),
+            rope_scaling=args.rope_scaling,
+            rope_scaling_factor=args.rope_scaling_factor,
         )
     if role == "critic" and ps.is_last_stage:
-        model.output_layer = ValueHead(args.hidden_size, dtype)
+        model.output_layer = ValueHead(args.hidden_size, dtype, config.sequence_parallel)
     model.args = args
     model.role = role
     model.layer_offset = ps.pp_rank * (args.num_layers // ps.pp_size)

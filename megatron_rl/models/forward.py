@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from megatron_rl import cpu_bridge
 from megatron_rl.parallel import ParallelState
@@ -45,23 +46,31 @@ def output_positions(model: torch.nn.Module, positions: slice | None) -> Iterato
 
     Log-probs need the LM head on the response positions alone; with a 150k vocabulary the head is
     ~15% of a 1.5B model's FLOPs and its [b, s, V/TP] logits the largest activation, so computing it
-    on the prompt too would waste both. A forward pre-hook slices the decoder output [s, b, h]
-    (sequence first, no sequence parallelism) before the head; gradients flow back to those positions.
+    on the prompt too would waste both. A forward pre-hook slices the decoder output [s, b, h] before
+    the head; gradients flow back to those positions. Under sequence parallelism the decoder output is
+    [s/TP, b, h]: the hook gathers it first and the head runs without its own gather (one all-reduce of
+    the sliced input's gradient replaces the head's reduce-scatter).
     """
     head = getattr(model, "output_layer", None)  # absent before the last pipeline stage
     if positions is None or head is None:
         yield
         return
-    if getattr(head, "sequence_parallel", False):
-        raise NotImplementedError("output_positions with sequence parallelism")
+    sequence_parallel = getattr(head, "sequence_parallel", False)
 
     def keep(module, args, kwargs):
-        return (args[0][positions], *args[1:]), kwargs
+        x = args[0]
+        if sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            x = gather_from_sequence_parallel_region(x, False)
+        return (x[positions], *args[1:]), kwargs
 
     handle = head.register_forward_pre_hook(keep, with_kwargs=True)
+    head.sequence_parallel = False
     try:
         yield
     finally:
+        head.sequence_parallel = sequence_parallel
         handle.remove()
 
 
@@ -75,30 +84,36 @@ def run_pipeline(
 ) -> list:
     """One pass over ``microbatches`` (all of one shape [b, s]) through the pipeline schedule.
 
+    ``model`` is a model built by :mod:`megatron_rl.models.builder` or its DDP wrapper (training).
     Returns what ``loss_fn`` produced per micro-batch on the last stage (forward only), or the
     metrics dicts (training); an empty list on other stages. With ``positions``, the last stage's
-    output covers only those sequence positions (:func:`output_positions`).
+    output covers only those sequence positions (:func:`output_positions`). Under sequence parallelism
+    the inputs are right-padded to a multiple of TP (outputs then hold the padded positions too).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     b, s = microbatches[0].input_ids.shape
+    pad = -s % ps.tp_size if model.config.sequence_parallel else 0
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        out = model(mb.input_ids, None, causal_padding_mask(mb.attention_mask))
+        ids, keep = mb.input_ids, mb.attention_mask
+        if pad:
+            ids, keep = F.pad(ids, (0, pad)), F.pad(keep, (0, pad))
+        out = model(ids, None, causal_padding_mask(keep))
 
         def on_output(output, non_loss_data=False):
             return loss_fn(mb, output)
 
         return out, on_output
 
-    with cpu_bridge.device_mode(), output_positions(model, positions):
+    with cpu_bridge.device_mode(), output_positions(getattr(model, "module", model), positions):
         return get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iter(microbatches),
             model=[model],
             num_microbatches=len(microbatches),
-            seq_length=s,
+            seq_length=s + pad,
             micro_batch_size=b,
             forward_only=forward_only,
             collect_non_loss_data=forward_only,

@@ -33,6 +33,13 @@ class ModelArgs:
     qkv_bias: bool
     qk_norm: bool
     tie_embeddings: bool
+    rope_scaling: bool = False
+    """Llama 3.x RoPE scaling (``rope_type: llama3``) with megatron-core's fixed low/high frequency
+    factors 1 and 4 and original context 8192; ``rope_scaling_factor`` is its ``factor``."""
+    rope_scaling_factor: float = 8.0
+    sliding_window: int | None = None
+    """The attention window HF applies (each token sees the last ``sliding_window`` tokens), or None.
+    Our attention is full causal: see :func:`check_sliding_window`."""
     hf_config: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
     """The original config.json, written back unchanged when exporting to HF."""
 
@@ -52,7 +59,59 @@ class ModelArgs:
         return self.num_layers * layer + emb + h
 
 
-def model_args_from_hf_config(hf: dict) -> ModelArgs:
+# megatron-core's RotaryEmbedding applies Llama 3.x scaling with these values fixed; only the
+# factor is a parameter (GPTModel(rope_scaling=True, rope_scaling_factor=...)).
+LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+# HF's default sliding_window per architecture when config.json does not name one.
+_DEFAULT_SLIDING_WINDOW = {"mistral": 4096}
+
+
+def _rope_scaling(hf: dict, where: str) -> tuple[bool, float]:
+    """(rope_scaling, rope_scaling_factor) for megatron-core, or a ValueError naming the field."""
+    key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    rope = hf.get(key) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        return False, 8.0
+    if rope_type != "llama3":
+        raise ValueError(
+            f"{where}: {key}.rope_type={rope_type!r} is not supported (supported: default, llama3); "
+            "the model's positions would be encoded differently than it was trained with."
+        )
+    for name, fixed in LLAMA3_FIXED.items():
+        if name not in rope:
+            raise ValueError(f"{where}: {key}.{name} is missing (llama3 RoPE scaling needs it).")
+        if float(rope[name]) != fixed:
+            raise ValueError(
+                f"{where}: {key}.{name}={rope[name]} is not supported; megatron-core's llama3 RoPE "
+                f"scaling fixes it at {fixed:g}."
+            )
+    factor = float(rope.get("factor", 0.0))
+    if factor <= 0:
+        raise ValueError(f"{where}: {key}.factor={rope.get('factor')!r} must be a positive number.")
+    return True, factor
+
+
+def _sliding_window(hf: dict, arch: str, num_layers: int) -> int | None:
+    """The window HF's modelling code applies for this config, None when attention is full causal."""
+    window = hf.get("sliding_window", _DEFAULT_SLIDING_WINDOW.get(arch))
+    if window is None or arch == "llama":
+        return None
+    if arch in ("qwen2", "qwen3"):
+        if not hf.get("use_sliding_window", False):
+            return None
+        layer_types = hf.get("layer_types")
+        if layer_types is None:
+            first = hf.get("max_window_layers", 28)
+            layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+        if "sliding_attention" not in layer_types:
+            return None
+    return int(window)
+
+
+def model_args_from_hf_config(hf: dict, source: str | None = None) -> ModelArgs:
+    """``source`` (the model's path) names the model in errors; the architecture does otherwise."""
     archs = hf.get("architectures") or []
     arch = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None)
     if arch is None:
@@ -60,15 +119,14 @@ def model_args_from_hf_config(hf: dict) -> ModelArgs:
             f"Unsupported HF architecture {archs}; supported: {sorted(HF_ARCHITECTURES)}. "
             "Check 'architectures' in the model's config.json."
         )
+    where = source or "/".join(archs)
     # transformers 5 keeps RoPE settings under rope_parameters; older configs use rope_scaling.
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"RoPE type {rope_type!r} is not supported (rope_parameters in config.json).")
+    rope_scaling, rope_scaling_factor = _rope_scaling(hf, where)
     if rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ValueError("partial_rotary_factor != 1 is not supported (config.json of the model).")
+        raise ValueError(f"{where}: partial_rotary_factor != 1 is not supported (config.json of the model).")
     if arch != "qwen2" and (hf.get("attention_bias") or hf.get("mlp_bias")):
-        raise ValueError(f"{archs}: attention_bias/mlp_bias are not supported (config.json of the model).")
+        raise ValueError(f"{where}: attention_bias/mlp_bias are not supported (config.json of the model).")
     heads = hf["num_attention_heads"]
     hidden = hf["hidden_size"]
     rope_theta = hf.get("rope_theta") or rope.get("rope_theta", 10000.0)
@@ -87,7 +145,31 @@ def model_args_from_hf_config(hf: dict) -> ModelArgs:
         qkv_bias=arch == "qwen2",
         qk_norm=arch == "qwen3",
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        rope_scaling=rope_scaling,
+        rope_scaling_factor=rope_scaling_factor,
+        sliding_window=_sliding_window(hf, arch, hf["num_hidden_layers"]),
         hf_config=hf,
+    )
+
+
+def check_sliding_window(args: ModelArgs, max_seq_len: int | None = None, source: str | None = None) -> None:
+    """Refuse a model whose sliding window a run can exceed: our attention is full causal.
+
+    Full causal attention equals a window of ``n`` tokens as long as no sequence is longer than
+    ``n``. ``max_seq_len`` is the longest sequence the run builds (prompt + response); None checks
+    against the model's ``max_position_embeddings``.
+    """
+    n = args.sliding_window
+    limit = args.max_position_embeddings if max_seq_len is None else max_seq_len
+    if n is None or limit <= n:
+        return
+    where = source or "/".join(args.hf_config.get("architectures") or [args.arch])
+    seen = f"max_position_embeddings={limit}" if max_seq_len is None else f"sequences of up to {limit} tokens"
+    raise ValueError(
+        f"{where}: sliding_window={n} (attention limited to the last {n} tokens) is not implemented; "
+        f"this trainer's attention is full causal, which differs from the model's past {n} tokens "
+        f"({seen}). Keep data.max_prompt_length + data.max_response_length <= {n}, and set "
+        "sliding_window to null in config.json if you accept that."
     )
 
 
@@ -98,4 +180,4 @@ def load_model_args(path: str) -> ModelArgs:
             f"{cfg_file} not found: actor_rollout_ref.model.path must be an HF model directory"
         )
     with open(cfg_file) as f:
-        return model_args_from_hf_config(json.load(f))
+        return model_args_from_hf_config(json.load(f), source=path)

@@ -42,7 +42,7 @@ from typing import Any, Protocol
 
 import torch
 
-from megatron_rl.models.hf import HF_ARCHITECTURES, ModelArgs, model_args_from_hf_config
+from megatron_rl.models.hf import HF_ARCHITECTURES, LLAMA3_FIXED, ModelArgs, model_args_from_hf_config
 from megatron_rl.parallel import ParallelState
 from megatron_rl.weights.hf_io import assemble_shard, hf_names, scatter_shard
 from megatron_rl.weights.tables import (
@@ -372,8 +372,8 @@ def model_args_from_megatron_args(ns: argparse.Namespace, source: str) -> ModelA
     pos = get("position_embedding_type", default="rope" if get("use_rotary_position_embeddings") else None)
     if pos != "rope":
         raise refuse(f"position_embedding_type={pos!r} (need rope)")
-    if get("use_rope_scaling", default=False) or get("rotary_percent", default=1.0) != 1.0:
-        raise refuse("scaled or partial RoPE (use_rope_scaling / rotary_percent)")
+    if get("rotary_percent", default=1.0) != 1.0:
+        raise refuse("partial RoPE (rotary_percent)")
     if get("rotary_interleaved", default=False):
         raise refuse("interleaved RoPE")
     if get("normalization", default="LayerNorm") != "RMSNorm" or get("apply_layernorm_1p", default=False):
@@ -413,7 +413,10 @@ def model_args_from_megatron_args(ns: argparse.Namespace, source: str) -> ModelA
         tie_embeddings=not get("untie_embeddings_and_output_weights", default=False),
         dtype=dtype_name,
     )
-    return model_args_from_hf_config(hf)
+    if get("use_rope_scaling", default=False):  # megatron's scaling is Llama 3.x's, factor aside
+        factor = float(get("rope_scaling_factor", default=8.0))
+        hf["rope_parameters"].update(rope_type="llama3", factor=factor, **LLAMA3_FIXED)
+    return model_args_from_hf_config(hf, source)
 
 
 def megatron_args_from_model_args(
@@ -439,7 +442,8 @@ def megatron_args_from_model_args(
         rotary_base=int(args.rope_theta),
         rotary_percent=1.0,
         rotary_interleaved=False,
-        use_rope_scaling=False,
+        use_rope_scaling=args.rope_scaling,
+        rope_scaling_factor=args.rope_scaling_factor,
         normalization="RMSNorm",
         norm_epsilon=args.norm_eps,
         swiglu=True,

@@ -1,9 +1,14 @@
-"""One full PPO update (actor and critic) gives the same result at TP1, TP2, PP2 and DP2 (torchrun/gloo).
+"""One full PPO update (actor and critic) gives the same result at TP1, TP2, PP2, TP2xPP2 and DP2
+(torchrun/gloo), for every supported architecture as actor and as critic.
 
 Oracle: the unsharded TP1/PP1/DP1 run with one micro-batch per mini-batch (no gradient accumulation),
 whose losses are plain mini-batch means. The other layouts split every mini-batch into micro-batches of
 2 sequences with different token counts (responses of 1..5 tokens), so a wrong loss denominator, a
 missing DP/TP/PP reduction or a tied-embedding copy that is not kept in sync changes the result.
+Training runs megatron-core's DDP and optimizer: TP2 with sequence parallelism, TP2xPP2 without it,
+DP2 (and every layout but PP2) with the distributed optimizer, PP2 with the plain one. After the
+updates every TP-replicated parameter (norms, Qwen3's q/k norms, value heads) must be bit-identical on
+the TP ranks; the negative control drops the TP sum of Qwen3's q/k-norm gradients and must break that.
 The same checks run over NCCL on 2 GPUs in tests/gpu/test_ppo_gpu.py.
 
 Tolerances (fp32; O(1) random weights, |log-probs| up to ~30 at temperature 2):
@@ -12,10 +17,11 @@ Tolerances (fp32; O(1) random weights, |log-probs| up to ~30 at temperature 2):
 - loss, clip-fraction, KL, entropy, value and grad-norm metrics: 1e-4 relative or 1e-5 absolute
   (observed <= 4e-5 relative, on ppo_kl, a mean of signed terms);
 - updated weights, per HF tensor: ||w - w_TP1|| <= 3e-3 ||w_TP1 - w_initial|| (observed <= 7e-4) and
-  every element within 5e-4 (observed <= 1.8e-4). Adam normalises each element's step by its own
-  gradient scale, so an element whose gradient is at cancellation level (~1e-8, the size of Adam's
-  eps) moves by a fraction of the LR that fp32 rounding changes; the 4 steps move weights by up to
-  6e-3 (checked, so the comparison is not vacuous).
+  every element within 5e-4. Adam normalises each element's step by its own gradient scale, so an
+  element whose gradient is at cancellation level moves by a fraction of the LR that fp32 rounding
+  changes: the worker uses Adam eps 1e-6 (not 1e-8) so that such elements (an embedding row whose
+  only uses sit in clipped value-loss terms has gradients ~1e-7) take small steps; the 4 steps move
+  weights by up to 6e-3 (checked, so the comparison is not vacuous).
 """
 
 from __future__ import annotations
@@ -29,11 +35,21 @@ import torch
 from tests.conftest import read_json
 
 HF_ORACLE = ("tp1", "tp2")  # the other layouts' log-probs are compared with TP1's
-LAYOUTS = {  # name: (tp, pp, nproc, micro-batch size)
-    "tp1": (1, 1, 1, 8),
-    "tp2": (2, 1, 2, 2),
-    "pp2": (1, 2, 2, 2),
-    "dp2": (1, 1, 2, 2),
+LAYOUTS = {  # name: (tp, pp, nproc, micro-batch size, extra worker arguments)
+    "tp1": (1, 1, 1, 8, []),
+    "tp2": (2, 1, 2, 2, []),
+    "pp2": (1, 2, 2, 2, ["--no-distributed-optimizer"]),
+    "tp2pp2": (2, 2, 4, 2, ["--no-sequence-parallel"]),
+    "dp2": (1, 1, 2, 2, []),
+}
+SHARDED = [name for name in LAYOUTS if name != "tp1"]
+# Each architecture once as actor (LM head; tied where it has the option) and once as critic.
+PAIRS = {  # name: ((actor arch, tie embeddings), critic arch)
+    "qwen2": (("qwen2", True), "llama"),
+    "llama": (("llama", True), "qwen3"),
+    "qwen3": (("qwen3", False), "mistral"),
+    "mistral": (("mistral", False), "phi3"),
+    "phi3": (("phi3", False), "qwen2"),
 }
 LOGP_HF_TOL = 1e-4
 LAYOUT_TOL = 5e-5
@@ -42,38 +58,52 @@ WEIGHT_REL_NORM_TOL = 3e-3
 WEIGHT_ELEM_TOL = 5e-4
 
 
-def save_models(root) -> tuple[str, str]:
-    """Actor: Qwen2 with tied embeddings (biases; the tied head lives on both stages at PP2) and an odd
-    vocabulary (99 -> padded to 100 at TP2). Critic: Llama trunk + value head."""
+def save_models(root) -> dict[str, tuple[str, str]]:
+    """Every pair's HF directories: 2 layers, an odd vocabulary (99 -> padded to 100 at TP2); a tied
+    head lives on both stages at PP2."""
     from megatron_rl.models.random_hf import save_random_hf_model
 
-    actor = save_random_hf_model(
-        str(root / "actor"), "qwen2", seed=3, num_hidden_layers=2, tie_word_embeddings=True
-    )
-    critic = save_random_hf_model(str(root / "critic"), "llama", seed=4, num_hidden_layers=2)
-    return actor, critic
+    pairs = {}
+    for i, (name, ((actor_arch, tie), critic_arch)) in enumerate(PAIRS.items()):
+        actor = save_random_hf_model(
+            str(root / f"{name}-actor"), actor_arch, seed=3 + i, num_hidden_layers=2, tie_word_embeddings=tie
+        )
+        critic = save_random_hf_model(
+            str(root / f"{name}-critic"), critic_arch, seed=13 + i, num_hidden_layers=2
+        )
+        pairs[name] = (actor, critic)
+    return pairs
 
 
-def run_layout(root, name: str, actor: str, critic: str, extra_args: list[str]) -> dict:
-    """One torchrun launch of the worker for LAYOUTS[name]; its result.json and per-stage weights."""
+def run_layout(root, name: str, pairs: dict[str, tuple[str, str]], extra_args: list[str]) -> dict:
+    """One torchrun launch of the worker for LAYOUTS[name] over every pair: {pair: result and weights}."""
     from tests.conftest import run_torchrun
 
-    tp, pp, nproc, micro = LAYOUTS[name]
+    tp, pp, nproc, micro, layout_args = LAYOUTS[name]
     d = root / name
     d.mkdir()
-    args = ["--actor", actor, "--critic", critic, "--tp", str(tp), "--pp", str(pp), "--micro", str(micro)]
-    args += ["--out", str(d), *extra_args] + (["--hf-oracle"] if name in HF_ORACLE else [])
+    args = ["--models", *(f"{p}={a},{c}" for p, (a, c) in pairs.items())]
+    args += ["--tp", str(tp), "--pp", str(pp), "--micro", str(micro), "--out", str(d)]
+    args += [*layout_args, *extra_args] + (["--hf-oracle"] if name in HF_ORACLE else [])
     run_torchrun("ppo_update.py", nproc, args)
+    return {pair: read_pair(d / pair) for pair in pairs}
+
+
+def read_pair(d) -> dict:
     weights = {
         os.path.basename(f)[len("weights_") : -3]: torch.load(f) for f in glob.glob(str(d / "weights_*.pt"))
     }
     return {"result": read_json(str(d / "result.json")), "weights": weights}
 
 
-def run_all_layouts(root, extra_args: list[str]) -> dict:
-    actor, critic = save_models(root)
-    out = {name: run_layout(root, name, actor, critic, extra_args) for name in LAYOUTS}
-    out["initial"] = {"actor": _load_hf(actor), "critic": _load_hf(critic)}
+def run_all_layouts(root, extra_args: list[str], max_procs: int = 4) -> dict:
+    """{layout: {pair: run}} for the layouts of at most ``max_procs`` processes, and
+    {"initial": {pair: {"actor": weights, "critic": weights}}}."""
+    pairs = save_models(root)
+    out = {
+        name: run_layout(root, name, pairs, extra_args) for name, v in LAYOUTS.items() if v[2] <= max_procs
+    }
+    out["initial"] = {p: {"actor": _load_hf(a), "critic": _load_hf(c)} for p, (a, c) in pairs.items()}
     return out
 
 
@@ -88,9 +118,10 @@ def _load_hf(path: str) -> dict[str, torch.Tensor]:
     return load_file(os.path.join(path, "model.safetensors"))
 
 
+@pytest.mark.parametrize("pair", list(PAIRS))
 @pytest.mark.parametrize("layout", HF_ORACLE)
-def test_log_probs_match_hf(runs, layout):
-    r = runs[layout]["result"]
+def test_log_probs_match_hf(runs, layout, pair):
+    r = runs[layout][pair]["result"]
     assert r["max_abs_logp"] > 5.0, "weights too small to expose a layout bug"
     assert r["hf_logp_max_diff"] < LOGP_HF_TOL, r["hf_logp_max_diff"]
     assert r["hf_entropy_max_diff"] < LOGP_HF_TOL, r["hf_entropy_max_diff"]
@@ -99,26 +130,32 @@ def test_log_probs_match_hf(runs, layout):
     assert r["logp_only_vs_with_entropy"] < LAYOUT_TOL  # with_entropy=False, other micro-batches
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2"])
-def test_forward_passes_match_tp1(runs, layout):
-    ref, r = runs["tp1"]["result"], runs[layout]["result"]
+@pytest.mark.parametrize("pair", list(PAIRS))
+@pytest.mark.parametrize("layout", SHARDED)
+def test_forward_passes_match_tp1(runs, layout, pair):
+    ref, r = runs["tp1"][pair]["result"], _layout(runs, layout)[pair]["result"]
     for key in ("logp", "entropy", "values"):
         diff = (torch.tensor(r[key]) - torch.tensor(ref[key])).abs().max().item()
         assert diff < LAYOUT_TOL, f"{key} at {layout}: max diff {diff:.2e}"
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2"])
-def test_update_metrics_match_tp1(runs, layout):
-    ref, r = runs["tp1"]["result"], runs[layout]["result"]
+def assert_metrics_match(ref: dict, r: dict, where: str) -> None:
     for role in ("actor", "critic"):
         assert set(r[role]) == set(ref[role])
         for key, want in ref[role].items():
-            assert r[role][key] == pytest.approx(want, rel=METRIC_RTOL, abs=METRIC_ATOL), f"{key} at {layout}"
+            assert r[role][key] == pytest.approx(want, rel=METRIC_RTOL, abs=METRIC_ATOL), f"{key} at {where}"
+
+
+@pytest.mark.parametrize("pair", list(PAIRS))
+@pytest.mark.parametrize("layout", SHARDED)
+def test_update_metrics_match_tp1(runs, layout, pair):
+    r = _layout(runs, layout)[pair]["result"]
+    assert_metrics_match(runs["tp1"][pair]["result"], r, f"{layout} ({pair})")
     assert r["actor_steps"] == 4
 
 
 def test_update_exercises_every_loss_term(runs):
-    a, c = runs["tp1"]["result"]["actor"], runs["tp1"]["result"]["critic"]
+    a, c = runs["tp1"]["qwen2"]["result"]["actor"], runs["tp1"]["qwen2"]["result"]["critic"]
     expected = {
         "actor/pg_loss",
         "actor/pg_clipfrac",
@@ -146,19 +183,26 @@ def test_update_exercises_every_loss_term(runs):
     assert c["critic/lr"] == pytest.approx((2e-3 + 1.5e-3 + 1e-3 + 5e-4) / 4)
 
 
+def _layout(runs: dict, layout: str) -> dict:
+    if layout not in runs:
+        pytest.skip(f"{layout} needs more processes than this machine runs")
+    return runs[layout]
+
+
 def _stages(run: dict, role: str, dp: int = 0) -> list[dict[str, torch.Tensor]]:
     return [w[role] for k, w in sorted(run["weights"].items()) if k.endswith(f"_dp{dp}")]
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2"])
+@pytest.mark.parametrize("pair", list(PAIRS))
+@pytest.mark.parametrize("layout", SHARDED)
 @pytest.mark.parametrize("role", ["actor", "critic"])
-def test_updated_weights_match_tp1(runs, layout, role):
-    (ref,) = _stages(runs["tp1"], role)
-    initial = runs["initial"][role]
+def test_updated_weights_match_tp1(runs, layout, role, pair):
+    (ref,) = _stages(runs["tp1"][pair], role)
+    initial = runs["initial"][pair][role]
     moved = max((ref[n] - initial[n]).abs().max().item() for n in ref if n in initial)
     assert moved > 5 * WEIGHT_ELEM_TOL, f"the update barely moved the {role}: {moved:.2e}"
     seen = set()
-    for stage in _stages(runs[layout], role):
+    for stage in _stages(_layout(runs, layout)[pair], role):
         for name, w in stage.items():
             update = ref[name] - initial[name] if name in initial else ref[name]  # value head: not in HF
             rel = ((w - ref[name]).norm() / update.norm()).item()
@@ -169,27 +213,51 @@ def test_updated_weights_match_tp1(runs, layout, role):
     assert seen == set(ref), f"missing at {layout}: {sorted(set(ref) - seen)}"
 
 
-def test_data_parallel_replicas_are_identical(runs):
+@pytest.mark.parametrize("pair", list(PAIRS))
+def test_data_parallel_replicas_are_identical(runs, pair):
     for role in ("actor", "critic"):
-        (a,), (b,) = _stages(runs["dp2"], role, 0), _stages(runs["dp2"], role, 1)
+        (a,), (b,) = _stages(runs["dp2"][pair], role, 0), _stages(runs["dp2"][pair], role, 1)
         for name in a:
             assert torch.equal(a[name], b[name]), f"{role} {name} differs between DP replicas"
 
 
-def test_tied_embedding_copies_stay_equal_at_pp2(runs):
-    first, last = _stages(runs["pp2"], "actor")
-    assert torch.equal(first["model.embed_tokens.weight"], last["model.embed_tokens.weight"])
+@pytest.mark.parametrize("layout", ["pp2", "tp2pp2"])
+def test_tied_embedding_copies_stay_equal(runs, layout):
+    for pair in ("qwen2", "llama"):  # the tied actors
+        first, last = _stages(_layout(runs, layout)[pair], "actor")
+        assert torch.equal(first["model.embed_tokens.weight"], last["model.embed_tokens.weight"])
 
 
-def test_tensor_parallel_padding_and_replicas(runs):
-    for w in runs["tp2"]["weights"].values():
+@pytest.mark.parametrize("pair", list(PAIRS))
+@pytest.mark.parametrize("layout", ["tp2", "tp2pp2"])
+def test_tensor_parallel_padding_and_replicas(runs, layout, pair):
+    for w in _layout(runs, layout)[pair]["weights"].values():
         assert w["padded_max"] == 0.0, "padded vocabulary rows must stay zero (no gradient, no decay)"
         assert w["replica_diff"] == 0.0, "TP-replicated parameters diverged between TP ranks"
 
 
+def test_replica_check_catches_a_missing_qk_norm_reduction(tmp_path):
+    """Negative control: without the TP sum of Qwen3's q/k-norm gradients the TP copies drift apart
+    and the update no longer matches TP1's."""
+    from megatron_rl.models.random_hf import save_random_hf_model
+    from tests.conftest import run_torchrun
+
+    actor = save_random_hf_model(str(tmp_path / "actor"), "qwen3", seed=5, num_hidden_layers=2)
+    critic = save_random_hf_model(str(tmp_path / "critic"), "llama", seed=15, num_hidden_layers=2)
+    runs = {}
+    for name, tp, micro, extra in (("tp1", 1, 8, []), ("broken", 2, 2, ["--break-qk-norm-reduction"])):
+        args = ["--models", f"qwen3={actor},{critic}", "--tp", str(tp), "--micro", str(micro)]
+        run_torchrun("ppo_update.py", tp, [*args, "--out", str(tmp_path / name), *extra])
+        runs[name] = read_pair(tmp_path / name / "qwen3")
+    assert max(w["replica_diff"] for w in runs["broken"]["weights"].values()) > 0
+    with pytest.raises(AssertionError):
+        assert_metrics_match(runs["tp1"]["result"], runs["broken"]["result"], "broken")
+
+
+@pytest.mark.parametrize("pair", list(PAIRS))
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_policy_loss_moves_log_probs_in_the_direction_of_the_advantage(runs, layout):
-    d = runs[layout]["result"]["direction"]
+def test_policy_loss_moves_log_probs_in_the_direction_of_the_advantage(runs, layout, pair):
+    d = _layout(runs, layout)[pair]["result"]["direction"]
     assert d["n_pos"] > 10 and d["n_neg"] > 10
     assert d["mean_delta_pos"] > 0 > d["mean_delta_neg"], d
     assert d["frac_right_direction"] > 0.8, d

@@ -1,19 +1,18 @@
-"""The optimizer (LR schedule, weight-decay groups, clipping, gradient buckets, fp32 masters, checkpoints)
-and the PPO update's batch-size checks, in one process (DP = TP = PP = 1: no collectives).
+"""The optimizer (LR schedule, weight-decay groups, clipping, DDP gradient buffers, fp32 masters,
+checkpoints) and the PPO update's batch-size checks, in one process (DP = TP = PP = 1).
 
-The distributed parts (DP average, tied-embedding sum, TP/PP grad norm) are checked against an
-unsharded run in tests/distributed/test_ppo_layouts.py.
+The model is a megatron GPTModel trained through megatron-core's DDP and optimizer, as in the trainer.
+The distributed parts (DP sum, distributed optimizer, TP/SP reductions, tied-embedding sum, TP/PP grad
+norm) are checked against an unsharded run in tests/distributed/test_ppo_layouts.py.
 """
 
 from __future__ import annotations
 
-import io
 import math
 from types import SimpleNamespace
 
 import pytest
 import torch
-from torch import nn
 
 from megatron_rl.batch import RolloutBatch, SeqMeta
 from megatron_rl.config import ActorConfig, ConfigError, CriticConfig, OptimConfig
@@ -49,63 +48,95 @@ def test_lr_schedule_errors_name_the_key():
         LRSchedule(OptimConfig(lr_warmup_steps=-1, lr_warmup_steps_ratio=1.5), 10)
 
 
-class Tiny(nn.Module):
-    def __init__(self, dtype=torch.float32):
-        super().__init__()
-        torch.manual_seed(0)
-        self.lin = nn.Linear(3, 2).to(dtype)
-        self.norm = nn.LayerNorm(2).to(dtype)
+@pytest.fixture(scope="module")
+def ps():
+    """A world of one (gloo) with megatron's groups: DP = TP = PP = 1, no collectives to speak of."""
+    from megatron_rl.parallel import destroy_parallel, init_parallel
 
-    def forward(self, x):
-        return self.norm(self.lin(x))
+    state = init_parallel(1, 1, seed=0, device="cpu")
+    yield state
+    destroy_parallel()
 
 
-def test_weight_decay_skips_biases_and_1d_params():
-    m = Tiny()
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    from megatron_rl.models.random_hf import save_random_hf_model
+
+    return save_random_hf_model(str(tmp_path_factory.mktemp("hf") / "llama"), "llama", num_hidden_layers=1)
+
+
+def tiny(ps, hf_dir, dtype=torch.float32):
+    """A 1-layer Llama (megatron GPTModel) with O(1) random weights, and a plain fp32 copy of it."""
+    from megatron_rl.models.builder import build_model, load_hf_weights
+    from megatron_rl.models.hf import load_model_args
+
+    args = load_model_args(hf_dir)
+    models = [build_model(args, ps, "actor", dtype=d) for d in (dtype, torch.float32)]
+    for m in models:
+        load_hf_weights(m, hf_dir, ps)
+    return models
+
+
+def loss_of(model, ids: torch.Tensor) -> torch.Tensor:
+    """Mean log-sum-exp of the logits: a scalar that depends on every weight."""
+    from megatron_rl import cpu_bridge
+    from megatron_rl.models.forward import causal_padding_mask
+
+    with cpu_bridge.device_mode():
+        out = model(ids, None, causal_padding_mask(torch.ones_like(ids)))
+    return out.float().logsumexp(-1).mean()
+
+
+IDS = torch.randint(3, 99, (4, 6), generator=torch.Generator().manual_seed(1))
+
+
+def build(m, ps, **optim):
+    from megatron_rl.config import MegatronConfig
+
+    return build_optimizer(
+        m, OptimConfig(**{"lr_warmup_steps": 0, **optim}), MegatronConfig(), ps, total_steps=6
+    )
+
+
+def test_weight_decay_skips_biases_and_1d_params(ps, hf_dir):
+    m, _ = tiny(ps, hf_dir)
     before = {n: p.detach().clone() for n, p in m.named_parameters()}
-    opt = build_optimizer(m, OptimConfig(lr=0.1, weight_decay=0.5, lr_warmup_steps=0), PS1, total_steps=1)
+    opt = build(m, ps, lr=0.1, weight_decay=0.5)
     opt.zero_grad()  # zero gradients: the Adam term is 0, only decoupled weight decay can move weights
     norm, lr = opt.step()
     assert (norm, lr) == (0.0, 0.1)
-    torch.testing.assert_close(m.lin.weight, before["lin.weight"] * (1 - 0.1 * 0.5))
-    for name in ("lin.bias", "norm.weight", "norm.bias"):
-        assert torch.equal(dict(m.named_parameters())[name], before[name]), name
+    for name, p in m.named_parameters():
+        want = before[name] * (1 - 0.1 * 0.5) if p.ndim == 2 else before[name]
+        torch.testing.assert_close(p.detach(), want, msg=name)
 
 
-def test_micro_batches_accumulate_into_the_buckets_and_clip():
-    m = Tiny()
-    opt = build_optimizer(m, OptimConfig(lr=0.1, clip_grad=1.0, lr_warmup_steps=0), PS1, total_steps=1)
+def test_micro_batches_accumulate_in_ddp_buffers_and_clip(ps, hf_dir):
+    """Two backward passes through the DDP module accumulate the gradient of one pass over all rows
+    (oracle: plain autograd on an unwrapped copy); the norm and the clipping are megatron's."""
+    m, plain = tiny(ps, hf_dir)
+    opt = build(m, ps, lr=0.1, clip_grad=0.1)
     opt.zero_grad()
-    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(1))
-    (m(x[:2]) ** 2).sum().backward()
-    (m(x[2:]) ** 2).sum().backward()
-    ref = Tiny()
-    (ref(x) ** 2).sum().backward()  # one pass over all rows: the accumulated gradient
-    flat = torch.cat([p.grad.flatten() for p in ref.parameters()])
-    for p, q in zip(m.parameters(), ref.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad)
-    assert sum(b.numel() for b in opt.buckets) == flat.numel()
+    (loss_of(opt.ddp, IDS[:2]) / 2).backward()
+    (loss_of(opt.ddp, IDS[2:]) / 2).backward()
+    ((loss_of(plain, IDS[:2]) + loss_of(plain, IDS[2:])) / 2).backward()
+    grads = dict(plain.named_parameters())
+    for name, p in m.named_parameters():
+        torch.testing.assert_close(p.main_grad, grads[name].grad, rtol=1e-5, atol=1e-6, msg=name)
+    flat = torch.cat([p.grad.flatten() for p in plain.parameters()])
     norm, _ = opt.step()
-    assert norm == pytest.approx(flat.norm().item(), rel=1e-6)
-    assert norm > 1.0
-    clipped = torch.cat([p.grad.flatten() for p in m.parameters()])
-    torch.testing.assert_close(clipped, flat / (norm + 1e-6))  # clipped in place before AdamW
+    assert norm == pytest.approx(flat.norm().item(), rel=1e-5)
+    assert norm > 0.1
+    clipped = torch.cat([p.main_grad.flatten() for p in m.parameters()])
+    torch.testing.assert_close(clipped, flat * 0.1 / (norm + 1e-6), rtol=1e-5, atol=1e-7)  # before Adam
 
 
-def test_set_to_none_is_detected():
-    m = Tiny()
-    opt = build_optimizer(m, OptimConfig(lr_warmup_steps=0), PS1, total_steps=1)
-    m.zero_grad(set_to_none=True)
-    with pytest.raises(RuntimeError, match=r"ModelOptimizer\.zero_grad\(\)"):
-        opt.step()
-
-
-def test_non_finite_grad_skips_the_step():
-    m = Tiny()
+def test_non_finite_grad_skips_the_step(ps, hf_dir):
+    m, _ = tiny(ps, hf_dir)
     before = [p.detach().clone() for p in m.parameters()]
-    opt = build_optimizer(m, OptimConfig(lr_warmup_steps=0), PS1, total_steps=1)
+    opt = build(m, ps)
     opt.zero_grad()
-    m.lin.weight.grad[0, 0] = float("inf")
+    loss_of(opt.ddp, IDS).backward()
+    next(m.parameters()).main_grad[0, 0] = float("inf")
     norm, _ = opt.step()
     assert math.isinf(norm) and opt.num_steps == 0 and opt.skipped_steps == 1
     for p, b in zip(m.parameters(), before, strict=True):
@@ -116,24 +147,26 @@ def _train(m, opt, steps, seed):
     g = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         opt.zero_grad()
-        (m(torch.randn(4, 3, generator=g).to(m.lin.weight.dtype)).float() ** 2).sum().backward()
+        loss_of(opt.ddp, torch.randint(3, 99, (2, 6), generator=g)).backward()
         opt.step()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_state_dict_round_trip_continues_identically(dtype):
-    cfg = OptimConfig(lr=0.05, lr_warmup_steps=2, lr_decay_style="cosine", min_lr=0.01)
-    a = Tiny(dtype)
-    opt_a = build_optimizer(a, cfg, PS1, total_steps=6)
+def test_checkpoint_round_trip_continues_identically(ps, hf_dir, tmp_path, dtype):
+    """Sharded optimizer state through dist_checkpointing (as the trainer's checkpoints hold it)."""
+    from megatron_rl.checkpoint import load_optimizer, save_optimizer
+
+    cfg = dict(lr=0.05, lr_warmup_steps=2, lr_decay_style="cosine", min_lr=0.01)
+    a, _ = tiny(ps, hf_dir, dtype)
+    opt_a = build(a, ps, **cfg)
     _train(a, opt_a, 3, seed=1)
-    buf = io.BytesIO()
-    torch.save(opt_a.state_dict(), buf)  # as a checkpoint would
-    buf.seek(0)
-    sd = torch.load(buf)
-    b = Tiny(dtype)
+    save_optimizer(opt_a, ps, str(tmp_path / "optim"))
+    counters = opt_a.counters()
+    b, _ = tiny(ps, hf_dir, dtype)
     b.load_state_dict(a.state_dict())
-    opt_b = build_optimizer(b, cfg, PS1, total_steps=6)
-    opt_b.load_state_dict(sd)
+    opt_b = build(b, ps, **cfg)
+    load_optimizer(opt_b, str(tmp_path / "optim"))
+    opt_b.load_counters(counters)
     assert opt_b.num_steps == 3 and opt_b.lr == opt_a.lr
     _train(a, opt_a, 2, seed=2)
     _train(b, opt_b, 2, seed=2)
@@ -141,29 +174,68 @@ def test_state_dict_round_trip_continues_identically(dtype):
         assert torch.equal(p, q)
 
 
-def test_low_precision_params_train_through_fp32_masters():
-    m = Tiny(torch.bfloat16)
-    opt = build_optimizer(m, OptimConfig(lr=1e-3, lr_warmup_steps=0, weight_decay=0.0), PS1, total_steps=1)
-    assert all(mst.dtype == torch.float32 for mst in opt.masters)
+def test_low_precision_params_train_through_fp32_masters(ps, hf_dir):
+    from megatron_rl.optim import _main_to_model_pairs
+
+    m, _ = tiny(ps, hf_dir, torch.bfloat16)
+    opt = build(m, ps, lr=1e-3, weight_decay=0.0)
+    masters = opt.state_tensors()
+    assert masters and all(t.dtype == torch.float32 for t in masters)
     opt.zero_grad()
-    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(1)).bfloat16()
-    (m(x[:2]).float() ** 2).sum().backward()
-    (m(x[2:]).float() ** 2).sum().backward()
-    assert all(p.grad is None for p in m.parameters())  # moved into the fp32 bucket by the hook
-    assert all(mst.grad.dtype == torch.float32 and mst.grad.abs().sum() > 0 for mst in opt.masters)
-    start = [mst.detach().clone() for mst in opt.masters]
+    loss_of(opt.ddp, IDS).backward()
+    assert all(p.main_grad.dtype == torch.float32 and p.main_grad.abs().sum() > 0 for p in m.parameters())
+    (sub,) = opt._sub_optimizers
+    pairs = _main_to_model_pairs(sub)  # (fp32 main, the bf16 parameter memory it is written to)
+    assert sum(view.numel() for _, view in pairs) == sum(p.numel() for p in m.parameters())
+    start = [mst.detach().clone() for mst, _ in pairs]
     opt.step()
-    for p, mst, s in zip(m.parameters(), opt.masters, start, strict=True):
+    for (mst, view), s in zip(pairs, start, strict=True):
         # Adam's first step moves every element with a nonzero gradient by ~lr: visible in fp32 masters
         # (1e-3 is below bf16's resolution near 1, which is why masters exist).
         assert (mst.detach() - s).abs().max().item() == pytest.approx(1e-3, rel=0.01)
-        assert torch.equal(p, mst.to(torch.bfloat16))
-    # A second optimizer over the same model takes the gradients over; the first one notices.
-    opt2 = build_optimizer(m, OptimConfig(lr=1e-3, lr_warmup_steps=0), PS1, total_steps=1)
-    _train(m, opt2, 1, seed=3)
-    assert opt2.num_steps == 1
-    with pytest.raises(RuntimeError, match="another optimizer"):
-        opt.step()
+        assert torch.equal(view, mst.to(torch.bfloat16))
+
+
+def test_stochastic_rounding_is_unbiased_and_stays_on_neighbours():
+    from megatron_rl.optim import _stochastic_round
+
+    lo = torch.tensor(0.02).bfloat16().float()  # a bf16 value; its upper neighbour is one ulp away
+    ulp = torch.nextafter(lo.bfloat16(), torch.tensor(1.0).bfloat16()).float() - lo
+    x = torch.full((200_000,), (lo + 0.3 * ulp).item())  # 30% of the way up
+    gen = torch.Generator().manual_seed(0)
+    r = _stochastic_round(x, torch.bfloat16, gen).float()
+    assert set(r.unique().tolist()) == {lo.item(), (lo + ulp).item()}
+    assert r.mean().item() == pytest.approx(x[0].item(), abs=2e-3 * ulp.item())  # mean ~ x: unbiased
+    assert (r == lo + ulp).float().mean().item() == pytest.approx(0.3, abs=0.01)
+    neg = _stochastic_round(-x, torch.bfloat16, torch.Generator().manual_seed(0)).float()
+    assert torch.equal(neg, -r)  # sign-magnitude: the same for negative values
+    # Negative control: rounding to nearest always gives the lower neighbour, i.e. a biased 0.3 ulp.
+    assert torch.equal(x.bfloat16().float(), torch.full_like(x, lo.item()))
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_small_bf16_updates_reach_the_model_only_with_stochastic_rounding(ps, hf_dir, stochastic):
+    """lr 1e-5 is below half a bf16 ulp for most of the O(1) weights. Oracle: the fp32 main weights'
+    own movement. Rounded to nearest, the bf16 parameters deliver a small part of it; rounded
+    stochastically, all of it on average."""
+    from megatron_rl.optim import _main_to_model_pairs
+
+    m, _ = tiny(ps, hf_dir, torch.bfloat16)
+    opt = build(m, ps, lr=1e-5, weight_decay=0.0, stochastic_rounding=stochastic)
+    (sub,) = opt._sub_optimizers
+    pairs = _main_to_model_pairs(sub)
+    mains0 = torch.cat([main.detach().flatten().clone() for main, _ in pairs])
+    params0 = torch.cat([p.detach().float().flatten() for _, p in pairs])
+    _train(m, opt, 3, seed=4)
+    d_main = torch.cat([main.detach().flatten() for main, _ in pairs]) - mains0
+    d_param = torch.cat([p.detach().float().flatten() for _, p in pairs]) - params0
+    delivered = ((d_param * d_main.sign()).sum() / d_main.abs().sum()).item()
+    frac = opt.pop_update_fraction()
+    if stochastic:
+        assert delivered == pytest.approx(1.0, abs=0.1) and frac > 0.05
+    else:
+        assert delivered < 0.5 and frac < 0.05
+    assert opt.pop_update_fraction() is None  # the counters were reset
 
 
 def _batch(n: int) -> RolloutBatch:

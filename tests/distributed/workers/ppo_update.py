@@ -10,9 +10,11 @@ the same sets of sequences as at DP=1. Steps:
 2. update_actor and update_critic (2 epochs x 2 mini-batches: 4 optimizer steps each);
 3. direction check: a second, on-policy update with per-sequence advantages of +-1, then log-probs again.
 
-Outputs in --out: result.json (rank 0: metrics, gathered log-probs/values, checks) and, from every
+Several actor/critic pairs run one after another in one launch (``--models NAME=ACTOR,CRITIC ...``).
+Outputs in --out/NAME: result.json (rank 0: metrics, gathered log-probs/values, checks) and, from every
 TP-rank-0 process, weights_pp{P}_dp{D}.pt: this stage's updated weights in HF names (TP shards
-gathered and scattered back through weights.tables / hf_io.scatter_shard).
+gathered and scattered back through weights.tables / hf_io.scatter_shard) and the largest difference
+between the TP ranks' copies of any replicated parameter.
 """
 
 import argparse
@@ -23,10 +25,16 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.batch import RolloutBatch, SeqMeta
-from megatron_rl.config import ActorConfig, CriticConfig, OptimConfig
-from megatron_rl.models.builder import DTYPES, build_model, load_hf_weights, named_global_params
+from megatron_rl.config import ActorConfig, CriticConfig, MegatronConfig, OptimConfig
+from megatron_rl.models.builder import (
+    DTYPES,
+    TrainingOptions,
+    build_model,
+    load_hf_weights,
+    named_global_params,
+)
 from megatron_rl.models.hf import load_model_args
-from megatron_rl.optim import build_optimizer
+from megatron_rl.optim import LRSchedule, build_optimizer
 from megatron_rl.parallel import destroy_parallel, init_parallel
 from megatron_rl.ppo import compute_log_probs, compute_values, update_actor, update_critic
 from megatron_rl.weights.hf_io import scatter_shard
@@ -36,6 +44,10 @@ N_PROMPTS, ROLLOUT_N, P, R = 8, 2, 6, 5
 MINI_PROMPTS = 4  # ppo_mini_batch_size: 2 mini-batches of 8 sequences
 TEMPERATURE = 2.0
 LOGPROB_MICRO = 3  # does not divide the batch: exercises the padded last micro-batch
+# Adam's eps: an element whose gradient is at fp32-cancellation level (~1e-7 here, e.g. an embedding row
+# whose only uses sit in clipped value-loss terms) would take lr-sized steps of random sign with eps
+# 1e-8, which no layout can reproduce; 1e-6 keeps such steps small without touching real gradients.
+EPS = 1e-6
 
 
 def global_batch(vocab: int, seed: int = 0) -> tuple[RolloutBatch, dict[str, torch.Tensor]]:
@@ -87,14 +99,13 @@ def gather_dp(x: torch.Tensor, ps) -> torch.Tensor:
     return out
 
 
-def hf_named_weights(model, ps, role: str) -> tuple[dict[str, torch.Tensor], float, float]:
-    """This stage's parameters in HF names (on TP rank 0), the largest |padded vocab row| and the largest
-    difference between TP ranks' copies of a replicated parameter."""
+def hf_named_weights(model, ps, role: str) -> tuple[dict[str, torch.Tensor], float]:
+    """This stage's parameters in HF names (on TP rank 0) and the largest |padded vocab row|."""
     args = model.args
     params = named_global_params(model)
     shapes = hf_shapes(args)
     out: dict[str, torch.Tensor] = {}
-    padded_max, replica_diff = 0.0, 0.0
+    padded_max = 0.0
     for lay in iter_stage_layouts(args, ps.tp_size, ps.pp_size, ps.pp_rank, role):
         shard = params[lay.name].detach()
         shards = [torch.empty_like(shard) for _ in range(ps.tp_size)]
@@ -107,12 +118,10 @@ def hf_named_weights(model, ps, role: str) -> tuple[dict[str, torch.Tensor], flo
             real = sum(pc.stop - pc.start for pc in lay.pieces[r])
             if lay.dim == 0 and real < sh.shape[0]:
                 padded_max = max(padded_max, sh[real:].abs().max().item())
-            if lay.dim is None:
-                replica_diff = max(replica_diff, (sh - shards[0]).abs().max().item())
     if role == "critic" and ps.is_last_stage:
         out["value_head.weight"] = model.output_layer.weight.detach().float().cpu()
         out["value_head.bias"] = model.output_layer.bias.detach().float().cpu()
-    return out, padded_max, replica_diff
+    return out, padded_max
 
 
 def hf_oracle(path: str, batch: RolloutBatch, lp: torch.Tensor, ent: torch.Tensor) -> dict[str, float]:
@@ -142,10 +151,33 @@ def hf_oracle(path: str, batch: RolloutBatch, lp: torch.Tensor, ent: torch.Tenso
     }
 
 
+def tp_replica_diff(model, ps) -> float:
+    """Largest difference between TP ranks' copies of any TP-replicated parameter (norms, q/k norms,
+    biases of row-parallel layers, the value head): 0 when every copy received the same update."""
+    diff = 0.0
+    for p in model.parameters():
+        if ps.tp_size == 1 or getattr(p, "tensor_model_parallel", False):
+            continue
+        copies = [torch.empty_like(p) for _ in range(ps.tp_size)]
+        dist.all_gather(copies, p.detach().contiguous(), group=ps.tp_group)
+        diff = max(diff, max((c - copies[0]).abs().max().item() for c in copies))
+    return diff
+
+
+def break_qk_norm_reduction(model) -> None:
+    """Negative control: drop the TP sum of the q/k-norm gradients (finalize_model_grads sums them for
+    qk_layernorm, and for weights marked sequence_parallel)."""
+    model.config.qk_layernorm = False
+    for name, p in model.named_parameters():
+        if "q_layernorm" in name or "k_layernorm" in name:
+            p.sequence_parallel = False
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--actor", required=True)
-    ap.add_argument("--critic", required=True)
+    ap.add_argument(
+        "--models", nargs="+", required=True, help="NAME=ACTOR_DIR,CRITIC_DIR pairs, run one after another"
+    )
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--micro", type=int, required=True, help="ppo_micro_batch_size_per_gpu")
@@ -153,10 +185,28 @@ def main():
     ap.add_argument("--hf-oracle", action="store_true", help="check log-probs against the HF model (rank 0)")
     ap.add_argument("--device", default="cpu", help="cpu | cuda")
     ap.add_argument("--dtype", default="float32", help="parameter dtype: float32 | bfloat16")
+    ap.add_argument("--no-sequence-parallel", action="store_true")
+    ap.add_argument("--no-distributed-optimizer", action="store_true")
+    ap.add_argument("--break-qk-norm-reduction", action="store_true", help="negative control")
     a = ap.parse_args()
     ps = init_parallel(a.tp, a.pp, seed=1, device=a.device)
+    for spec in a.models:
+        name, paths = spec.split("=")
+        actor_dir, critic_dir = paths.split(",")
+        out = os.path.join(a.out, name)
+        if ps.rank == 0:
+            os.makedirs(out, exist_ok=True)
+        dist.barrier()
+        run_pair(ps, a, actor_dir, critic_dir, out)
+    destroy_parallel()
+
+
+def run_pair(ps, a, actor_dir: str, critic_dir: str, out_dir: str) -> None:
+    """Steps 1-3 of the module docstring for one actor/critic pair; results into ``out_dir``."""
     dtype = DTYPES[a.dtype]
-    actor_args, critic_args = load_model_args(a.actor), load_model_args(a.critic)
+    options = TrainingOptions(sequence_parallel=not a.no_sequence_parallel)
+    mcfg = MegatronConfig(use_distributed_optimizer=not a.no_distributed_optimizer)
+    actor_args, critic_args = load_model_args(actor_dir), load_model_args(critic_dir)
     full, extra = global_batch(actor_args.vocab_size)
     rows = dp_rows(ps.dp_rank, ps.dp_size)
     batch = full.select(rows).to(ps.device)
@@ -165,15 +215,17 @@ def main():
     res: dict = {"layout": {"tp": ps.tp_size, "pp": ps.pp_size, "dp": ps.dp_size}}
 
     # ---- actor ----
-    actor = build_model(actor_args, ps, "actor", dtype=dtype)
-    load_hf_weights(actor, a.actor, ps)
+    actor = build_model(actor_args, ps, "actor", dtype=dtype, options=options)
+    load_hf_weights(actor, actor_dir, ps)
+    if a.break_qk_norm_reduction:
+        break_qk_norm_reduction(actor)
     lp, ent = compute_log_probs(actor, ps, batch, LOGPROB_MICRO, TEMPERATURE, with_entropy=True)
     lp_only = compute_log_probs(actor, ps, batch, 4, TEMPERATURE)
     res["logp_only_vs_with_entropy"] = (lp_only - lp).abs().max().item()
     glp, gent = gather_dp(lp, ps), gather_dp(ent, ps)
     res["logp"], res["entropy"] = glp.tolist(), gent.tolist()
     if a.hf_oracle and ps.rank == 0:
-        res.update(hf_oracle(a.actor, full, glp.cpu(), gent.cpu()))
+        res.update(hf_oracle(actor_dir, full, glp.cpu(), gent.cpu()))
 
     batch.old_log_probs = (lp + ex["old_noise"]) * mask
     batch.ref_log_probs = (lp + ex["ref_noise"]) * mask
@@ -191,17 +243,23 @@ def main():
         kl_loss_coef=0.1,
         kl_loss_type="low_var_kl",
         optim=OptimConfig(
-            lr=2e-3, min_lr=2e-4, lr_warmup_steps=1, lr_decay_style="cosine", weight_decay=0.01, clip_grad=1.0
+            lr=2e-3,
+            min_lr=2e-4,
+            lr_warmup_steps=1,
+            lr_decay_style="cosine",
+            weight_decay=0.01,
+            clip_grad=1.0,
+            eps=EPS,
         ),
     )
-    opt = build_optimizer(actor, actor_cfg.optim, ps, total_steps=4)
+    opt = build_optimizer(actor, actor_cfg.optim, mcfg, ps, total_steps=4)
     res["actor"] = update_actor(actor, opt, ps, batch, actor_cfg, ROLLOUT_N, TEMPERATURE)
     res["actor_steps"] = opt.num_steps
-    actor_w, padded_max, replica_diff = hf_named_weights(actor, ps, "actor")
+    actor_w, padded_max = hf_named_weights(actor, ps, "actor")
 
     # ---- critic ----
-    critic = build_model(critic_args, ps, "critic", dtype=dtype)
-    load_hf_weights(critic, a.critic, ps)
+    critic = build_model(critic_args, ps, "critic", dtype=dtype, options=options)
+    load_hf_weights(critic, critic_dir, ps)
     if ps.is_last_stage:  # a random value head, the same on every layout (zeros would block trunk grads)
         g = torch.Generator().manual_seed(7)
         h = critic_args.hidden_size
@@ -219,12 +277,19 @@ def main():
         cliprange_value=0.5,
         loss_agg_mode="seq-mean-token-mean",
         optim=OptimConfig(
-            lr=2e-3, min_lr=0.0, lr_warmup_steps=0, lr_decay_style="linear", weight_decay=0.01, clip_grad=1.0
+            lr=2e-3,
+            min_lr=0.0,
+            lr_warmup_steps=0,
+            lr_decay_style="linear",
+            weight_decay=0.01,
+            clip_grad=1.0,
+            eps=EPS,
         ),
     )
-    copt = build_optimizer(critic, critic_cfg.optim, ps, total_steps=4)
+    copt = build_optimizer(critic, critic_cfg.optim, mcfg, ps, total_steps=4)
     res["critic"] = update_critic(critic, copt, ps, batch, critic_cfg, ROLLOUT_N)
-    critic_w, _, critic_replica_diff = hf_named_weights(critic, ps, "critic")
+    critic_w, _ = hf_named_weights(critic, ps, "critic")
+    replica_diff = max(tp_replica_diff(actor, ps), tp_replica_diff(critic, ps))
 
     # ---- direction: an on-policy update with per-sequence advantages +-1 ----
     lp_now = compute_log_probs(actor, ps, batch, LOGPROB_MICRO, TEMPERATURE)
@@ -237,9 +302,11 @@ def main():
         clip_ratio=0.2,
         optim=OptimConfig(lr=1e-3, lr_warmup_steps=0, weight_decay=0.0, clip_grad=0.0),
     )
+    # One DDP per model: the same optimizer continues, with this update's schedule and no clipping.
+    opt.cfg, opt.schedule, opt.num_steps = dir_cfg.optim, LRSchedule(dir_cfg.optim, 1), 0
     update_actor(
         actor,
-        build_optimizer(actor, dir_cfg.optim, ps, total_steps=1),
+        opt,
         ps,
         batch,
         dir_cfg,
@@ -263,15 +330,14 @@ def main():
                 "actor": actor_w,
                 "critic": critic_w,
                 "padded_max": padded_max,
-                "replica_diff": max(replica_diff, critic_replica_diff),
+                "replica_diff": replica_diff,
             },
-            os.path.join(a.out, f"weights_pp{ps.pp_rank}_dp{ps.dp_rank}.pt"),
+            os.path.join(out_dir, f"weights_pp{ps.pp_rank}_dp{ps.dp_rank}.pt"),
         )
     if ps.rank == 0:
-        with open(os.path.join(a.out, "result.json"), "w") as f:
+        with open(os.path.join(out_dir, "result.json"), "w") as f:
             json.dump(res, f)
     dist.barrier()
-    destroy_parallel()
 
 
 if __name__ == "__main__":

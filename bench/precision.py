@@ -1,0 +1,91 @@
+"""Benchmark: does a small-LR update reach a bf16 policy? The toy demo trained at fp32, at bf16 with the
+fp32 main weights rounded to nearest into the bf16 parameters, and at bf16 with stochastic rounding.
+
+    python bench/precision.py --out bench_out/precision      # one GPU, transformers rollout engine
+
+Each variant runs ``torchrun -m megatron_rl.train --config yaml/cpu_demo.yaml`` unchanged but for the
+keys below (same model, data, seeds and LR); the rollout engine holds the weights in the training
+dtype, so it samples from exactly the policy being trained. The summary holds every validation score,
+the reward curve and ``actor/param_update_frac`` (the share of bf16 parameter elements an update
+actually changed). The trainer runs fp32 on CPU whatever the dtype keys say: this comparison needs a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VARIANTS = {  # name: (params/rollout dtype, stochastic rounding)
+    "fp32": ("float32", False),
+    "bf16": ("bfloat16", False),
+    "bf16_stochastic_rounding": ("bfloat16", True),
+}
+
+
+def run(a: argparse.Namespace, name: str, data: dict[str, str]) -> list[dict]:
+    dtype, sr = VARIANTS[name]
+    out = os.path.join(a.out, name)
+    overrides = {
+        "data.train_files": f"[{data['train']}]",
+        "data.val_files": f"[{data['test']}]",
+        "actor_rollout_ref.model.path": data["model"],
+        "actor_rollout_ref.actor.optim.lr": a.lr,
+        "critic.optim.lr": a.lr,
+        "actor_rollout_ref.actor.optim.stochastic_rounding": sr,
+        "critic.optim.stochastic_rounding": sr,
+        "actor_rollout_ref.actor.megatron.params_dtype": dtype,
+        "actor_rollout_ref.rollout.dtype": dtype,
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size": a.tp,
+        "trainer.total_training_steps": a.steps,
+        "trainer.test_freq": a.test_freq,
+        "trainer.save_at_end": False,
+        "trainer.device": a.device,
+        "trainer.default_local_dir": out,
+    }
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={a.nproc}"]
+    cmd += ["-m", "megatron_rl.train", "--config", os.path.join(ROOT, "yaml", "cpu_demo.yaml")]
+    cmd += [f"{k}={v}" for k, v in overrides.items()]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+    subprocess.run(cmd, env=env, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    with open(os.path.join(out, "logs", "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def summarize(rows: list[dict]) -> dict:
+    val = {r.get("training/global_step", 0): v for r in rows for k, v in r.items() if k.startswith("val/")}
+    return {
+        "val": val,
+        "score_mean": [r["critic/score/mean"] for r in rows if "critic/score/mean" in r],
+        "param_update_frac": [r["actor/param_update_frac"] for r in rows if "actor/param_update_frac" in r],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke test only")
+    ap.add_argument("--nproc", type=int, default=1)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--lr", type=float, default=3e-5, help="actor and critic LR")
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--test-freq", type=int, default=10)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    sys.path.insert(0, ROOT)
+    from megatron_rl.demo import prepare
+
+    data = prepare(os.path.join(a.out, "demo"))
+    result = {"args": vars(a)}
+    for name in a.variants:
+        result[name] = summarize(run(a, name, data))
+        with open(os.path.join(a.out, "summary.json"), "w") as f:
+            json.dump(result, f, indent=1)
+    print(json.dumps({k: v["val"] if isinstance(v, dict) and "val" in v else v for k, v in result.items()}))
+
+
+if __name__ == "__main__":
+    main()
