@@ -160,6 +160,15 @@ class CheckpointManager:
                 f"TP={now['tp']} PP={now['pp']}: resume with the same actor_rollout_ref.actor.megatron "
                 "parallel sizes (the data-parallel size may change), or set trainer.resume_mode=disable."
             )
+        for name in optimizers:
+            if os.path.isdir(os.path.join(path, name)) and not os.path.isdir(
+                os.path.join(path, f"{name}_optim")
+            ):
+                raise RuntimeError(
+                    f"{path} holds no {name}_optim/ (written before optimizer states were sharded): resume "
+                    f"its weights only with actor_rollout_ref.model.path={os.path.join(path, 'actor')} and "
+                    "critic.model.path=.../critic (Adam restarts), and trainer.resume_mode=disable."
+                )
         for name, model in models.items():
             if not os.path.isdir(os.path.join(path, name)):
                 raise FileNotFoundError(
@@ -167,12 +176,6 @@ class CheckpointManager:
                 )
             load_torch_dist(model, self.ps, os.path.join(path, name))
         for name, opt in optimizers.items():
-            if not os.path.isdir(os.path.join(path, f"{name}_optim")):
-                raise RuntimeError(
-                    f"{path} holds no {name}_optim/ (written before optimizer states were sharded): resume "
-                    f"its weights only with actor_rollout_ref.model.path={os.path.join(path, 'actor')} and "
-                    "critic.model.path=.../critic (Adam restarts), and trainer.resume_mode=disable."
-                )
             load_optimizer(opt, os.path.join(path, f"{name}_optim"))
         shards = torch.load(_shard_file(path, self.ps), map_location="cpu", weights_only=True)
         set_rng_state(shards.pop("rng"))

@@ -15,6 +15,9 @@ megatron-core assumes CUDA in three ways that matter for our models and schedule
    under :class:`CpuDeviceMode` a CPU tensor's ``type()`` answers with the CUDA name of its dtype.
    With that, megatron's DDP, optimizers (distributed one included), ``finalize_model_grads`` and
    their dist_checkpointing state run on CPU as they do on GPU.
+5. Activation recompute (``tensor_parallel.checkpoint``) saves and restores the "CUDA" RNG state
+   around the recomputed forward (``random._get_cuda_rng_state`` / ``_set_cuda_rng_state``); on CPU
+   that state is the CPU generator's, which the tracker of 3. uses too.
 
 Causal masks are always passed explicitly (``get_default_causal_mask`` allocates on "cuda").
 Everything here is inert when CUDA is available; :func:`install` checks the megatron-core version it
@@ -113,8 +116,16 @@ def install() -> None:
             f"pip install megatron-core=={SUPPORTED_MCORE}"
         )
     if not torch.cuda.is_available():
+        from megatron.core.tensor_parallel import random as mrandom
+
         torch.cuda.current_device = lambda: torch.device("cpu")
         torch.cuda.synchronize = lambda device=None: None
+        mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: (
+            torch.get_rng_state()
+        )
+        mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(
+            new_state
+        )
     _installed = True
 
 

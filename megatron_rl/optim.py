@@ -296,7 +296,10 @@ class ModelOptimizer:
         # The distributed optimizer writes each DP rank's buffer shards in parallel; loading re-slices
         # them for the current DP size (TP/PP must match, as for the rest of a trainer checkpoint).
         kwargs = {"metadata": {"distrib_optim_sharding_type": "dp_reshardable"}} if self.distributed else {}
-        return self.optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading, **kwargs)
+        state = self.optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading, **kwargs)
+        if not is_loading:
+            _zero_padding(state)
+        return state
 
     def load_sharded_state_dict(self, state: dict) -> None:
         with torch.no_grad(), cpu_bridge.device_mode():  # fp32 models: main params view the parameters
@@ -316,6 +319,22 @@ class ModelOptimizer:
     def load_counters(self, counters: dict[str, int]) -> None:
         self.num_steps = int(counters["num_steps"])
         self.skipped_steps = int(counters.get("skipped_steps", 0))
+
+
+def _zero_padding(state: Any) -> None:
+    """megatron fills the gaps between parameters in a saved bucket with ``torch.empty``: zero them, so
+    that a checkpoint's bytes depend only on the training state."""
+    if isinstance(state, dict):
+        padding = state.get("padding")
+        if getattr(padding, "obj", False) is True:
+            for v in state.values():
+                if hasattr(v, "data") and torch.is_tensor(v.data):
+                    v.data.zero_()
+        for v in state.values():
+            _zero_padding(v)
+    elif isinstance(state, list | tuple):
+        for v in state:
+            _zero_padding(v)
 
 
 def _stochastic_round(x: torch.Tensor, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:

@@ -238,6 +238,37 @@ def test_small_bf16_updates_reach_the_model_only_with_stochastic_rounding(ps, hf
     assert opt.pop_update_fraction() is None  # the counters were reset
 
 
+@pytest.mark.parametrize(
+    "options,recomputed",
+    [
+        (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1), "mlp"),
+        (dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1), "mlp"),
+        (dict(recompute_granularity="selective"), "self_attention.core_attention"),
+    ],
+    ids=["full-uniform", "full-block", "selective"],
+)
+def test_activation_recompute_gives_the_same_gradients(ps, hf_dir, options, recomputed):
+    """Oracle: the same model without recompute. The recomputed module runs twice per backward (the
+    check that recompute is on at all)."""
+    from megatron_rl.models.builder import TrainingOptions, build_model, load_hf_weights
+    from megatron_rl.models.hf import load_model_args
+
+    args = load_model_args(hf_dir)
+    grads, calls = [], []
+    for opts in (TrainingOptions(), TrainingOptions(**options)):
+        m = build_model(args, ps, "actor", options=opts)
+        load_hf_weights(m, hf_dir, ps)
+        m.train()
+        calls.append(0)
+        m.get_submodule(f"decoder.layers.0.{recomputed}").register_forward_hook(
+            lambda *_: calls.__setitem__(-1, calls[-1] + 1)
+        )
+        loss_of(m, IDS).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in m.parameters()]))
+    assert torch.equal(grads[0], grads[1])
+    assert calls == [1, 2]
+
+
 def _batch(n: int) -> RolloutBatch:
     prompts, responses = torch.ones(n, 3, dtype=torch.long), torch.ones(n, 2, dtype=torch.long)
     b = RolloutBatch.from_tokens(
@@ -269,3 +300,22 @@ def test_update_rejects_batch_sizes_that_do_not_tile():
         update_actor(
             None, None, PS1, b, ActorConfig(ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=2), 2
         )
+
+
+def test_checkpoint_without_sharded_optimizer_state_is_refused_in_one_line(tmp_path):
+    """A trainer checkpoint written before optimizer states were sharded (actor/ beside an
+    mp_rank_*.pt holding the whole optimizer, no actor_optim/) names the keys that resume its weights."""
+    import json
+
+    from megatron_rl.checkpoint import CheckpointManager
+
+    ckpt = tmp_path / "global_step_4"
+    (ckpt / "actor").mkdir(parents=True)
+    layout = {"tp": 1, "pp": 1, "dp": 1, "world_size": 1}
+    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": 4, "layout": layout}))
+    manager = CheckpointManager(str(tmp_path), SimpleNamespace(tp_size=1, pp_size=1, dp_size=1, world_size=1))
+    with pytest.raises(RuntimeError) as e:
+        manager.load(str(ckpt), {"actor": None}, {"actor": None})
+    msg = str(e.value)
+    assert "\n" not in msg and "actor_optim/" in msg
+    assert f"actor_rollout_ref.model.path={ckpt / 'actor'}" in msg and "trainer.resume_mode=disable" in msg
