@@ -14,10 +14,13 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_rl", "megatron_rl.*", "ckpt_tools", "ckpt_tools.*"]),
+    package_data={"megatron_rl": ["verl_keys.txt"]},
     install_requires=[
-        "torch==2.13.0",
-        "megatron-core==0.16.1",
-        "transformers==5.12.1",
+        # Not pinned: clusters bring their own CUDA build of torch. `make install` pins the CPU versions
+        # this project is tested with; docs/gpu.md lists the tested GPU set.
+        "torch>=2.6",
+        "megatron-core==0.16.1",  # megatron_rl.cpu_bridge is written against this release
+        "transformers>=5.12",
         "omegaconf>=2.3",
         "safetensors",
         "psutil",  # megatron's dist_checkpointing hangs on save without it

@@ -348,6 +348,9 @@ class TrainerConfig:
     """How long a collective may wait for the other ranks before the job fails."""
     log_dir: str | None = None
     """Where JSONL/TensorBoard logs go; defaults to default_local_dir/logs."""
+    console_block_freq: int = 10
+    """The console prints one line per step and every metric, grouped, every this many steps (and
+    at the last step); 1 prints the grouped block every step."""
 
 
 @dataclass
@@ -397,24 +400,65 @@ def _check_keys(raw: dict, source: str) -> None:
             raise ConfigError(f"Unknown config key '{key}' (from {source}).{hint}")
 
 
-def load_config(yaml_path: str | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults <- YAML file <- dotted overrides; returns a typed, resolved :class:`Config`."""
+def _lists_from_scalars(raw: dict, prefix: str = "") -> dict:
+    """A scalar given for a list-typed key becomes a one-element list (``data.train_files=x.parquet``,
+    ``trainer.logger=console``), as verl's command lines write them."""
+    known = _known_keys(Config)
+    out = {}
+    for k, v in raw.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out[k] = _lists_from_scalars(v, key + ".")
+        elif str(known.get(key, "")).startswith("list") and v is not None and not isinstance(v, list):
+            out[k] = [v]
+        else:
+            out[k] = v
+    return out
+
+
+def _strip_hydra_prefix(override: str) -> str:
+    """``+key=value`` / ``++key=value`` (Hydra: add / force-add a key) set a key like ``key=value``;
+    the key itself must still be one this config knows."""
+    return override.lstrip("+")
+
+
+def load_config(
+    yaml_path: str | None = None, overrides: list[str] | None = None, notices: list[str] | None = None
+) -> Config:
+    """Defaults <- YAML file <- dotted overrides; returns a typed, resolved :class:`Config`.
+
+    verl's keys that this config does not hold are handled by :mod:`megatron_rl.verl_compat`
+    (aliased, refused in one line, or ignored with a line appended to ``notices``)."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
+
+    from megatron_rl.verl_compat import translate
+
+    known = set(_known_keys(Config))
+    notices = [] if notices is None else notices
 
     merged = OmegaConf.structured(Config)
     layers = []
     if yaml_path:
         if not os.path.exists(yaml_path):
             raise ConfigError(f"Config file not found: {yaml_path}")
-        layers.append((OmegaConf.load(yaml_path), yaml_path))
+        loaded = OmegaConf.load(yaml_path)
+        if not isinstance(OmegaConf.to_container(loaded, resolve=False), dict):
+            raise ConfigError(f"{yaml_path}: the top level of a config file must be a mapping of sections.")
+        layers.append((loaded, yaml_path))
     if overrides:
         bad = [o for o in overrides if "=" not in o]
         if bad:
             raise ConfigError(f"Overrides must look like key=value; got {bad}")
+        overrides = [_strip_hydra_prefix(o) for o in overrides]
         layers.append((OmegaConf.from_dotlist(list(overrides)), "command line"))
     for layer, source in layers:
-        _check_keys(OmegaConf.to_container(layer, resolve=False), source)
+        try:
+            raw = translate(OmegaConf.to_container(layer, resolve=False), known, source, notices)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        _check_keys(raw, source)
+        layer = OmegaConf.create(_lists_from_scalars(raw))
         try:
             merged = OmegaConf.merge(merged, layer)
         except OmegaConfBaseException as e:
@@ -552,13 +596,14 @@ def validate(cfg: Config, world_size: int, model_dims: dict[str, int] | None = N
             f"actor_rollout_ref.actor.ppo_mini_batch_size={actor.ppo_mini_batch_size}."
         )
     seqs_per_rank = actor.ppo_mini_batch_size * rollout.n // dp
-    divisible(
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
-        seqs_per_rank,
-        actor.ppo_micro_batch_size_per_gpu,
-        "it must divide ppo_mini_batch_size x rollout.n / data-parallel size"
-        f" = {seqs_per_rank}; lower ppo_micro_batch_size_per_gpu",
-    )
+    micro = actor.ppo_micro_batch_size_per_gpu
+    if micro <= 0 or seqs_per_rank % micro:
+        fits = [d for d in range(1, seqs_per_rank + 1) if seqs_per_rank % d == 0]
+        raise ConfigError(
+            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro} must be positive and divide "
+            f"the {seqs_per_rank} sequences per rank of a mini-batch (ppo_mini_batch_size x rollout.n / "
+            f"data-parallel size); choose one of {fits}."
+        )
     if cfg.critic.enable:
         crit_mb = cfg.critic.ppo_mini_batch_size
         divisible("critic.ppo_mini_batch_size", crit_mb, dp, f"data-parallel size {dp}")
@@ -568,9 +613,10 @@ def validate(cfg: Config, world_size: int, model_dims: dict[str, int] | None = N
                 f"critic.ppo_mini_batch_size={crit_mb}."
             )
         crit_seqs = crit_mb * rollout.n // dp
-        if crit_seqs % cfg.critic.ppo_micro_batch_size_per_gpu:
+        crit_micro = cfg.critic.ppo_micro_batch_size_per_gpu
+        if crit_micro <= 0 or crit_seqs % crit_micro:
             raise ConfigError(
-                f"critic.ppo_micro_batch_size_per_gpu={cfg.critic.ppo_micro_batch_size_per_gpu} must divide "
+                f"critic.ppo_micro_batch_size_per_gpu={crit_micro} must be positive and divide "
                 f"critic.ppo_mini_batch_size x rollout.n / data-parallel size = {crit_seqs}."
             )
     if cfg.algorithm.adv_estimator in ("grpo", "rloo") and rollout.n < 2:
@@ -651,10 +697,69 @@ def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
 
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring written under each field of a config dataclass (read from this module's source)."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:], strict=False):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def describe_keys(prefix: str = "") -> str:
+    """Every key under ``prefix`` with its type, default and docstring, section by section."""
+    lines: list[str] = []
+
+    def walk(obj: Any, path: str) -> None:
+        docs = field_docs(type(obj))
+        leaves, sections = [], []
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            (sections if dataclasses.is_dataclass(value) else leaves).append((f, value))
+        shown = [(f, v) for f, v in leaves if f"{path}{f.name}".startswith(prefix)]
+        if shown:
+            lines.append(f"[{path[:-1] or 'config'}]")
+            for f, v in shown:
+                lines.append(f"  {path}{f.name}: {f.type} = {v!r}")
+                if docs.get(f.name):
+                    lines.append(f"      {docs[f.name]}")
+        for f, v in sections:
+            walk(v, f"{path}{f.name}.")
+
+    walk(Config(), "")
+    return "\n".join(lines)
+
+
+USAGE = """usage: python -m megatron_rl.config [[--config] FILE.yaml] [key=value ...]
+       python -m megatron_rl.config --keys [PREFIX]
+
+Prints the fully resolved config of a run (defaults <- FILE.yaml <- key=value overrides, as
+megatron_rl.train resolves it), or with --keys every key (optionally only those starting with
+PREFIX) with its type, default and meaning. Keys follow verl's names; `+key=value` works as
+`key=value`; a scalar given for a list key becomes a one-element list."""
+
+
 def main(argv: list[str] | None = None) -> None:
     """Print the fully resolved config:
     ``python -m megatron_rl.config [[--config] file.yaml] [key=value ...]`` (as ``megatron_rl.train``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return
+    if argv and argv[0] == "--keys":
+        print(describe_keys(argv[1] if len(argv) > 1 else ""))
+        return
     if argv and argv[0] == "--config":
         argv.pop(0)
         if not argv:

@@ -149,20 +149,65 @@ def format_console(step: int, metrics: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
+# The few numbers of the one-line console summary of a step, with short names.
+_LINE_KEYS = (
+    ("critic/score/mean", "score"),
+    ("actor/pg_loss", "pg_loss"),
+    ("actor/ppo_kl", "ppo_kl"),
+    ("actor/entropy", "entropy"),
+    ("critic/vf_loss", "vf_loss"),
+    ("response_length/mean", "resp_len"),
+    ("timing_s/step", "step_s"),
+)
+
+
+def format_console_line(step: int, metrics: dict[str, float]) -> str:
+    """One line per step: the score, the losses, the response length, the step time and any
+    validation score; the full grouped block comes every trainer.console_block_freq steps."""
+    parts = [f"{short}={metrics[k]:.4g}" for k, short in _LINE_KEYS if k in metrics]
+    parts += [f"{k}={v:.4g}" for k, v in sorted(metrics.items()) if k.startswith("val")]
+    return f"step {step}  " + "  ".join(parts)
+
+
+def set_aside(path: str) -> str | None:
+    """Rename an earlier run's file ``name.ext`` to the first free ``name.N.ext``; returns the new path."""
+    if not os.path.exists(path):
+        return None
+    stem, ext = os.path.splitext(path)
+    n = 1
+    while os.path.exists(f"{stem}.{n}{ext}"):
+        n += 1
+    os.replace(path, f"{stem}.{n}{ext}")
+    return f"{stem}.{n}{ext}"
+
+
 class MetricsLogger:
-    """Fan-out of one metrics dict per step to the sinks named in trainer.logger (rank 0 only)."""
+    """Fan-out of one metrics dict per step to the sinks named in trainer.logger (rank 0 only).
+
+    ``metrics.jsonl`` belongs to one run: :meth:`begin` keeps the rows of the steps a resumed run
+    continues from (those after it are dropped, so no step appears twice) and moves the file of an
+    earlier, unrelated run aside (``metrics.1.jsonl``, ...) rather than appending to it. The console
+    gets one line per step and the grouped block every ``block_freq`` steps (and at the last one).
+    """
 
     def __init__(
-        self, sinks: list[str], log_dir: str, project: str, experiment: str, config: dict, enabled: bool
+        self,
+        sinks: list[str],
+        log_dir: str,
+        project: str,
+        experiment: str,
+        config: dict,
+        enabled: bool,
+        block_freq: int = 10,
     ):
         self.enabled = enabled
         self.sinks = sinks
+        self.log_dir = log_dir
+        self.block_freq = block_freq
         self._jsonl = self._tb = self._wandb = None
         if not enabled:
             return
         os.makedirs(log_dir, exist_ok=True)
-        if "jsonl" in sinks:
-            self._jsonl = open(os.path.join(log_dir, "metrics.jsonl"), "a")
         if "tensorboard" in sinks:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -180,11 +225,35 @@ class MetricsLogger:
                 ) from e
             self._wandb = wandb.init(project=project, name=experiment, config=config)
 
-    def log(self, step: int, metrics: dict[str, float], echo=print) -> None:
+    @property
+    def jsonl_path(self) -> str:
+        return os.path.join(self.log_dir, "metrics.jsonl")
+
+    def begin(self, start_step: int) -> None:
+        """Open the run's metrics.jsonl: a fresh run (``start_step`` 0) starts a new file, a run
+        resumed at ``start_step`` continues the rows up to that step."""
+        if not self.enabled or "jsonl" not in self.sinks:
+            return
+        path = self.jsonl_path
+        kept: list[str] = []
+        if os.path.isfile(path) and os.path.getsize(path):
+            if start_step > 0:
+                with open(path) as f:
+                    kept = [
+                        line for line in f if line.strip() and json.loads(line).get("step", 0) <= start_step
+                    ]
+            else:
+                set_aside(path)
+        self._jsonl = open(path, "w")
+        self._jsonl.writelines(kept)
+        self._jsonl.flush()
+
+    def log(self, step: int, metrics: dict[str, float], echo=print, last: bool = False) -> None:
         if not self.enabled:
             return
         if "console" in self.sinks:
-            echo(format_console(step, metrics))
+            block = step == 0 or last or (self.block_freq > 0 and step % self.block_freq == 0)
+            echo(format_console(step, metrics) if block else format_console_line(step, metrics))
         if self._jsonl:
             self._jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
             self._jsonl.flush()

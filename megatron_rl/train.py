@@ -26,7 +26,11 @@ def main(argv: list[str] | None = None) -> None:
     # Known failures (bad config, layout vs world size, no GPU, busy port, timeouts) end in one line
     # saying what to change; anything else keeps its traceback.
     with explain_failures():
-        cfg = load_config(a.config, a.overrides)
+        notices: list[str] = []
+        cfg = load_config(a.config, a.overrides, notices)
+        if rank == 0:
+            for line in notices:  # verl keys this trainer accepts without acting on them
+                print(f"megatron-rl: {line}", flush=True)
         preflight(cfg, world)
         logging.basicConfig(
             level=logging.INFO if rank == 0 else logging.WARNING,

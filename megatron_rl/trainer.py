@@ -19,7 +19,9 @@ resumed run repeats the same rollouts.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import os
 import time
 
 import torch
@@ -27,7 +29,7 @@ import torch.distributed as dist
 
 from megatron_rl.batch import RolloutBatch, SeqMeta
 from megatron_rl.config import Config, to_dict
-from megatron_rl.metrics import MetricsLogger, Timer, data_metrics, progress_bar
+from megatron_rl.metrics import MetricsLogger, Timer, data_metrics, progress_bar, set_aside
 from megatron_rl.offload import HostParking
 from megatron_rl.parallel import ParallelState
 
@@ -128,6 +130,7 @@ class Trainer:
             cfg.trainer.experiment_name,
             to_dict(cfg),
             enabled=ps.rank == 0,
+            block_freq=cfg.trainer.console_block_freq,
         )
         self.global_step = 0
         self.weights_stale = True  # the engine starts without the actor's weights
@@ -209,6 +212,18 @@ class Trainer:
         self._maybe_resume()
         cfg = self.cfg.trainer
         last: dict[str, float] = {}
+        if self.global_step >= self.total_steps > 0:
+            if self.ps.rank == 0:
+                print(
+                    f"megatron-rl: the checkpoint in {cfg.default_local_dir} is at step {self.global_step}, "
+                    f"the run's last step ({self.total_steps}): nothing to train. For a new run set "
+                    "trainer.resume_mode=disable or another trainer.default_local_dir; to train longer, "
+                    "raise trainer.total_training_steps or trainer.total_epochs.",
+                    flush=True,
+                )
+            return last
+        self.logger.begin(self.global_step)
+        self._write_config_record()
         if self.val_data is not None and cfg.val_before_train and self.global_step == 0:
             self.logger.log(0, self.validate())
         bar = progress_bar(
@@ -225,11 +240,53 @@ class Trainer:
                 with self.timer("save_checkpoint"):
                     self.save()
                 last.update(self.timer.pop())
-            self.logger.log(self.global_step, last, echo=bar.write)
+            self.logger.log(self.global_step, last, echo=bar.write, last=is_last)
             bar.update(1)
         bar.close()
         self.logger.close()
+        self._write_summary(last)
         return last
+
+    # ------------------------------------------------------------------------------------------ run record
+
+    def _write_config_record(self) -> None:
+        """The resolved config of this run, beside its checkpoints (rank 0). A fresh run in a directory
+        that holds an earlier run's record sets that aside (config.1.yaml, summary.1.json, ...)."""
+        if self.ps.rank != 0:
+            return
+        from omegaconf import OmegaConf
+
+        out = self.cfg.trainer.default_local_dir
+        os.makedirs(out, exist_ok=True)
+        if self.global_step == 0:
+            for name in ("config.yaml", "summary.json"):
+                set_aside(os.path.join(out, name))
+        OmegaConf.save(OmegaConf.create(to_dict(self.cfg)), os.path.join(out, "config.yaml"))
+
+    def _write_summary(self, last: dict[str, float]) -> None:
+        """Final scores and where everything is: printed, and summary.json beside the checkpoints."""
+        if self.ps.rank != 0:
+            return
+        t = self.cfg.trainer
+        scores = {k: v for k, v in last.items() if k.startswith(("val", "critic/score/mean"))}
+        latest = self.ckpt.latest()
+        summary = {
+            "global_step": self.global_step,
+            "final": scores,
+            "checkpoint": latest,
+            "config": os.path.join(t.default_local_dir, "config.yaml"),
+            "metrics": self.logger.jsonl_path if "jsonl" in t.logger else None,
+            "plot": f"python -m megatron_rl.plot {t.log_dir}" if "jsonl" in t.logger else None,
+        }
+        with open(os.path.join(t.default_local_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+        lines = [f"megatron-rl: finished at step {self.global_step}"]
+        lines += [f"  {k} = {v:.4g}" for k, v in sorted(scores.items())]
+        lines.append(f"  checkpoint: {latest or 'none saved'}")
+        lines.append(f"  config:     {summary['config']}")
+        if summary["metrics"]:
+            lines.append(f"  metrics:    {summary['metrics']}   plot: {summary['plot']}")
+        print("\n".join(lines), flush=True)
 
     def step(self, prompt_indices: list[int]) -> dict[str, float]:
         """One PPO step on this rank's prompts."""

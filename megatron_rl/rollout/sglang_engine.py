@@ -5,13 +5,13 @@ consecutive ranks (R may differ from the training TP). The first rank of each gr
 ``sglang.Engine(tp_size=R, base_gpu_id=<its local GPU>)``, whose R scheduler processes run on the
 GPUs of the group's ranks, next to the trainer. Groups therefore have to sit inside one node.
 
-Start-up (facts measured on the H200, see DESIGN.md): the trainer's NCCL communicators exist before
-the engine starts (init_parallel binds the device; we also run one collective on each megatron group
-we use), and torchrun's RANK/WORLD_SIZE/MASTER_*/TORCHELASTIC_* variables are hidden from the engine
-while it starts. The engine reads only a config.json (written to a temporary directory from the
-model's config, EOS removed so that ``SamplingParams.stop_token_ids`` is the complete stop set) and
-starts with dummy weights: the first :func:`~megatron_rl.rollout.reshard.sync_weights` fills it, and
-``generate`` refuses to run before that.
+Start-up: the trainer's NCCL communicators exist before the engine starts (init_parallel binds the
+device; we also run one collective on each megatron group we use; on the H200, a communicator created
+after the engine failed its first collective with ncclUnhandledCudaError), and torchrun's
+RANK/WORLD_SIZE/MASTER_*/TORCHELASTIC_* variables are hidden from the engine while it starts. The engine
+reads only a config.json (written to a temporary directory from the model's config, EOS removed so that
+``SamplingParams.stop_token_ids`` is the complete stop set) and starts with dummy weights: the first
+:func:`~megatron_rl.rollout.reshard.sync_weights` fills it, and ``generate`` refuses to run before that.
 
 Weights. Every rank of the group holds each full bucket on its own GPU (the reshard stream
 broadcasts over PP). Each rank shares its bucket buffer with the SGLang worker on the same GPU through

@@ -86,8 +86,31 @@ def test_loop_runs_and_logs_verl_metrics(demo, tmp_path, torchrun):
         assert last[key] == last[key], f"{key} is NaN"
     assert os.path.isfile(os.path.join(out, "global_step_2", "trainer_state.json"))
     # save_freq=1 with max_ckpt_to_keep=1: step 1 was published, then pruned; no partial save is left.
-    assert sorted(os.listdir(out)) == ["global_step_2", "latest_checkpointed_iteration.txt", "logs"]
+    assert sorted(os.listdir(out)) == [
+        "config.yaml",
+        "global_step_2",
+        "latest_checkpointed_iteration.txt",
+        "logs",
+        "summary.json",
+    ]
     assert open(os.path.join(out, "latest_checkpointed_iteration.txt")).read().strip() == "2"
+    # The run record: the resolved config and a summary naming the final scores and where things are.
+    with open(os.path.join(out, "summary.json")) as f:
+        summary = json.load(f)
+    assert summary["global_step"] == 2 and summary["checkpoint"] == os.path.join(out, "global_step_2")
+    assert "val/test_score/toy/copy_last_digit" in summary["final"]
+    from megatron_rl.config import load_config
+
+    record = load_config(os.path.join(out, "config.yaml"))
+    assert record.trainer.total_training_steps == 2 and record.data.train_files == [demo["train"]]
+    # A fresh run in the same directory (resume_mode=disable) keeps its own record and metrics file.
+    torchrun("train.py", 2, overrides(demo, out, **{**steps, "trainer.total_training_steps": 1}))
+    assert [r["step"] for r in metrics(out)] == [1]
+    with open(os.path.join(out, "logs", "metrics.1.jsonl")) as f:
+        assert [json.loads(line)["step"] for line in f] == [1, 2]
+    assert os.path.isfile(os.path.join(out, "config.1.yaml")) and os.path.isfile(
+        os.path.join(out, "summary.1.json")
+    )
 
     # The trained actor exports to an HF directory that transformers loads, with the trained weights.
     hf_dir = str(tmp_path / "hf")
@@ -132,6 +155,12 @@ def test_resume_is_bit_exact(demo, tmp_path, torchrun):
         assert wa.keys() == wb.keys() and wa
         for k in wa:
             assert torch.equal(wa[k], wb[k]), f"{part}.{k} differs"
+    # Optimizer states (megatron's sharded state: fp32 main weights, Adam's moments) and counters.
+    for part in ("actor_optim", "critic_optim"):
+        oa, ob = (torch_dist_tensors(os.path.join(d, "global_step_6", part)) for d in (straight, split))
+        assert oa.keys() == ob.keys() and any("exp_avg" in k for k in oa), sorted(oa)[:5]
+        for k in oa:
+            assert torch.equal(oa[k], ob[k]), f"{part}.{k} differs"
     for tp_rank in range(2):
         name = f"mp_rank_{tp_rank:02d}_000.pt"
         oa = torch.load(os.path.join(straight, "global_step_6", name), weights_only=True)
@@ -150,6 +179,10 @@ def test_resume_with_more_data_parallel_replicas(demo, tmp_path, torchrun):
     assert [r["step"] for r in rows] == [1, 2]
     with open(os.path.join(out, "global_step_2", "trainer_state.json")) as f:
         assert json.load(f)["layout"] == {"tp": 2, "pp": 1, "dp": 2, "world_size": 4}
+    # Re-running the finished job says so in one line instead of resuming into nothing.
+    again = torchrun("train.py", 2, overrides(demo, out, **common, **{"trainer.total_training_steps": 2}))
+    assert "is at step 2, the run's last step (2): nothing to train" in again
+    assert [r["step"] for r in metrics(out)] == [1, 2]
 
 
 def torch_dist_tensors(path):

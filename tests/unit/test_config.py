@@ -139,21 +139,48 @@ def test_model_dims_read_from_hf_dir(tmp_path):
 
 
 def test_every_field_documented():
-    import ast
-    import inspect
+    import dataclasses
 
-    from megatron_rl import config
+    from megatron_rl.config import Config, field_docs
 
-    tree = ast.parse(inspect.getsource(config))
-    for node in tree.body:
-        if isinstance(node, ast.ClassDef) and node.name.endswith("Config") and node.name != "ConfigError":
-            body = node.body
-            for i, stmt in enumerate(body):
-                if isinstance(stmt, ast.AnnAssign) and node.name != "Config":
-                    nxt = body[i + 1] if i + 1 < len(body) else None
-                    assert isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant), (
-                        f"{node.name}.{stmt.target.id} has no docstring"
-                    )
+    def walk(cls: type) -> None:
+        docs = field_docs(cls)
+        for f in dataclasses.fields(cls):
+            value = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+            if dataclasses.is_dataclass(value):
+                walk(type(value))
+            else:
+                assert docs.get(f.name), f"{cls.__name__}.{f.name} has no docstring"
+
+    walk(Config)
+
+
+def test_verl_command_line_forms():
+    """Scalars where a list is expected, and Hydra's +key=value, as verl's scripts write them."""
+    cfg = cfg_with("data.train_files=/data/train.parquet", "trainer.logger=console", "+trainer.save_freq=5")
+    assert cfg.data.train_files == ["/data/train.parquet"] and cfg.trainer.logger == ["console"]
+    assert cfg.trainer.save_freq == 5
+    with pytest.raises(ConfigError, match=r"Unknown config key 'trainer.save_frequency'.*trainer\.save_freq"):
+        cfg_with("+trainer.save_frequency=5")
+
+
+def test_micro_batch_error_names_the_users_value():
+    cfg = cfg_with("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=7")  # 256 x 1 / 4 = 64 per rank
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, world_size=4, model_dims=DIMS)
+    assert "ppo_micro_batch_size_per_gpu=7 must be positive and divide the 64 sequences" in str(e.value)
+
+
+def test_help_and_key_listing():
+    run = [sys.executable, "-m", "megatron_rl.config"]
+    help_out = subprocess.run([*run, "--help"], capture_output=True, text=True, check=True).stdout
+    assert help_out.startswith("usage: python -m megatron_rl.config")
+    keys = subprocess.run([*run, "--keys"], capture_output=True, text=True, check=True).stdout
+    assert "[actor_rollout_ref.actor.optim]" in keys
+    assert "  actor_rollout_ref.actor.optim.lr: float = 1e-06\n      Peak learning rate." in keys
+    assert "trainer.save_freq" in keys
+    only = subprocess.run([*run, "--keys", "critic.optim"], capture_output=True, text=True, check=True).stdout
+    assert "critic.optim.lr" in only and "actor_rollout_ref" not in only
 
 
 def test_print_config_command():

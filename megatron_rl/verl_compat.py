@@ -1,0 +1,353 @@
+"""verl's config keys that this project's config does not hold: aliases, accepted-and-ignored keys and
+refused values, so that a verl command line runs unchanged or fails in one line saying why.
+
+:func:`translate` is applied by :func:`megatron_rl.config.load_config` to every layer (YAML file,
+command line) before the layer is checked against the dataclasses: an alias is renamed to this
+project's key, an ignored key is dropped with a notice, a refused key passes only with the value
+this project implements (verl's default, usually). A key that neither verl nor this project knows
+still fails with a did-you-mean: the rules apply to verl's keys only (``verl_keys.txt``, the keys of
+verl's Megatron PPO trainer config). ``docs/verl_compat.md`` is this table, key by key
+(``python -m megatron_rl.verl_compat > docs/verl_compat.md``).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import os
+from dataclasses import dataclass
+from typing import Any
+
+# The three trained or forward-only model sections that share verl's megatron/optim keys.
+_MODELS = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic", "reward_model")
+
+
+@dataclass(frozen=True)
+class Rule:
+    pattern: str
+    """fnmatch pattern over the dotted key."""
+    action: str
+    """alias | ignored | refused"""
+    why: str = ""
+    """For ignored and refused keys: what this project does instead."""
+    target: str = ""
+    """For aliases: this project's key ('*' is replaced by what the pattern's '*' matched)."""
+    allowed: tuple = ()
+    """For refused keys: the values this project implements (accepted without a word)."""
+
+
+def _alias(pattern: str, target: str) -> Rule:
+    return Rule(pattern, "alias", target=target)
+
+
+def _ignored(pattern: str, why: str) -> Rule:
+    return Rule(pattern, "ignored", why)
+
+
+def _refused(pattern: str, why: str, *allowed: Any) -> Rule:
+    return Rule(pattern, "refused", why, allowed=allowed)
+
+
+NO_RAY = "one torchrun job, no Ray: placement comes from torchrun and the parallel sizes"
+OWN_SCHEDULE = "the LR schedule is warmup + constant/cosine/linear decay over the run's optimizer steps"
+OWN_LOADING = "weights load and save through this project's HF<->Megatron tables (torch_dist checkpoints)"
+ENGINE_OWN = (
+    "the in-process SGLang engine schedules its own batches (rollout.gpu_memory_utilization sizes it)"
+)
+NO_MULTIMODAL = "text-only models"
+
+RULES: tuple[Rule, ...] = (
+    # -- aliases: verl's name for a key this project has under another name
+    _alias("*.megatron.dtype", "*.megatron.params_dtype"),
+    _alias(
+        "*.megatron.override_transformer_config.recompute_granularity", "*.megatron.recompute_granularity"
+    ),
+    _alias("*.megatron.override_transformer_config.recompute_method", "*.megatron.recompute_method"),
+    _alias("*.megatron.override_transformer_config.recompute_num_layers", "*.megatron.recompute_num_layers"),
+    _alias(
+        "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes",
+        "actor_rollout_ref.rollout.update_weights_bucket_megabytes",
+    ),
+    _alias("trainer.max_actor_ckpt_to_keep", "trainer.max_ckpt_to_keep"),
+    # -- refused unless the value is the one this project implements
+    _refused("*.strategy", "this trainer runs Megatron only", "megatron"),
+    _refused("*.megatron.context_parallel_size", "context parallelism is not implemented", 1, None),
+    _refused("*.megatron.expert_model_parallel_size", "mixture-of-experts models are not supported", 1, None),
+    _refused(
+        "*.megatron.expert_tensor_parallel_size", "mixture-of-experts models are not supported", 1, None
+    ),
+    _refused(
+        "*.megatron.virtual_pipeline_model_parallel_size",
+        "interleaved pipeline stages are not implemented",
+        1,
+        None,
+    ),
+    _refused("*.optim.optimizer", "the optimizer is megatron-core's Adam (AdamW)", "adam", "adamw"),
+    _refused("*lora*rank", "LoRA is not implemented", 0, None),
+    _refused("actor_rollout_ref.model.lora_adapter_path", "LoRA is not implemented", None),
+    _refused("*.lora.adapter_path", "LoRA is not implemented", None),
+    _refused("*.mtp.enable*", "multi-token prediction is not implemented", False),
+    _refused("actor_rollout_ref.model.tiled_mlp.enabled", "tiled MLPs are an FSDP feature", False),
+    _refused(
+        "actor_rollout_ref.model.custom_chat_template",
+        "prompts use the tokenizer's own chat template (data.tokenizer)",
+        None,
+    ),
+    _refused("actor_rollout_ref.model.external_lib", "no external model code is imported", None),
+    _refused(
+        "actor_rollout_ref.actor.policy_loss.loss_mode",
+        "the policy loss is PPO's (dual-)clipped one",
+        "vanilla",
+    ),
+    _refused(
+        "*use_dynamic_bsz",
+        "micro-batches have a fixed size (ppo_micro_batch_size_per_gpu, log_prob_micro_batch_size_per_gpu)",
+        False,
+    ),
+    _refused("*.ppo_micro_batch_size", "use ppo_micro_batch_size_per_gpu", None),
+    _refused("*.log_prob_micro_batch_size", "use log_prob_micro_batch_size_per_gpu", None),
+    _refused("reward_model.micro_batch_size", "learned reward models are not supported", None),
+    _refused("actor_rollout_ref.rollout.multi_turn.enable", "multi-turn rollouts are not implemented", False),
+    _refused("actor_rollout_ref.rollout.data_parallel_size", "one engine per rollout TP group", 1),
+    _refused(
+        "actor_rollout_ref.rollout.expert_parallel_size", "mixture-of-experts models are not supported", 1
+    ),
+    _refused("actor_rollout_ref.rollout.pipeline_model_parallel_size", "the engine runs TP only", 1),
+    _refused("actor_rollout_ref.rollout.quantization", "the engine holds the weights unquantized", None),
+    _refused("actor_rollout_ref.rollout.skip_rollout", "every step generates", False),
+    _refused("actor_rollout_ref.rollout.ignore_eos", "generation stops at the model's stop tokens", False),
+    _refused("algorithm.use_pf_ppo", "preference-feedback PPO is not implemented", False),
+    _refused(
+        "algorithm.rollout_correction.rollout_is", "rollout importance sampling is not implemented", None
+    ),
+    _refused(
+        "algorithm.rollout_correction.rollout_rs", "rollout rejection sampling is not implemented", None
+    ),
+    _refused("algorithm.rollout_correction.bypass_mode", "rollout correction is not implemented", False),
+    _refused("data.custom_cls.path", "prompts load through megatron_rl.data (verl's parquet format)", None),
+    _refused("data.sampler.class_path", "the sampler is megatron_rl.data's resumable one", None),
+    _refused("data.datagen.path", "no dynamic data generation", None),
+    _refused("reward_manager.module.path", "rewards go through custom_reward_function.path", None),
+    _refused("reward_model.rollout.name", "learned reward models are not supported", None, "???"),
+    _refused("transfer_queue.enable", NO_RAY, False),
+    _refused("actor_rollout_ref.hybrid_engine", "actor and rollout always share the processes", True),
+    # -- accepted and ignored, with what this project does instead
+    _ignored("*._target_", "verl's Hydra class paths; the sections here are plain dataclasses"),
+    _ignored("*profiler*", "no built-in profiler hooks; run under nsys or torch.profiler yourself"),
+    _ignored("ray_kwargs.*", NO_RAY),
+    _ignored("trainer.ray_wait_register_center_timeout", NO_RAY),
+    _ignored("trainer.use_legacy_worker_impl", NO_RAY),
+    _ignored("*.nccl_timeout", "trainer.dist_timeout_minutes sets every collective's timeout"),
+    _ignored("*.load_weight", "models always load their weights"),
+    _ignored("*.rollout_n", "derived from actor_rollout_ref.rollout.n"),
+    _ignored("*.optim.*", OWN_SCHEDULE),
+    _ignored("*.megatron.*", OWN_LOADING),
+    _ignored("*.checkpoint.*", "checkpoints always hold model, optimizer and RNG/sampler state"),
+    _ignored("*.router_replay.*", "mixture-of-experts models are not supported"),
+    _ignored("*.lora*", "LoRA is not implemented"),
+    _ignored("*lora_alpha", "LoRA is not implemented"),
+    _ignored("*.target_modules", "LoRA is not implemented"),
+    _ignored("*.exclude_modules", "LoRA is not implemented"),
+    _ignored("*.mtp*", "multi-token prediction is not implemented"),
+    _ignored("*.ppo_max_token_len_per_gpu", "micro-batches have a fixed size"),
+    _ignored("*max_token_len_per_gpu", "micro-batches have a fixed size"),
+    _ignored("*.use_torch_compile", "megatron-core modules run eagerly"),
+    _ignored("*.use_fused_kernels", "megatron-core's local layer spec is used"),
+    _ignored("*.fused_kernel_options.*", "megatron-core's local layer spec is used"),
+    _ignored("*.use_liger", "an FSDP-only kernel library"),
+    _ignored("*.use_remove_padding", "micro-batches are padded (see docs/verl_compat.md)"),
+    _ignored("*.use_shm", "models load from their directory"),
+    _ignored("*.override_config*", OWN_LOADING),
+    _ignored("*.hf_config_path", "config.json is read from the model directory"),
+    _ignored("*.external_lib", "no external model code is imported"),
+    _ignored("*.enable_activation_offload", "use model.enable_gradient_checkpointing and the *_offload keys"),
+    _ignored("*.data_loader_seed", "data.seed seeds the sampler"),
+    _ignored("*.freeze_vision_tower", NO_MULTIMODAL),
+    _ignored("*.tiled_mlp.*", "tiled MLPs are an FSDP feature"),
+    _ignored("actor_rollout_ref.actor.tau_*", "the policy loss is PPO's (dual-)clipped one"),
+    _ignored("actor_rollout_ref.actor.policy_loss.*", "the policy loss is PPO's (dual-)clipped one"),
+    _ignored("actor_rollout_ref.actor.loss_scale_factor", "losses are normalised by global token counts"),
+    _ignored("actor_rollout_ref.actor.calculate_entropy", "the entropy is always computed and logged"),
+    _ignored("actor_rollout_ref.actor.use_prefix_grouper", "not implemented"),
+    _ignored("actor_rollout_ref.rollout.mode", "generation runs in process, synchronously"),
+    _ignored("actor_rollout_ref.rollout.prompt_length", "data.max_prompt_length"),
+    _ignored("actor_rollout_ref.rollout.response_length", "data.max_response_length"),
+    _ignored("actor_rollout_ref.rollout.calculate_log_probs", "old log-probs are recomputed by the actor"),
+    _ignored("actor_rollout_ref.rollout.logprobs_mode", "old log-probs are recomputed by the actor"),
+    _ignored(
+        "actor_rollout_ref.rollout.load_format", "the engine starts empty and receives the actor's weights"
+    ),
+    _ignored("actor_rollout_ref.rollout.skip_tokenizer_init", "the engine always works on token ids"),
+    _ignored("actor_rollout_ref.rollout.layer_name_map.*", OWN_LOADING),
+    _ignored("actor_rollout_ref.rollout.checkpoint_engine.*", "weights stream through the reshard module"),
+    _ignored("actor_rollout_ref.rollout.multi_turn.*", "multi-turn rollouts are not implemented"),
+    _ignored("actor_rollout_ref.rollout.agent.*", "multi-turn rollouts are not implemented"),
+    _ignored("actor_rollout_ref.rollout.trace.*", "no rollout tracing"),
+    _ignored("actor_rollout_ref.rollout.prometheus.*", "no metrics server; metrics go to trainer.logger"),
+    _ignored("actor_rollout_ref.rollout.skip_dump_dir", "every step generates"),
+    _ignored(
+        "actor_rollout_ref.rollout.quantization_config_file", "the engine holds the weights unquantized"
+    ),
+    _ignored("actor_rollout_ref.rollout.engine_kwargs.*", ENGINE_OWN),
+    _ignored("actor_rollout_ref.rollout.*", ENGINE_OWN),
+    _ignored("data.image_*", NO_MULTIMODAL),
+    _ignored("data.video_key", NO_MULTIMODAL),
+    _ignored("data.return_multi_modal_inputs", NO_MULTIMODAL),
+    _ignored("data.custom_cls.*", "prompts load through megatron_rl.data"),
+    _ignored("data.sampler.*", "the sampler is megatron_rl.data's resumable one"),
+    _ignored("data.datagen.*", "no dynamic data generation"),
+    _ignored("data.return_*", "the batch always holds token ids, masks and the chat prompt"),
+    _ignored("data.dataloader_num_workers", "prompts are tokenized once, up front"),
+    _ignored("data.filter_overlong_prompts_workers", "prompts are tokenized once, up front"),
+    _ignored("data.use_shm", "prompts load from their files"),
+    _ignored("data.*_max_samples", "every row of the files is used"),
+    _ignored("data.reward_fn_key", "the data_source column picks the reward rule"),
+    _ignored("data.tool_config_path", "multi-turn rollouts are not implemented"),
+    _ignored("data.validation_shuffle", "validation runs over every prompt once"),
+    _ignored("data.trust_remote_code", "actor_rollout_ref.model.trust_remote_code"),
+    _ignored("data.apply_chat_template_kwargs", "the tokenizer's chat template is applied as it is"),
+    _ignored("reward_manager.*", "rewards go through custom_reward_function.path or the built-in rules"),
+    _ignored("reward_model.*", "learned reward models are not supported (reward_model.enable stays False)"),
+    _ignored("critic.model.*", OWN_LOADING),
+    _ignored("critic.forward_max_token_len_per_gpu", "micro-batches have a fixed size"),
+    _ignored("algorithm.rollout_correction.*", "rollout correction is not implemented"),
+    _ignored("algorithm.pf_ppo.*", "preference-feedback PPO is not implemented"),
+    _ignored("algorithm.kl_ctrl.*", "not used by the fixed/adaptive controllers here"),
+    _ignored("trainer.max_critic_ckpt_to_keep", "trainer.max_ckpt_to_keep keeps whole checkpoints"),
+    _ignored("trainer.log_val_generations", "validation logs scores, not generations"),
+    _ignored("trainer.rollout_data_dir", "rollouts are not dumped"),
+    _ignored("trainer.validation_data_dir", "validation generations are not dumped"),
+    _ignored("trainer.esi_redundant_time", "checkpoints are saved every trainer.save_freq steps"),
+    _ignored("trainer.del_local_ckpt_after_load", "checkpoints are kept (trainer.max_ckpt_to_keep prunes)"),
+    _ignored("trainer.balance_batch", "prompts are split evenly over data-parallel ranks"),
+    _ignored("trainer.ray_*", NO_RAY),
+    _ignored("trainer.*", "not used by this trainer"),
+    _ignored("global_profiler.*", "no built-in profiler hooks"),
+)
+
+
+# Values of this project's own keys that verl command lines use and that mean the same thing here.
+VALUE_REWRITES = {
+    ("actor_rollout_ref.rollout.name", "vllm"): (
+        "sglang",
+        "vLLM is not bundled; the in-process SGLang engine generates",
+    ),
+}
+
+
+@functools.cache
+def verl_key_list() -> tuple[str, ...]:
+    """The keys of verl's Megatron PPO trainer config, in its order (verl_keys.txt beside this module)."""
+    with open(os.path.join(os.path.dirname(__file__), "verl_keys.txt")) as f:
+        return tuple(line.strip() for line in f if line.strip())
+
+
+@functools.cache
+def verl_keys() -> frozenset[str]:
+    return frozenset(verl_key_list())
+
+
+def is_verl_key(key: str) -> bool:
+    """``key`` is in verl's config, or lies under one of its free-form maps (``override_*``, ...)."""
+    parts = key.split(".")
+    return any(".".join(parts[:i]) in verl_keys() for i in range(len(parts), 0, -1))
+
+
+def rule_for(key: str) -> Rule | None:
+    """The first rule whose pattern matches ``key``."""
+    return next((r for r in RULES if fnmatch.fnmatchcase(key, r.pattern)), None)
+
+
+def _set(d: dict, key: str, value: Any) -> None:
+    *path, leaf = key.split(".")
+    for p in path:
+        d = d.setdefault(p, {})
+    d[leaf] = value
+
+
+def _leaves(d: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    if not isinstance(d, dict) or not d:
+        return [(prefix[:-1], d)] if prefix else []
+    out = []
+    for k, v in d.items():
+        out += _leaves(v, f"{prefix}{k}.")
+    return out
+
+
+def translate(raw: dict, known: set[str], source: str, notices: list[str]) -> dict:
+    """``raw`` with verl-only keys handled (module docstring); keys this project knows pass through.
+
+    Raises ValueError (one line, naming the key and why) for a refused value. Appends one notice
+    per ignored key to ``notices``.
+    """
+    out: dict = {}
+    for key, value in _leaves(raw):
+        if isinstance(value, str) and (key, value) in VALUE_REWRITES:
+            value, why = VALUE_REWRITES[key, value]
+            notices.append(f"{key}: {why}.")
+        rule = None if key in known or not is_verl_key(key) else rule_for(key)
+        if rule is None:
+            _set(out, key, value)
+        elif rule.action == "alias":
+            # "*.megatron.dtype" -> "*.megatron.params_dtype": the section the '*' matched carries over
+            target = rule.target
+            if target.startswith("*"):
+                target = key[: len(key) - len(rule.pattern) + 1] + target[1:]
+            _set(out, target, value)
+        elif rule.action == "refused":
+            if value not in rule.allowed:
+                allowed = ", ".join(repr(a) for a in rule.allowed) or "none"
+                raise ValueError(f"{key}={value!r} (from {source}): {rule.why} (accepted: {allowed}).")
+        else:
+            notices.append(f"{key} is accepted and ignored: {rule.why}.")
+    return out
+
+
+def compat_table(verl_keys: list[str], known: set[str]) -> str:
+    """docs/verl_compat.md: every verl key with what this project does with it."""
+    rows = {"implemented": [], "alias": [], "refused": [], "ignored": [], "unclassified": []}
+    for key in verl_keys:
+        if key in known:
+            rows["implemented"].append(f"| `{key}` | same key |")
+            continue
+        rule = rule_for(key)
+        if rule is None:
+            rows["unclassified"].append(f"| `{key}` | |")
+        elif rule.action == "alias":
+            rows["alias"].append(f"| `{key}` | read as `{rule.target}` |")
+        elif rule.action == "refused":
+            ok = ", ".join(f"`{a}`" for a in rule.allowed) or "none"
+            rows["refused"].append(f"| `{key}` | accepted: {ok}; otherwise refused: {rule.why} |")
+        else:
+            rows["ignored"].append(f"| `{key}` | {rule.why} |")
+    titles = {
+        "implemented": "Implemented under verl's name",
+        "alias": "Implemented under another name",
+        "refused": "Accepted only with the value this project implements",
+        "ignored": "Accepted and ignored (a one-line notice at start names each one set)",
+        "unclassified": "Not classified (refused as unknown keys)",
+    }
+    out = [
+        "# verl config keys",
+        "",
+        "Every key of verl's Megatron PPO trainer config and what megatron-rl does with it. Keys that",
+        "neither verl nor megatron-rl knows fail with a did-you-mean. A scalar given for a list key",
+        "(`data.train_files=x.parquet`, `trainer.logger=console`) is a one-element list, and `+key=value`",
+        "sets `key` like `key=value`. Generated by `python -m megatron_rl.verl_compat` from the key list",
+        "in `megatron_rl/verl_keys.txt`.",
+        "",
+    ]
+    for name, title in titles.items():
+        if rows[name]:
+            out += [f"## {title} ({len(rows[name])})", "", "| key | here |", "| --- | --- |", *rows[name], ""]
+    return "\n".join(out)
+
+
+def main() -> None:
+    from megatron_rl.config import Config, _known_keys
+
+    print(compat_table(list(verl_key_list()), set(_known_keys(Config))))
+
+
+if __name__ == "__main__":
+    main()
