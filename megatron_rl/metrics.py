@@ -254,6 +254,8 @@ class MetricsLogger:
         if "console" in self.sinks:
             block = step == 0 or last or (self.block_freq > 0 and step % self.block_freq == 0)
             echo(format_console(step, metrics) if block else format_console_line(step, metrics))
+        if "jsonl" in self.sinks and self._jsonl is None:
+            self.begin(0)  # not begun by the trainer: a fresh run
         if self._jsonl:
             self._jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
             self._jsonl.flush()

@@ -95,12 +95,38 @@ def test_timer_accumulates_per_phase():
 
 
 def test_jsonl_sink(tmp_path):
-    lg = MetricsLogger(["jsonl"], str(tmp_path), "p", "e", {}, enabled=True)
-    lg.log(1, {"actor/pg_loss": 0.5})
-    lg.log(2, {"actor/pg_loss": 0.25})
-    lg.close()
+    def run(begin: int | None, steps: list[int]) -> None:
+        lg = MetricsLogger(["jsonl"], str(tmp_path), "p", "e", {}, enabled=True)
+        if begin is not None:
+            lg.begin(begin)
+        for step in steps:
+            lg.log(step, {"actor/pg_loss": 1.0 / step})
+        lg.close()
+
+    def steps(name: str = "metrics.jsonl") -> list[int]:
+        return [json.loads(x)["step"] for x in (tmp_path / name).read_text().splitlines()]
+
+    run(None, [1, 2])
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert rows == [{"step": 1, "actor/pg_loss": 0.5}, {"step": 2, "actor/pg_loss": 0.25}]
+    assert rows == [{"step": 1, "actor/pg_loss": 1.0}, {"step": 2, "actor/pg_loss": 0.5}]
+    run(1, [2, 3])  # resumed from a step-1 checkpoint: step 2 is logged again, once
+    assert steps() == [1, 2, 3]
+    run(0, [1])  # a fresh run: the earlier run's file is set aside, nothing appended
+    assert steps() == [1] and steps("metrics.1.jsonl") == [1, 2, 3]
+    run(0, [1, 2])
+    assert steps("metrics.2.jsonl") == [1]
+
+
+def test_console_prints_a_line_per_step_and_the_block_every_n(capsys):
+    lg = MetricsLogger(["console"], "/nonexistent-unused", "p", "e", {}, enabled=False)
+    lg.enabled, lg.block_freq = True, 2  # console only: no directory is needed
+    m = {"critic/score/mean": 0.5, "actor/pg_loss": 0.25, "timing_s/step": 1.5, "val/test_score/x": 0.75}
+    for step in (1, 2, 3):
+        lg.log(step, m, last=step == 3)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "step 1  score=0.5  pg_loss=0.25  step_s=1.5  val/test_score/x=0.75"
+    assert out[1] == "step 2" and out[2].startswith("  actor")  # the grouped block at step 2
+    assert "step 3" in out and out[-1].startswith("  ")  # and at the last step
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorboard") is not None, reason="tensorboard is installed")
