@@ -40,6 +40,7 @@ def run(a: argparse.Namespace, name: str, data: dict[str, str]) -> list[dict]:
         "actor_rollout_ref.actor.megatron.params_dtype": dtype,
         "actor_rollout_ref.rollout.dtype": dtype,
         "actor_rollout_ref.actor.megatron.tensor_model_parallel_size": a.tp,
+        "actor_rollout_ref.rollout.n": a.n,
         "trainer.total_training_steps": a.steps,
         "trainer.test_freq": a.test_freq,
         "trainer.save_at_end": False,
@@ -71,6 +72,7 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--lr", type=float, default=3e-5, help="actor and critic LR")
     ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--n", type=int, default=2, help="rollout.n (the published figures used 2)")
     ap.add_argument("--test-freq", type=int, default=10)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--out", required=True)

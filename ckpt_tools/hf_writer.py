@@ -12,19 +12,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 
 import torch
 
 from megatron_rl.models.hf import ModelArgs
 from megatron_rl.weights.megatron_ckpt import TensorSource
 from megatron_rl.weights.tables import hf_shapes
-
-# Files that travel with a model besides its weights and config.json.
-SIDE_FILES = re.compile(
-    r"^(tokenizer.*|special_tokens_map\.json|added_tokens\.json|vocab\.(json|txt)|merges\.txt|.*\.model|"
-    r"generation_config\.json|chat_template\.(jinja|json))$"
-)
 
 
 def parse_size(text: str) -> int:
@@ -94,19 +87,3 @@ def write_hf(
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     return final
-
-
-def copy_side_files(src_dirs: list[str], out: str) -> list[str]:
-    """Copy tokenizer / generation-config files from the first of ``src_dirs`` that has any."""
-    for d in src_dirs:
-        if not os.path.isdir(d):
-            continue
-        found = [
-            f for f in sorted(os.listdir(d)) if SIDE_FILES.match(f) and os.path.isfile(os.path.join(d, f))
-        ]
-        if found:
-            os.makedirs(out, exist_ok=True)
-            for f in found:
-                shutil.copy2(os.path.join(d, f), os.path.join(out, f))
-            return found
-    return []

@@ -69,6 +69,22 @@ def _side_dirs(path: str) -> list[str]:
     return [*dirs, os.path.dirname(os.path.abspath(dirs[-1]))]
 
 
+def _check_layout(path: str, tp: int, pp: int) -> None:
+    """The trainer's layout check, before any rank starts: ``--tp`` must divide the model's heads and
+    ``--pp`` its layers (one line instead of N ranks failing)."""
+    from megatron_rl.config import ConfigError, check_layout_against_model
+    from megatron_rl.models.loading import load_model_args_any
+
+    args = load_model_args_any(path)
+    dims = {"num_attention_heads": args.num_heads, "num_key_value_heads": args.num_kv_heads}
+    try:
+        check_layout_against_model(
+            {**dims, "num_layers": args.num_layers}, tp, pp, tp_key="--tp", pp_key="--pp"
+        )
+    except ConfigError as e:
+        raise SystemExit(f"ckpt_tools: {path}: {e}") from None
+
+
 def _legacy(path: str):
     from megatron_rl.weights import megatron_ckpt as mc
 
@@ -80,13 +96,13 @@ def _legacy(path: str):
 
 def hf_to_mcore(a: argparse.Namespace) -> int:
     """Each rank reads its HF slices into its shard; save_torch_dist writes them."""
+    _check_layout(a.hf, a.tp, a.pp)
     rc = relaunch_if_needed(a.tp * a.pp, a.argv)
     if rc is not None:
         return rc
-    from ckpt_tools.hf_writer import copy_side_files
     from megatron_rl.models.builder import build_model, fill_from_reader
     from megatron_rl.models.hf import load_model_args
-    from megatron_rl.weights.hf_io import HFReader
+    from megatron_rl.weights.hf_io import HFReader, copy_side_files
     from megatron_rl.weights.megatron_ckpt import save_torch_dist
 
     with _parallel(a.tp, a.pp) as ps:
@@ -104,8 +120,9 @@ def hf_to_mcore(a: argparse.Namespace) -> int:
 def mcore_to_hf(a: argparse.Namespace) -> int:
     """Stream HF tensors out of a torch_dist or legacy checkpoint into safetensors files."""
     require_single_process("mcore-to-hf")
-    from ckpt_tools.hf_writer import copy_side_files, parse_size, write_hf
+    from ckpt_tools.hf_writer import parse_size, write_hf
     from megatron_rl.models.loading import detect_format, load_model_args_any, open_reader
+    from megatron_rl.weights.hf_io import copy_side_files
 
     fmt = detect_format(a.ckpt)
     if fmt == "hf":
@@ -127,13 +144,14 @@ def legacy_to_dist(a: argparse.Namespace) -> int:
     if tp is None or pp is None:  # default: the legacy checkpoint's own layout (from its directory names)
         saved = _legacy(a.legacy)
         tp, pp = tp or saved.tp, pp or saved.pp
+    _check_layout(a.legacy, tp, pp)
     rc = relaunch_if_needed(tp * pp, [*a.argv, "--tp", str(tp), "--pp", str(pp)])
     if rc is not None:
         return rc
-    from ckpt_tools.hf_writer import copy_side_files
     from megatron_rl.models.builder import build_model, fill_from_reader
     from megatron_rl.models.loading import load_model_args_any
     from megatron_rl.weights import megatron_ckpt as mc
+    from megatron_rl.weights.hf_io import copy_side_files
 
     ckpt = _legacy(a.legacy)
     with _parallel(tp, pp) as ps:
@@ -154,13 +172,14 @@ def legacy_to_dist(a: argparse.Namespace) -> int:
 
 def reshard(a: argparse.Namespace) -> int:
     """Load a torch_dist checkpoint at the target TP/PP (actor or critic) and save it again."""
+    _check_layout(a.ckpt, a.tp, a.pp)
     rc = relaunch_if_needed(a.tp * a.pp, a.argv)
     if rc is not None:
         return rc
-    from ckpt_tools.hf_writer import copy_side_files
     from megatron_rl.models.builder import build_model
     from megatron_rl.models.loading import load_model_args_any
     from megatron_rl.weights import megatron_ckpt as mc
+    from megatron_rl.weights.hf_io import copy_side_files
 
     with _parallel(a.tp, a.pp) as ps:
         loc = mc.locate_megatron_checkpoint(a.ckpt)
@@ -181,9 +200,13 @@ def reshard(a: argparse.Namespace) -> int:
 
 
 def mcore_to_legacy(a: argparse.Namespace) -> int:
-    """Any format -> Megatron-LM mp_rank files at the target TP/PP, one file at a time."""
+    """Any format -> Megatron-LM mp_rank files at the target TP/PP, one file at a time; the model's HF
+    config.json and tokenizer files go beside them, so that the checkpoint converts back with its
+    special-token ids and chat template."""
     require_single_process("mcore-to-legacy")
+    _check_layout(a.ckpt, a.tp, a.pp)
     from megatron_rl.models.loading import detect_format, load_model_args_any, open_reader
+    from megatron_rl.weights.hf_io import copy_side_files
     from megatron_rl.weights.megatron_ckpt import save_legacy
 
     fmt = detect_format(a.ckpt)
@@ -192,12 +215,20 @@ def mcore_to_legacy(a: argparse.Namespace) -> int:
         reader = open_reader(a.ckpt, args)
         dtype = reader.get(reader.keys()[0]).dtype
         save_legacy(reader, args, a.out, a.tp, a.pp, iteration=a.iteration, dtype=dtype, progress=True)
-        print(f"wrote legacy Megatron-LM checkpoint {a.out} (TP={a.tp} PP={a.pp}) from {fmt}", flush=True)
+        with open(os.path.join(a.out, "config.json"), "w") as f:
+            json.dump(args.hf_config, f, indent=2)
+        copied = copy_side_files(_side_dirs(a.ckpt), a.out)
+        print(
+            f"wrote legacy Megatron-LM checkpoint {a.out} (TP={a.tp} PP={a.pp}) from {fmt}; "
+            f"config.json and {copied} beside it",
+            flush=True,
+        )
     return 0
 
 
 def verify(a: argparse.Namespace) -> int:
     """Max |logit difference| between the checkpoint (any format, at --tp/--pp) and the HF model."""
+    _check_layout(a.ckpt, a.tp, a.pp)
     rc = relaunch_if_needed(a.tp * a.pp, a.argv)
     if rc is not None:
         return rc

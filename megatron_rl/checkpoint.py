@@ -6,7 +6,8 @@ Layout of ``trainer.default_local_dir``::
     global_step_{N}/
         trainer_state.json                  step, sampler position, KL controller, layout
         actor/  critic/                     model weights, megatron-core torch_dist (any TP/PP loads them;
-                                            ckpt_tools mcore-to-hf exports them)
+                                            ckpt_tools mcore-to-hf exports them), with the tokenizer
+                                            and generation_config.json files of the run's model
         actor_optim/  critic_optim/         optimizer states (fp32 main weights, Adam's moments), megatron's
                                             sharded optimizer state dict in torch_dist: each DP rank writes
                                             its shard of the distributed optimizer; any DP size loads it
@@ -34,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.parallel import ParallelState
+from megatron_rl.weights.hf_io import copy_side_files
 
 LATEST = "latest_checkpointed_iteration.txt"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
@@ -75,10 +77,19 @@ def _shard_file(path: str, ps: ParallelState) -> str:
 
 
 class CheckpointManager:
-    def __init__(self, root: str, ps: ParallelState, max_to_keep: int | None = None) -> None:
+    def __init__(
+        self,
+        root: str,
+        ps: ParallelState,
+        max_to_keep: int | None = None,
+        side_file_dirs: tuple[str, ...] = (),
+    ) -> None:
+        """``side_file_dirs``: where the tokenizer and generation-config files are (the first that has
+        any); each saved model directory gets a copy, so that an export is a complete HF model."""
         self.root = root
         self.ps = ps
         self.max_to_keep = max_to_keep
+        self.side_file_dirs = side_file_dirs
 
     def step_dir(self, step: int) -> str:
         return os.path.join(self.root, f"global_step_{step}")
@@ -113,6 +124,8 @@ class CheckpointManager:
         dist.barrier()
         for name, model in models.items():
             save_torch_dist(model, ps, os.path.join(partial, name))
+            if ps.rank == 0:
+                copy_side_files(list(self.side_file_dirs), os.path.join(partial, name))
         for name, opt in optimizers.items():
             save_optimizer(opt, ps, os.path.join(partial, f"{name}_optim"))
         if ps.dp_rank == 0:

@@ -26,6 +26,13 @@ class ConfigError(ValueError):
     """A configuration problem; the message names the key and the fix."""
 
 
+class DataError(ValueError):
+    """A problem with the prompt files; the message names the file, row and column and the fix.
+    Every rank reads the same files, so the launcher prints it once."""
+
+    same_on_all_ranks = True
+
+
 # --------------------------------------------------------------------------------------------------
 # Sections
 # --------------------------------------------------------------------------------------------------
@@ -658,7 +665,7 @@ def validate(cfg: Config, world_size: int, model_dims: dict[str, int] | None = N
     if model_dims is None:
         model_dims = _read_model_dims(arr.model.path)
     if model_dims:
-        _validate_against_model(model_dims, tp, pp, rtp)
+        check_layout_against_model(model_dims, tp, pp, rtp)
 
 
 def _read_model_dims(path: str) -> dict[str, int] | None:
@@ -675,22 +682,32 @@ def _read_model_dims(path: str) -> dict[str, int] | None:
     }
 
 
-def _validate_against_model(dims: dict[str, int], tp: int, pp: int, rollout_tp: int) -> None:
+TP_KEY = "actor_rollout_ref.actor.megatron.tensor_model_parallel_size"
+PP_KEY = "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size"
+
+
+def check_layout_against_model(
+    dims: dict[str, int],
+    tp: int,
+    pp: int,
+    rollout_tp: int | None = None,
+    tp_key: str = TP_KEY,
+    pp_key: str = PP_KEY,
+) -> None:
+    """TP (and the rollout's TP) must divide the attention and key/value heads, PP the layers. The
+    trainer's config check; ``ckpt_tools`` runs it too, naming its own ``--tp``/``--pp``."""
     heads, kv, layers = dims["num_attention_heads"], dims["num_key_value_heads"], dims["num_layers"]
-    for key, size in (
-        ("actor_rollout_ref.actor.megatron.tensor_model_parallel_size", tp),
-        ("actor_rollout_ref.rollout.tensor_model_parallel_size", rollout_tp),
-    ):
+    sizes = [(tp_key, tp)] + (
+        [] if rollout_tp is None else [("actor_rollout_ref.rollout.tensor_model_parallel_size", rollout_tp)]
+    )
+    for key, size in sizes:
         if heads % size or kv % size:
             raise ConfigError(
                 f"{key}={size} must divide the model's attention heads ({heads}) and key/value heads ({kv}); "
                 f"choose one of {[d for d in range(1, kv + 1) if heads % d == 0 and kv % d == 0]}."
             )
     if layers % pp:
-        raise ConfigError(
-            f"actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={pp} must divide the model's "
-            f"{layers} layers."
-        )
+        raise ConfigError(f"{pp_key}={pp} must divide the model's {layers} layers.")
 
 
 def to_dict(cfg: Config) -> dict:

@@ -37,6 +37,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from megatron_rl.config import DataError
+
 logger = logging.getLogger(__name__)
 
 TRUNCATION_MODES = ("error", "left", "right", "middle")
@@ -68,13 +70,15 @@ def _as_file_list(files: str | os.PathLike[str] | Sequence[str | os.PathLike[str
 
 def _read_rows(path: str, prompt_key: str) -> list[dict[str, Any]]:
     if not Path(path).is_file():
-        raise FileNotFoundError(
-            f"data file {path!r} does not exist (check data.train_files / data.val_files)"
-        )
-    table: pa.Table = pq.read_table(path)
+        raise DataError(f"data file {path!r} does not exist (check data.train_files / data.val_files)")
+    try:
+        table: pa.Table = pq.read_table(path)
+    except (OSError, pa.ArrowException) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DataError(f"data file {path!r} is not a readable parquet file ({first})") from None
     for column in (prompt_key, "data_source", "reward_model"):
         if column not in table.column_names:
-            raise ValueError(
+            raise DataError(
                 f"{path}: missing column {column!r} (found {table.column_names}). {_FORMAT_HINT}. "
                 "If the prompt column has another name, set data.prompt_key."
             )
@@ -134,7 +138,7 @@ class PromptDataset(torch.utils.data.Dataset):
                 ids = self._truncate(ids, i, sources[i])
             reward_model = row["reward_model"]
             if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
-                raise ValueError(
+                raise DataError(
                     f"{sources[i]}: row {i} has reward_model={reward_model!r} without a 'ground_truth'. "
                     f"{_FORMAT_HINT}"
                 )
@@ -154,7 +158,7 @@ class PromptDataset(torch.utils.data.Dataset):
                 if rows
                 else "the files have no rows"
             )
-            raise ValueError(f"no prompts left in {self.files}: {reason}")
+            raise DataError(f"no prompts left in {self.files}: {reason}")
         if self.filtered_indices:
             logger.warning(
                 "Filtered %d of %d prompts longer than data.max_prompt_length=%d tokens from %s "
@@ -179,7 +183,7 @@ class PromptDataset(torch.utils.data.Dataset):
         if not isinstance(messages, list) or not all(
             isinstance(m, dict) and "role" in m and "content" in m for m in messages
         ):
-            raise ValueError(
+            raise DataError(
                 f"{path}: row {row} column {self.prompt_key!r} is {messages!r}, expected a list of "
                 f"{{'role', 'content'}} chat messages. {_FORMAT_HINT}"
             )
@@ -194,7 +198,7 @@ class PromptDataset(torch.utils.data.Dataset):
         if self.truncation == "middle":
             head = limit // 2
             return ids[:head] + ids[len(ids) - (limit - head) :]
-        raise ValueError(
+        raise DataError(
             f"{path}: prompt at row {row} has {len(ids)} tokens, more than data.max_prompt_length={limit}. "
             "Raise data.max_prompt_length, set data.truncation to 'left', 'right' or 'middle', "
             "or set data.filter_overlong_prompts=true to drop such prompts."

@@ -145,7 +145,24 @@ def preflight(cfg: Any, world_size: int, env: Mapping[str, str] | None = None) -
             same_on_all_ranks=True,
         )
     _check_device(cfg.trainer.device, env)
+    _check_model_paths(cfg)
     validate(cfg, world_size=world_size)
+
+
+def _check_model_paths(cfg: Any) -> None:
+    """Model and tokenizer paths are local directories (nothing is downloaded): one line if not."""
+    from megatron_rl.config import ConfigError
+
+    for key, path in (
+        ("actor_rollout_ref.model.path", cfg.actor_rollout_ref.model.path),
+        ("critic.model.path", cfg.critic.model.path if cfg.critic.enable else None),
+        ("data.tokenizer", cfg.data.tokenizer),
+    ):
+        if path and not os.path.isdir(path):
+            raise ConfigError(
+                f"{key}={path}: no such directory. Point it at a local HF model directory or Megatron "
+                "checkpoint (models are not downloaded from a hub)."
+            )
 
 
 def _check_device(device: str, env: Mapping[str, str]) -> None:
@@ -406,7 +423,7 @@ def explain(exc: BaseException) -> str | None:
     EADDRINUSE is a busy port); the rank comes from the process group or RANK, the collective from the
     traceback.
     """
-    from megatron_rl.config import ConfigError
+    from megatron_rl.config import ConfigError, DataError
 
     chain: list[BaseException] = []
     e: BaseException | None = exc
@@ -418,6 +435,8 @@ def explain(exc: BaseException) -> str | None:
             return str(e)
         if isinstance(e, ConfigError):
             return f"config error: {e}"
+        if isinstance(e, DataError):
+            return f"data error: {e}"
     ctx = _context(exc)
     for e in reversed(chain):
         notes = "".join(f"\n{n}" for n in getattr(e, "__notes__", ()))

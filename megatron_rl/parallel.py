@@ -61,11 +61,13 @@ def _free_port() -> int:
 
 
 # Notices megatron-core prints on import or first use that say nothing about this run: we use its
-# local (non-TE, non-Apex) modules on purpose, and CUDA graphs / async TP all-reduce are not used.
+# local (non-TE, non-Apex) modules on purpose, and CUDA graphs / async TP all-reduce are not used;
+# newer torch releases deprecate the collective names megatron-core 0.16.1 calls (sequence parallel).
 _KNOWN_NOTICES = (
     r".*(Transformer Engine|Apex).* not installed.*",
     r".*CUDA_DEVICE_MAX_CONNECTIONS.*",
     r".*full scope is deprecated.*",
+    r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated.*",
 )
 
 

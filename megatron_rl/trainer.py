@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.batch import RolloutBatch, SeqMeta
-from megatron_rl.config import Config, to_dict
+from megatron_rl.config import Config, ConfigError, to_dict
 from megatron_rl.metrics import MetricsLogger, Timer, data_metrics, progress_bar, set_aside
 from megatron_rl.offload import HostParking
 from megatron_rl.parallel import ParallelState
@@ -58,9 +58,16 @@ class Trainer:
 
         self.cfg, self.ps = cfg, ps
         arr = cfg.actor_rollout_ref
-        self.tokenizer = AutoTokenizer.from_pretrained(
-            cfg.data.tokenizer, trust_remote_code=arr.model.trust_remote_code
-        )
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(
+                cfg.data.tokenizer, trust_remote_code=arr.model.trust_remote_code
+            )
+        except (OSError, ValueError) as e:  # e.g. a Megatron checkpoint without tokenizer files
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ConfigError(
+                f"data.tokenizer={cfg.data.tokenizer}: no usable tokenizer there ({why}); "
+                "set data.tokenizer to the HF model directory the checkpoint came from."
+            ) from None
         self.pad_id = (
             self.tokenizer.pad_token_id
             if self.tokenizer.pad_token_id is not None
@@ -121,7 +128,12 @@ class Trainer:
             self.engine.release_memory()
         self.models = self._build_models()
         self.parking = HostParking(ps.device)
-        self.ckpt = CheckpointManager(cfg.trainer.default_local_dir, ps, cfg.trainer.max_ckpt_to_keep)
+        self.ckpt = CheckpointManager(
+            cfg.trainer.default_local_dir,
+            ps,
+            cfg.trainer.max_ckpt_to_keep,
+            side_file_dirs=(cfg.data.tokenizer, arr.model.path),
+        )
         self.timer = Timer(ps.device)
         self.logger = MetricsLogger(
             cfg.trainer.logger,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 from collections.abc import Callable
 
 import torch
@@ -99,3 +101,26 @@ def scatter_shard(
 def hf_names(layout: ParamLayout) -> list[str]:
     """HF tensors a parameter contributes to, in first-seen order."""
     return list(dict.fromkeys(pc.hf_name for rank in layout.pieces for pc in rank))
+
+
+# Files that travel with a model besides its weights and config.json.
+SIDE_FILES = re.compile(
+    r"^(tokenizer.*|special_tokens_map\.json|added_tokens\.json|vocab\.(json|txt)|merges\.txt|.*\.model|"
+    r"generation_config\.json|chat_template\.(jinja|json))$"
+)
+
+
+def copy_side_files(src_dirs: list[str], out: str) -> list[str]:
+    """Copy tokenizer / generation-config files from the first of ``src_dirs`` that has any."""
+    for d in src_dirs:
+        if not d or not os.path.isdir(d):
+            continue
+        found = [
+            f for f in sorted(os.listdir(d)) if SIDE_FILES.match(f) and os.path.isfile(os.path.join(d, f))
+        ]
+        if found:
+            os.makedirs(out, exist_ok=True)
+            for f in found:
+                shutil.copy2(os.path.join(d, f), os.path.join(out, f))
+            return found
+    return []

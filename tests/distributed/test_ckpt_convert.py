@@ -39,6 +39,8 @@ def hf_qwen2(tmp_path_factory):
     )
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
         json.dump({"model_max_length": 256}, f)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [2, 7], "bos_token_id": 1}, f)
     return path
 
 
@@ -158,3 +160,22 @@ def test_cli_round_trips(hf_qwen2, tmp_path, torchrun):
     # makes it exit 1 (a verdict, not a crash)
     stdout = ckpt_tools("verify", "--hf", hf_qwen2, "--ckpt", bad, "--tp", "2", "--tol", "1e-4", expect=1)
     assert ": FAILED" in stdout
+
+    # torch_dist -> legacy -> HF: the legacy directory carries config.json and the tokenizer and
+    # generation-config files, so the chain ends in the same model with the same stop tokens
+    legacy2, h3 = str(tmp_path / "legacy2"), str(tmp_path / "hf3")
+    ckpt_tools(
+        "mcore-to-legacy", "--ckpt", str(tmp_path / "mcore_tp2"), "--out", legacy2, "--tp", "2", "--pp", "1"
+    )
+    ckpt_tools("mcore-to-hf", "--ckpt", legacy2, "--out", h3)
+    assert_same_hf(hf_qwen2, h3)
+    for name in ("tokenizer_config.json", "generation_config.json"):
+        assert json.load(open(os.path.join(h3, name))) == json.load(open(os.path.join(hf_qwen2, name))), name
+
+    # A layout that cannot work fails in one line before any rank starts (4 heads, 2 key/value heads)
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "ckpt_tools", "verify", "--hf", hf_qwen2, "--ckpt", legacy2, "--tp", "4"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "running" not in proc.stderr, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("ckpt_tools: ") and "--tp=4 must divide the model's attention heads (4)" in last

@@ -101,6 +101,50 @@ def test_trainer_failure_ends_in_one_line(tmp_path, nproc, overrides, expect):
     assert last in (tmp_path / "node0.log").read_text()  # the node log ends with the same line
 
 
+def test_bad_inputs_end_in_one_line_before_any_model_is_built(tmp_path, demo):
+    """A wrong model path, a missing data file, a file that is not parquet, a row without a ground
+    truth: one line naming the key, file, row or column, from the launcher, before training starts."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    garbage = tmp_path / "garbage.parquet"
+    garbage.write_bytes(b"not a parquet file")
+    no_truth = tmp_path / "no_truth.parquet"
+    pq.write_table(
+        pa.Table.from_pylist(
+            [
+                {
+                    "prompt": [{"role": "user", "content": "copy 1 2 ="}],
+                    "data_source": "toy",
+                    "reward_model": {"style": "rule"},
+                }
+            ]
+        ),
+        no_truth,
+    )
+    base = [f"actor_rollout_ref.model.path={demo['model']}", f"data.val_files=[{demo['test']}]"]
+    cases = [
+        (
+            ["actor_rollout_ref.model.path=/nonexistent/model"],
+            "actor_rollout_ref.model.path=/nonexistent/model: no such",
+        ),
+        (
+            [*base, "data.train_files=/nonexistent/train.parquet"],
+            "data file '/nonexistent/train.parquet' does not exist",
+        ),
+        ([*base, f"data.train_files={garbage}"], f"data file '{garbage}' is not a readable parquet file"),
+        (
+            [*base, f"data.train_files={no_truth}"],
+            f"{no_truth}: row 0 has reward_model={{'style': 'rule'}} without a 'ground_truth'",
+        ),
+    ]
+    for overrides, expect in cases:
+        p = _launch(["--nproc", "2", "--log-dir", str(tmp_path), "--config", DEMO_CFG, *overrides])
+        last = _last_line(p)
+        assert p.returncode != 0 and expect in last, last
+        assert "Traceback" not in p.stderr, p.stderr[-3000:]
+
+
 def test_two_nodes_rendezvous_and_train_tp2_across_them(tmp_path, demo):
     """Two torchrun agents (--nnodes 2, one process each, c10d on 127.0.0.1) run 2 PPO steps at TP=2."""
     run_dir, logs = tmp_path / "run", tmp_path / "logs"

@@ -123,6 +123,12 @@ def test_loop_runs_and_logs_verl_metrics(demo, tmp_path, torchrun):
     initial = AutoModelForCausalLM.from_pretrained(demo["model"], dtype=torch.float32)
     w = "model.layers.0.mlp.down_proj.weight"
     assert not torch.equal(trained.state_dict()[w], initial.state_dict()[w])
+    # ... with the run's tokenizer (the trainer's checkpoint carries it)
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(hf_dir).encode("copy 3 7 1 =") == AutoTokenizer.from_pretrained(
+        demo["model"]
+    ).encode("copy 3 7 1 =")
 
 
 OFFLOAD_ALL = {

@@ -246,3 +246,14 @@ def test_collate_dataset_items(tmp_path, tok):
     assert input_ids.shape == (2, 6)
     assert input_ids[0].tolist() == [tok.pad_token_id] * 2 + _ids(tok, "12")
     assert mask.sum(dim=1).tolist() == [4, 6]
+
+
+def test_unreadable_and_missing_files_are_data_errors(tmp_path, tok):
+    from megatron_rl.config import DataError
+
+    garbage = tmp_path / "garbage.parquet"
+    garbage.write_bytes(b"not a parquet file")
+    with pytest.raises(DataError, match=rf"data file '{garbage}' is not a readable parquet file \("):
+        PromptDataset(str(garbage), tok, max_prompt_length=64)
+    with pytest.raises(DataError, match=r"does not exist \(check data.train_files / data.val_files\)"):
+        PromptDataset(str(tmp_path / "missing.parquet"), tok, max_prompt_length=64)
