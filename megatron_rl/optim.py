@@ -367,18 +367,3 @@ def _main_to_model_pairs(sub) -> list[tuple[torch.Tensor, torch.Tensor]]:
     mains = [m for group in sub.fp32_from_float16_groups for m in group]
     params = [p for group in sub.float16_groups for p in group]
     return list(zip(mains, params, strict=True))
-
-
-def build_optimizer(
-    model: nn.Module,
-    cfg: OptimConfig,
-    mcfg: MegatronConfig,
-    ps: ParallelState,
-    total_steps: int,
-    key: str = "optim",
-) -> ModelOptimizer:
-    """The optimizer of one model shard; ``total_steps`` optimizer steps define the LR schedule.
-
-    ``key`` is the config prefix named in error messages (e.g. ``actor_rollout_ref.actor.optim``).
-    """
-    return ModelOptimizer(model, cfg, mcfg, ps, total_steps, key)

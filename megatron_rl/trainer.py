@@ -158,7 +158,7 @@ class Trainer:
         """
         from megatron_rl.models.builder import DTYPES, TrainingOptions, build_model
         from megatron_rl.models.loading import load_weights
-        from megatron_rl.optim import build_optimizer
+        from megatron_rl.optim import ModelOptimizer
 
         cfg, ps, arr = self.cfg, self.ps, self.cfg.actor_rollout_ref
 
@@ -184,7 +184,7 @@ class Trainer:
         actor_steps = optim_steps(
             arr.actor.ppo_epochs, arr.actor.ppo_mini_batch_size, self.total_steps - cfg.trainer.critic_warmup
         )
-        actor_optim = build_optimizer(
+        actor_optim = ModelOptimizer(
             actor, arr.actor.optim, arr.actor.megatron, ps, actor_steps, key="actor_rollout_ref.actor.optim"
         )
         need_ref = cfg.algorithm.use_kl_in_reward or arr.actor.use_kl_loss
@@ -200,7 +200,7 @@ class Trainer:
             critic_steps = optim_steps(
                 cfg.critic.ppo_epochs, cfg.critic.ppo_mini_batch_size, self.total_steps
             )
-            critic_optim = build_optimizer(
+            critic_optim = ModelOptimizer(
                 critic, cfg.critic.optim, cfg.critic.megatron, ps, critic_steps, key="critic.optim"
             )
         return Models(actor, actor_optim, ref, critic, critic_optim)

@@ -16,7 +16,7 @@ import torch
 
 from megatron_rl.batch import RolloutBatch, SeqMeta
 from megatron_rl.config import ActorConfig, ConfigError, CriticConfig, OptimConfig
-from megatron_rl.optim import LRSchedule, build_optimizer
+from megatron_rl.optim import LRSchedule, ModelOptimizer
 from megatron_rl.ppo import update_actor, update_critic
 
 PS1 = SimpleNamespace(tp_size=1, pp_size=1, dp_size=1, tp_rank=0, pp_rank=0, dp_rank=0)
@@ -93,7 +93,7 @@ IDS = torch.randint(3, 99, (4, 6), generator=torch.Generator().manual_seed(1))
 def build(m, ps, **optim):
     from megatron_rl.config import MegatronConfig
 
-    return build_optimizer(
+    return ModelOptimizer(
         m, OptimConfig(**{"lr_warmup_steps": 0, **optim}), MegatronConfig(), ps, total_steps=6
     )
 

@@ -34,7 +34,7 @@ from megatron_rl.models.builder import (
     named_global_params,
 )
 from megatron_rl.models.hf import load_model_args
-from megatron_rl.optim import LRSchedule, build_optimizer
+from megatron_rl.optim import LRSchedule, ModelOptimizer
 from megatron_rl.parallel import destroy_parallel, init_parallel
 from megatron_rl.ppo import compute_log_probs, compute_values, update_actor, update_critic
 from megatron_rl.weights.hf_io import scatter_shard
@@ -252,7 +252,7 @@ def run_pair(ps, a, actor_dir: str, critic_dir: str, out_dir: str) -> None:
             eps=EPS,
         ),
     )
-    opt = build_optimizer(actor, actor_cfg.optim, mcfg, ps, total_steps=4)
+    opt = ModelOptimizer(actor, actor_cfg.optim, mcfg, ps, total_steps=4)
     res["actor"] = update_actor(actor, opt, ps, batch, actor_cfg, ROLLOUT_N, TEMPERATURE)
     res["actor_steps"] = opt.num_steps
     actor_w, padded_max = hf_named_weights(actor, ps, "actor")
@@ -286,7 +286,7 @@ def run_pair(ps, a, actor_dir: str, critic_dir: str, out_dir: str) -> None:
             eps=EPS,
         ),
     )
-    copt = build_optimizer(critic, critic_cfg.optim, mcfg, ps, total_steps=4)
+    copt = ModelOptimizer(critic, critic_cfg.optim, mcfg, ps, total_steps=4)
     res["critic"] = update_critic(critic, copt, ps, batch, critic_cfg, ROLLOUT_N)
     critic_w, _ = hf_named_weights(critic, ps, "critic")
     replica_diff = max(tp_replica_diff(actor, ps), tp_replica_diff(critic, ps))
