@@ -12,7 +12,7 @@ def _why_not() -> str | None:
     if not torch.cuda.is_available():
         return "needs a CUDA GPU"
     if importlib.util.find_spec("sglang") is None:
-        return "needs SGLang (pip install the GPU wheel kit, see GPU.md)"
+        return "needs SGLang (see docs/gpu.md for the GPU install)"
     return None
 
 
