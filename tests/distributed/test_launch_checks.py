@@ -88,7 +88,7 @@ def test_nccl_watchdog_abort_explained_from_the_log():
     assert "after 30 min" in lc.explain_text(line.replace("Timeout(ms)=8000", "Timeout(ms)=1800000"))
 
 
-def test_config_and_layout_errors(monkeypatch):
+def test_config_and_layout_errors(monkeypatch, tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(DEMO_CFG, ["trainer.totl_training_steps=2"])
     assert _one_line(lc.explain(e.value)).startswith(
@@ -103,10 +103,16 @@ def test_config_and_layout_errors(monkeypatch):
         "world size 3 (3 node(s) x 1 process(es) per node) does not fit the parallel layout TP=2"
     ), msg
     assert "multiple of 2" in msg and "tensor_model_parallel_size" in msg
-    # A fitting layout passes the launch checks and reaches config.validate (which rejects the batch).
+    # A fitting layout passes the launch checks, the model path must exist, then config.validate
+    # runs (which rejects the batch).
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref\.model\.path=/nonexistent: no such directory"):
+        lc.preflight(load_config(DEMO_CFG, ["actor_rollout_ref.model.path=/nonexistent"]), 2, env={})
+    model = f"actor_rollout_ref.model.path={tmp_path}"  # a directory: the path check passes
     with pytest.raises(ConfigError, match="data.train_batch_size"):
-        lc.preflight(load_config(DEMO_CFG, ["data.train_batch_size=63"]), 2, env={"LOCAL_WORLD_SIZE": "2"})
-    lc.preflight(cfg, 2, env={"LOCAL_WORLD_SIZE": "2"})
+        lc.preflight(
+            load_config(DEMO_CFG, [model, "data.train_batch_size=63"]), 2, env={"LOCAL_WORLD_SIZE": "2"}
+        )
+    lc.preflight(load_config(DEMO_CFG, [model]), 2, env={"LOCAL_WORLD_SIZE": "2"})
 
 
 def test_missing_gpu():
