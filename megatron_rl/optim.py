@@ -26,6 +26,7 @@ micro-batches' backward passes (``run_pipeline`` on :attr:`ModelOptimizer.ddp`):
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -164,22 +165,25 @@ class ModelOptimizer:
     def _sub_optimizers(self) -> list:
         return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
 
+    def _main_params(self) -> Iterator[tuple[torch.optim.Optimizer, dict, torch.Tensor]]:
+        """(torch optimizer, param group, main parameter) for every parameter that megatron's
+        optimizers step on this rank."""
+        for sub in self._sub_optimizers:
+            inner = getattr(sub, "optimizer", None)
+            for group in inner.param_groups if inner is not None else ():
+                for p in group["params"]:
+                    yield inner, group, p
+
     def _init_adam_state(self) -> None:
         """Adam's moments exist from the start rather than from the first step (as torch would create
         them): the memory a run needs shows at once, and host parking sees one fixed set of tensors."""
-        for sub in self._sub_optimizers:
-            inner = getattr(sub, "optimizer", None)
-            if inner is None:
-                continue
-            for group in inner.param_groups:
-                for p in group["params"]:
-                    if inner.state[p]:
-                        continue
-                    inner.state[p] = {
-                        "step": torch.tensor(0.0, dtype=torch.float32),
-                        "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                        "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
-                    }
+        for inner, _, p in self._main_params():
+            if not inner.state[p]:
+                inner.state[p] = {
+                    "step": torch.tensor(0.0, dtype=torch.float32),
+                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                }
 
     # -- writing the updated weights --------------------------------------------------------------
 
@@ -263,16 +267,10 @@ class ModelOptimizer:
         (this rank's 1/DP of them with the distributed optimizer)."""
         model_storages = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
         out = []
-        for sub in self._sub_optimizers:
-            inner = getattr(sub, "optimizer", None)
-            if inner is None:
-                continue
-            for group in inner.param_groups:
-                for p in group["params"]:
-                    if p.untyped_storage().data_ptr() not in model_storages:
-                        # an fp32 master; fp32 models train their own parameters (param_offload's)
-                        out.append(p)
-                    out += [t for t in inner.state[p].values() if torch.is_tensor(t) and t.dim()]
+        for inner, _, p in self._main_params():
+            if p.untyped_storage().data_ptr() not in model_storages:
+                out.append(p)  # an fp32 master; fp32 models train their own parameters (param_offload's)
+            out += [t for t in inner.state[p].values() if torch.is_tensor(t) and t.dim()]
         return out
 
     def grad_tensors(self) -> list[torch.Tensor]:
@@ -306,10 +304,9 @@ class ModelOptimizer:
             self.optimizer.load_state_dict(state)
         # torch's Adam keeps its step count per parameter; megatron saves it once, in the param groups,
         # and its per-parameter restore writes back the count the states were created with.
-        for sub in self._sub_optimizers:
-            for group in getattr(sub, "optimizer", sub).param_groups:
-                for p in group["params"] if "step" in group else ():
-                    sub.optimizer.state[p]["step"] = torch.tensor(float(group["step"]))
+        for inner, group, p in self._main_params():
+            if "step" in group:
+                inner.state[p]["step"] = torch.tensor(float(group["step"]))
         self.zero_grad()
 
     def counters(self) -> dict[str, int]:

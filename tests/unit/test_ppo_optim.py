@@ -9,6 +9,7 @@ norm) are checked against an unsharded run in tests/distributed/test_ppo_layouts
 from __future__ import annotations
 
 import math
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -53,9 +54,12 @@ def ps():
     """A world of one (gloo) with megatron's groups: DP = TP = PP = 1, no collectives to speak of."""
     from megatron_rl.parallel import destroy_parallel, init_parallel
 
+    environ = dict(os.environ)  # init_parallel sets RANK/WORLD_SIZE/MASTER_*: keep them from later tests
     state = init_parallel(1, 1, seed=0, device="cpu")
     yield state
     destroy_parallel()
+    os.environ.clear()
+    os.environ.update(environ)
 
 
 @pytest.fixture(scope="module")
