@@ -389,18 +389,19 @@ def _known_keys(cls: type, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _flatten(d: Any, prefix: str = "") -> list[str]:
+def leaves(d: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """(dotted key, value) of every leaf of a nested dict; an empty dict is a leaf."""
     if not isinstance(d, dict) or not d:
-        return [prefix[:-1]] if prefix else []
-    keys: list[str] = []
+        return [(prefix[:-1], d)] if prefix else []
+    out: list[tuple[str, Any]] = []
     for k, v in d.items():
-        keys.extend(_flatten(v, f"{prefix}{k}."))
-    return keys
+        out += leaves(v, f"{prefix}{k}.")
+    return out
 
 
 def _check_keys(raw: dict, source: str) -> None:
     known = _known_keys(Config)
-    for key in _flatten(raw):
+    for key, _ in leaves(raw):
         if key not in known:
             near = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
             hint = f" Did you mean '{near[0]}'?" if near else ""

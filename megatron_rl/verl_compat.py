@@ -18,8 +18,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-# The three trained or forward-only model sections that share verl's megatron/optim keys.
-_MODELS = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic", "reward_model")
+from megatron_rl.config import leaves
 
 
 @dataclass(frozen=True)
@@ -265,15 +264,6 @@ def _set(d: dict, key: str, value: Any) -> None:
     d[leaf] = value
 
 
-def _leaves(d: Any, prefix: str = "") -> list[tuple[str, Any]]:
-    if not isinstance(d, dict) or not d:
-        return [(prefix[:-1], d)] if prefix else []
-    out = []
-    for k, v in d.items():
-        out += _leaves(v, f"{prefix}{k}.")
-    return out
-
-
 def translate(raw: dict, known: set[str], source: str, notices: list[str]) -> dict:
     """``raw`` with verl-only keys handled (module docstring); keys this project knows pass through.
 
@@ -281,7 +271,7 @@ def translate(raw: dict, known: set[str], source: str, notices: list[str]) -> di
     per ignored key to ``notices``.
     """
     out: dict = {}
-    for key, value in _leaves(raw):
+    for key, value in leaves(raw):
         if isinstance(value, str) and (key, value) in VALUE_REWRITES:
             value, why = VALUE_REWRITES[key, value]
             notices.append(f"{key}: {why}.")
