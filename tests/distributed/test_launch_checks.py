@@ -46,7 +46,16 @@ def real_failures(tmp_path_factory):
     env = {**os.environ, "PYTHONPATH": ROOT, "RANK": "0"}
     worker = os.path.join(ROOT, "tests", "distributed", "workers", "launch_failures.py")
     init = subprocess.Popen([sys.executable, worker, "--init-timeout", "--out", str(tmp / "i.json")], env=env)
-    run_torchrun("launch_failures.py", 2, ["--out", str(tmp / "c.json")], timeout=300)
+    # When rank 1 leaves, gloo's background thread on rank 0 can abort the process ("terminate called
+    # without an active exception") before the all_reduce reports the lost peer: a race inside gloo,
+    # about one run in four here. Only that abort is retried, at most twice.
+    for attempt in range(3):
+        try:
+            run_torchrun("launch_failures.py", 2, ["--out", str(tmp / "c.json")], timeout=300)
+            break
+        except pytest.fail.Exception as e:
+            if attempt == 2 or "terminate called without an active exception" not in str(e):
+                raise
     assert init.wait(timeout=120) == 0
     return {**read_json(str(tmp / "c.json")), **read_json(str(tmp / "i.json"))}
 
