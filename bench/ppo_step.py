@@ -140,6 +140,7 @@ def run(
         "trainer.resume_mode": "disable",
         "trainer.device": a.device,
     }
+    overrides.update(kv.split("=", 1) for kv in a.set)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={a.nproc}"]
     cmd += ["-m", "megatron_rl.train", *(f"{k}={v}" for k, v in overrides.items())]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
@@ -184,6 +185,21 @@ def summarize(rows: list[dict], nproc: int) -> dict:
         ),
         "optimizer_state_gb_per_gpu": mean("perf/optimizer_state_gb"),
         "response_length": mean("response_length/mean"),
+        # rollout-training mismatch (actor_rollout_ref.rollout.calculate_log_probs=true)
+        "mismatch": {
+            k: mean(k)
+            for k in (
+                "training/rollout_probs_diff_mean",
+                "training/rollout_probs_diff_max",
+                "training/rollout_probs_diff_std",
+                "rollout_corr/kl",
+                "rollout_corr/k3_kl",
+                "rollout_corr/log_ppl_abs_diff",
+                "rollout_corr/rollout_is_mean",
+                "rollout_corr/rollout_rs_masked_fraction",
+            )
+            if mean(k) is not None
+        },
         "nproc": nproc,
     }
 
@@ -214,6 +230,9 @@ def main() -> None:
     ap.add_argument("--save", action="store_true", help="save a checkpoint after the last step")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
+    ap.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="any other trainer key (repeatable)"
+    )
     a = ap.parse_args()
 
     os.makedirs(a.out, exist_ok=True)

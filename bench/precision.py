@@ -57,7 +57,8 @@ def run(a: argparse.Namespace, name: str, data: dict[str, str]) -> list[dict]:
 
 
 def summarize(rows: list[dict]) -> dict:
-    val = {r.get("training/global_step", 0): v for r in rows for k, v in r.items() if k.startswith("val/")}
+    step = "training/global_step"
+    val = {r.get(step, 0): v for r in rows for k, v in r.items() if k.startswith("val-core/")}
     return {
         "val": val,
         "score_mean": [r["critic/score/mean"] for r in rows if "critic/score/mean" in r],

@@ -56,13 +56,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     def verb(name: str, dist: bool) -> argparse.ArgumentParser:
         help_, example = VERBS[name]
-        return sub.add_parser(
+        p = sub.add_parser(
             name,
             help=help_,
             description=help_ + (". " + DIST_NOTE if dist else "."),
             epilog=f"example:\n  {example}",
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
+        if name != "verify":
+            p.add_argument(
+                "--overwrite",
+                action="store_true",
+                help="replace a non-empty --out as a whole (refused without it); the old contents go "
+                "only once the new output is complete",
+            )
+        return p
 
     p = verb("hf-to-mcore", True)
     p.add_argument("--hf", required=True, help="HF model directory (config.json + safetensors)")
@@ -119,8 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     a.argv = argv
     from ckpt_tools import verbs
     from ckpt_tools.launch import report
+    from ckpt_tools.staging import run_with_staging
 
-    return report(getattr(verbs, a.verb.replace("-", "_"))(a))
+    verb = getattr(verbs, a.verb.replace("-", "_"))
+    return report(run_with_staging(a, verb) if hasattr(a, "out") else verb(a))
 
 
 if __name__ == "__main__":

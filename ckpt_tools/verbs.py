@@ -20,6 +20,7 @@ import os
 from collections.abc import Iterator
 
 from ckpt_tools.launch import relaunch_if_needed, require_single_process
+from ckpt_tools.staging import shown_out
 
 # torch is imported inside the verbs: a process that only re-launches itself under torchrun stays light.
 
@@ -113,7 +114,10 @@ def hf_to_mcore(a: argparse.Namespace) -> int:
         save_torch_dist(model, ps, a.out, extra={"source": os.path.abspath(a.hf)})
         if ps.rank == 0:
             copied = copy_side_files([a.hf], a.out)
-            _say(ps, f"wrote torch_dist checkpoint {a.out} (TP={a.tp} PP={a.pp}, {dtype}); copied {copied}")
+            _say(
+                ps,
+                f"wrote torch_dist checkpoint {shown_out(a)} (TP={a.tp} PP={a.pp}, {dtype}); copied {copied}",
+            )
     return 0
 
 
@@ -134,7 +138,7 @@ def mcore_to_hf(a: argparse.Namespace) -> int:
         dtype = _dtype(a.dtype) if a.dtype else reader.get(reader.keys()[0]).dtype
         files = write_hf(reader, args, a.out, parse_size(a.max_shard_size), progress=True, dtype=dtype)
         copied = copy_side_files(_side_dirs(a.ckpt), a.out)
-        print(f"wrote HF model {a.out} from {fmt} checkpoint: {files}; copied {copied}", flush=True)
+        print(f"wrote HF model {shown_out(a)} from {fmt} checkpoint: {files}; copied {copied}", flush=True)
     return 0
 
 
@@ -164,7 +168,7 @@ def legacy_to_dist(a: argparse.Namespace) -> int:
             copied = copy_side_files(_side_dirs(a.legacy), a.out)
             _say(
                 ps,
-                f"wrote torch_dist checkpoint {a.out} (TP={tp} PP={pp}) from legacy TP={ckpt.tp} "
+                f"wrote torch_dist checkpoint {shown_out(a)} (TP={tp} PP={pp}) from legacy TP={ckpt.tp} "
                 f"PP={ckpt.pp}; copied {copied}",
             )
     return 0
@@ -195,7 +199,7 @@ def reshard(a: argparse.Namespace) -> int:
         mc.save_torch_dist(model, ps, a.out, extra={"source": os.path.abspath(a.ckpt)})
         if ps.rank == 0:
             copy_side_files(_side_dirs(a.ckpt), a.out)
-            _say(ps, f"wrote torch_dist checkpoint {a.out} at TP={a.tp} PP={a.pp}")
+            _say(ps, f"wrote torch_dist checkpoint {shown_out(a)} at TP={a.tp} PP={a.pp}")
     return 0
 
 
@@ -219,7 +223,7 @@ def mcore_to_legacy(a: argparse.Namespace) -> int:
             json.dump(args.hf_config, f, indent=2)
         copied = copy_side_files(_side_dirs(a.ckpt), a.out)
         print(
-            f"wrote legacy Megatron-LM checkpoint {a.out} (TP={a.tp} PP={a.pp}) from {fmt}; "
+            f"wrote legacy Megatron-LM checkpoint {shown_out(a)} (TP={a.tp} PP={a.pp}) from {fmt}; "
             f"config.json and {copied} beside it",
             flush=True,
         )

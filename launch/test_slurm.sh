@@ -5,8 +5,10 @@
 # MUNGE on the machine is left alone), submits slurm.sbatch running the CPU demo config for a few PPO
 # steps (1 node, 1 task, torchrun with 2 processes at TP=2), waits, and checks that the job COMPLETED
 # with exit code 0 and that the trainer wrote its metrics; then submits a job that cannot run (one
-# process for TP=2) and checks that it FAILED with a non-zero exit code and a one-line reason. The daemons it started are stopped (by PID)
-# and the temporary directory removed on every exit path.
+# process for TP=2) and checks that it FAILED with a non-zero exit code and a one-line reason; then
+# stops a running job with SIGUSR2 to its batch shell (what --signal=B:USR2@300 sends before the time
+# limit) and checks that it saved the step, requeued itself, resumed from that checkpoint and COMPLETED.
+# The daemons it started are stopped (by PID) and the temporary directory removed on every exit path.
 #
 #   bash launch/test_slurm.sh            knobs: STEPS=2  TIMEOUT_S=900  KEEP_TMP=1 (keep logs)  PYTHON=...
 set -euo pipefail
@@ -90,7 +92,7 @@ SlurmctldPort=${CTLD_PORT}
 SlurmdPort=${SLURMD_PORT}
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=${TMP}/munge.socket
+AuthInfo=socket=${TMP}/munge.socket,cred_expire=10
 SlurmUser=root
 SlurmdUser=root
 StateSaveLocation=${TMP}/state
@@ -197,5 +199,53 @@ why="$(grep -h "megatron-rl: node 0 failed" "$TMP/job-$JOB_ID.out" | head -n 1)"
 say "its reason: $why"
 [[ "$why" == *"world size 1"* || "$why" == *"World size 1"* ]] || fail "no one-line reason in $TMP/job-$JOB_ID.out."
 
-say "PASS: slurm.sbatch ran $STEPS PPO steps (job $GOOD_JOB: COMPLETED, exit 0, metrics written) and a" \
-    "job that cannot run failed with a non-zero exit and a one-line reason (job $JOB_ID)"
+BAD_JOB="$JOB_ID"
+
+# ---- 8. preemption: the time-limit warning stops the job after a saved step; it requeues and resumes --------
+# scancel --signal=USR2 --batch sends what #SBATCH --signal=B:USR2@300 sends before the time limit.
+PRE_STEPS="${PRE_STEPS:-40}"
+PRE_DIR="$TMP/run-preempt"
+say "submitting a $PRE_STEPS-step job; SIGUSR2 to its batch shell after step 2"
+JOB_ID="$(PYTHON="$PYTHON" LOG_DIR="$TMP/logs-preempt" sbatch --parsable --nodes=1 --exclusive \
+    --output="$TMP/job-%j.out" --chdir="$REPO" launch/slurm.sbatch --nproc 2 \
+    --config yaml/cpu_demo.yaml trainer.total_training_steps="$PRE_STEPS" trainer.val_before_train=false \
+    trainer.test_freq=-1 "data.train_files=[$TMP/demo/data/train.parquet]" \
+    "data.val_files=[$TMP/demo/data/test.parquet]" actor_rollout_ref.model.path="$TMP/demo/model" \
+    trainer.default_local_dir="$PRE_DIR" trainer.resume_mode=auto "trainer.logger=[console,jsonl]" \
+    data.train_batch_size=16 actor_rollout_ref.actor.ppo_mini_batch_size=8)"
+JOB_ID="${JOB_ID%%;*}"
+pre_metrics="$PRE_DIR/logs/metrics.jsonl"
+deadline=$((SECONDS + TIMEOUT_S))
+until grep -q '"step": 2,' "$pre_metrics" 2> /dev/null; do
+    ((SECONDS < deadline)) || fail "job $JOB_ID logged no step 2 within ${TIMEOUT_S}s."
+    [[ -n "$(squeue -h -j "$JOB_ID" 2> /dev/null)" ]] || fail "job $JOB_ID ended before step 2."
+    sleep 0.5
+done
+scancel --signal=USR2 --batch "$JOB_ID"
+until grep -q "megatron-rl: job $JOB_ID stopped by SIGUSR2" "$TMP/job-$JOB_ID.out" 2> /dev/null; do
+    ((SECONDS < deadline)) || fail "job $JOB_ID did not stop on SIGUSR2 within ${TIMEOUT_S}s."
+    sleep 0.5
+done
+say "$(grep -h "megatron-rl: job $JOB_ID stopped by SIGUSR2" "$TMP/job-$JOB_ID.out")"
+# Slurm holds a requeued batch job back until the old run's credential expires (cred_expire, 10 s here).
+wait_job "$JOB_ID"
+out="$TMP/job-$JOB_ID.out"
+[[ "$job_state" == COMPLETED && "$exit_code" == 0:0 ]] \
+    || fail "the preempted job ended $job_state with exit code $exit_code after its requeue (output: $out)."
+stopped="$(grep -ho "megatron-rl: received SIGUSR2 at step [0-9]*; saved [^;]*" "$out" | head -n 1)"
+[[ -n "$stopped" ]] || fail "no 'received SIGUSR2 at step N; saved <path>' line in $out."
+step="$(sed 's/.* at step \([0-9]*\);.*/\1/' <<< "$stopped")"
+grep -q "requeued: it resumes from the latest checkpoint" "$out" || fail "the job did not requeue itself ($out)."
+grep -q "resumed from $PRE_DIR/global_step_$step at step $step" "$out" \
+    || fail "the restarted job did not resume from global_step_$step ($out)."
+"$PYTHON" - "$pre_metrics" "$PRE_STEPS" << 'EOF' || fail "preemption metrics check failed."
+import json, sys
+steps = [json.loads(line)["step"] for line in open(sys.argv[1]) if line.strip()]
+want = list(range(1, int(sys.argv[2]) + 1))
+assert steps == want, f"steps logged across the stop and the restart: {steps}, expected each of {want} once"
+EOF
+say "job $JOB_ID: stopped at step $step by SIGUSR2, saved, requeued, resumed, COMPLETED"
+
+say "PASS: slurm.sbatch ran $STEPS PPO steps (job $GOOD_JOB: COMPLETED, exit 0, metrics written), a" \
+    "job that cannot run failed with a non-zero exit and a one-line reason (job $BAD_JOB), and a job" \
+    "stopped by SIGUSR2 saved step $step, requeued itself and finished from there (job $JOB_ID)"

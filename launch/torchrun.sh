@@ -26,6 +26,14 @@
 # checks the port before starting. Exit status: 0 when every local rank succeeded, otherwise torchrun's
 # (non-zero); the last line then says what failed and what to change
 # ("megatron-rl: node R failed (exit N): ...").
+#
+# Stopping: send SIGTERM, SIGINT (Ctrl-C) or SIGUSR2 to this script (Slurm: see launch/slurm.sbatch). It
+# forwards the signal once to torchrun, which forwards it to the ranks; they finish the current step,
+# save a checkpoint ("megatron-rl: received SIGTERM at step N; saved <path>; exiting ...") and exit. The
+# script then prints "megatron-rl: node R stopped by SIGTERM ..." and exits 128 + the signal number (143,
+# 130, 140). torchrun gives the ranks TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (default here 600) before
+# SIGKILL. A second Ctrl-C kills torchrun at once, and the ranks with it (they never outlive torchrun).
+# torchrun runs in its own session, so a terminal's Ctrl-C reaches the ranks only through this script.
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -45,6 +53,10 @@ export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
 # One OpenMP thread per rank (torchrun's default, made explicit): ranks share the node's cores.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export TOKENIZERS_PARALLELISM="${TOKENIZERS_PARALLELISM:-false}"
+# torchrun forwards these to its ranks (SIGUSR2 too: Slurm's warning before the time limit), and waits
+# this long for them to save and exit before SIGKILL.
+export TORCHELASTIC_SIGNALS_TO_HANDLE="${TORCHELASTIC_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2}"
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}"
 export PYTHONUNBUFFERED=1
 # Multi-node networks: set NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME (e.g. ib0, eth0) and NCCL_IB_HCA
 # when the hosts have several interfaces; they pass through unchanged.
@@ -103,7 +115,8 @@ mkdir -p "$LOG_DIR"
 LOG="$LOG_DIR/node${NODE_RANK}.log"
 : > "$LOG"
 
-args=(--nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" --max-restarts 0)
+args=(--nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" --max-restarts 0
+      --signals-to-handle "$TORCHELASTIC_SIGNALS_TO_HANDLE" --shutdown-timeout "$TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
 if [[ "$NNODES" == 1 && -z "$PORT_GIVEN" ]]; then
     args+=(--standalone)  # one node: torchrun picks a free port itself
     rdzv="local"
@@ -125,11 +138,57 @@ read -r -a entry <<< "$ENTRY"
 
 echo "megatron-rl: node $NODE_RANK of $NNODES on $(hostname): $NPROC_PER_NODE process(es)," \
      "rendezvous $rdzv, log $LOG" | tee -a "$LOG"
+# torchrun's output goes to the terminal and the node log through a FIFO and tee; tee ignores the stop
+# signals (a tee killed by a signal sent to the whole job would break the ranks' output mid-save).
+fifo_dir="$(mktemp -d "${TMPDIR:-/tmp}/megatron-rl-launch.XXXXXX")"
+trap 'rm -rf "$fifo_dir"' EXIT
+mkfifo "$fifo_dir/out"
+(trap '' TERM INT USR2 HUP; exec tee -a "$LOG") < "$fifo_dir/out" &
+tee_pid=$!
+
+pid=""
+stop_sig=""
+forward() {  # $1: TERM | INT | USR2 (a HUP is forwarded as TERM: the ranks save on TERM)
+    [[ -n "$pid" ]] || exit $((128 + $(kill -l "$1")))
+    if [[ -n "$stop_sig" ]]; then
+        if [[ "$1" == INT ]]; then
+            echo "megatron-rl: node $NODE_RANK: second SIGINT: killing torchrun (pid $pid) and its ranks now" \
+                | tee -a "$LOG" >&2
+            kill -KILL "$pid" 2> /dev/null
+        fi
+        return  # one stop request is enough: a repeat would cut torchrun's own graceful shutdown short
+    fi
+    stop_sig="$1"
+    echo "megatron-rl: node $NODE_RANK received SIG$1; forwarded to torchrun (pid $pid): the ranks finish" \
+         "their step, save a checkpoint and exit (SIGKILL after ${TORCH_ELASTIC_SHUTDOWN_TIMEOUT}s)" \
+        | tee -a "$LOG" >&2
+    kill -"$1" "$pid" 2> /dev/null
+}
+for sig in TERM INT USR2; do
+    trap "forward $sig" "$sig"
+done
+trap "forward TERM" HUP
+
 set +e
-PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m torch.distributed.run "${args[@]}" "${entry[@]}" "$@" \
-    2>&1 | tee -a "$LOG"
-rc=${PIPESTATUS[0]}
+# A background command of a script is not a process-group leader, so setsid execs in place: $! is
+# torchrun itself.
+PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" setsid "$PYTHON" -m torch.distributed.run "${args[@]}" \
+    "${entry[@]}" "$@" > "$fifo_dir/out" 2>&1 &
+pid=$!
+while :; do
+    wait "$pid"
+    rc=$?
+    kill -0 "$pid" 2> /dev/null || break  # wait was cut short by a trapped signal: keep waiting
+done
+wait "$tee_pid"
 set -e
+if [[ -n "$stop_sig" && "$rc" != 0 ]]; then
+    saved="$(sed -n 's/.*megatron-rl: received SIG[A-Z0-9]* at step [0-9]*; saved \([^;]*\);.*/\1/p' "$LOG" \
+        | tail -n 1)"
+    echo "megatron-rl: node $NODE_RANK stopped by SIG$stop_sig (torchrun exit $rc):" \
+         "${saved:+checkpoint $saved; }resume with the same command" | tee -a "$LOG" >&2
+    exit $((128 + $(kill -l "$stop_sig")))
+fi
 if [[ "$rc" != 0 ]]; then
     PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m megatron_rl.launch_checks explain-log "$LOG" \
         --node "$NODE_RANK" --rc "$rc" 2>&1 | tee -a "$LOG" >&2

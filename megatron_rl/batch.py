@@ -8,8 +8,9 @@ Shapes (B sequences on this data-parallel rank, P prompt tokens, R response toke
     attention_mask  [B, P+R] 1 on real prompt and response tokens
     response_mask   [B, R]  float, 1 on real response tokens (EOS included)
 
-Fields filled as the step proceeds: old_log_probs, ref_log_probs, values (each [B, R]),
-token_level_scores / token_level_rewards / advantages / returns ([B, R]). Per-sequence host data
+Fields filled as the step proceeds: rollout_log_probs (the engine's, when kept), old_log_probs,
+ref_log_probs, values (each [B, R]), token_level_scores / token_level_rewards / advantages / returns and
+rollout_is_weights (mismatch correction) ([B, R]). Per-sequence host data
 (uid of the prompt group, data_source, ground truth, extra_info) lives in ``meta``.
 """
 
@@ -34,6 +35,8 @@ _TENSOR_FIELDS = (
     "token_level_rewards",
     "advantages",
     "returns",
+    "rollout_log_probs",
+    "rollout_is_weights",
 )
 
 
@@ -46,6 +49,10 @@ class SeqMeta:
     data_source: str = ""
     ground_truth: Any = None
     extra_info: dict = field(default_factory=dict)
+    messages: Any = None
+    """The prompt's chat messages (for a reward model that re-renders the conversation)."""
+    reward_extras: dict[str, float] = field(default_factory=dict)
+    """The numeric keys besides "score" that the reward function returned for this sequence."""
 
 
 @dataclass
@@ -63,6 +70,8 @@ class RolloutBatch:
     token_level_rewards: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
+    rollout_log_probs: torch.Tensor | None = None
+    rollout_is_weights: torch.Tensor | None = None
 
     @classmethod
     def from_tokens(
@@ -109,6 +118,42 @@ class RolloutBatch:
     def split(self, size: int) -> list[RolloutBatch]:
         """Consecutive chunks of ``size`` sequences (the last may be shorter)."""
         return [self.select(slice(i, i + size)) for i in range(0, len(self), size)]
+
+    @classmethod
+    def concat(cls, batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
+        """Rows of ``batches`` one after another; prompts re-padded on the left, every [B, R] field on the
+        right (tokens with ``pad_id``, the rest with 0: off the response mask)."""
+        p = max(b.prompts.shape[1] for b in batches)
+        r = max(b.response_length for b in batches)
+
+        def cat(name: str, width: int, left: bool, value: float) -> torch.Tensor | None:
+            parts = [getattr(b, name) for b in batches]
+            if any(t is None for t in parts):
+                return None
+            padded = []
+            for t in parts:
+                extra = width - t.shape[1]
+                padded.append(torch.nn.functional.pad(t, (extra, 0) if left else (0, extra), value=value))
+            return torch.cat(padded)
+
+        prompt_mask = torch.cat(
+            [
+                torch.nn.functional.pad(
+                    b.attention_mask[:, : b.prompts.shape[1]], (p - b.prompts.shape[1], 0)
+                )
+                for b in batches
+            ]
+        )
+        out = cls.from_tokens(
+            cat("prompts", p, True, pad_id),
+            prompt_mask,
+            cat("responses", r, False, pad_id),
+            cat("response_mask", r, False, 0),
+            [m for b in batches for m in b.meta],
+        )
+        for name in _TENSOR_FIELDS[5:]:
+            setattr(out, name, cat(name, r, False, 0))
+        return out
 
     def to(self, device: torch.device) -> RolloutBatch:
         kw = {n: (None if getattr(self, n) is None else getattr(self, n).to(device)) for n in _TENSOR_FIELDS}

@@ -3,6 +3,10 @@
 Layout of ``trainer.default_local_dir``::
 
     latest_checkpointed_iteration.txt      newest complete step (written last, atomically)
+    checkpoint_order.txt                    the global_step_N directories in the order they were
+                                            published (oldest first), across runs: pruning reads it
+    run.lock                                held (flock) by rank 0 of the run using the directory;
+                                            it says which host, pid and start time
     global_step_{N}/
         trainer_state.json                  step, sampler position, KL controller, layout
         actor/  critic/                     model weights, megatron-core torch_dist (any TP/PP loads them;
@@ -15,30 +19,56 @@ Layout of ``trainer.default_local_dir``::
                                             (written by data-parallel rank 0)
 
 A save writes into ``.global_step_{N}.partial`` and is published by one rename after every rank
-has written, so a crash mid-save never leaves a directory that looks complete. Only the newest
-``trainer.max_ckpt_to_keep`` are kept. Resuming needs the same TP/PP layout (optimizer states are
-per model shard) but may change the number of data-parallel replicas; the directory must be on a
-filesystem every node sees.
+has written, so a crash mid-save never leaves a directory that looks complete; a run removes the
+partial directories an earlier run left (under the lock, so never another live run's). Only the
+newest ``trainer.max_ckpt_to_keep`` are kept, newest by publication order (not by step number: a
+fresh run in an old directory starts again at low steps), and never the one just written or the one
+the run resumed from. Files are written with ``trainer.checkpoint_permissions`` (default 0600,
+directories 0700). Resuming needs the same TP/PP layout (optimizer states are per model shard) but
+may change the number of data-parallel replicas; the directory must be on a filesystem every node
+sees.
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import errno
+import fcntl
 import json
+import logging
 import os
 import random
 import re
 import shutil
+import socket
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_rl.config import ConfigError
+from megatron_rl.launch_checks import LaunchError
 from megatron_rl.parallel import ParallelState
 from megatron_rl.weights.hf_io import copy_side_files
 
+log = logging.getLogger(__name__)
+
 LATEST = "latest_checkpointed_iteration.txt"
+ORDER_FILE = "checkpoint_order.txt"
+LOCK_FILE = "run.lock"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
+_LEFTOVER = re.compile(r"^\.global_step_\d+\.(partial|deleting)$")
+PERMISSIONS_KEY = "trainer.checkpoint_permissions"
+
+
+class CheckpointError(LaunchError):
+    """A problem with the checkpoint directory (tracker, lock, disk); the message is one line naming the
+    file and the fix, printed by the launcher's ``explain_failures`` without a traceback."""
+
+    def __init__(self, message: str, same_on_all_ranks: bool = True) -> None:
+        super().__init__(message, same_on_all_ranks)
 
 
 def rng_state() -> dict[str, Any]:
@@ -76,6 +106,171 @@ def _shard_file(path: str, ps: ParallelState) -> str:
     return os.path.join(path, f"mp_rank_{ps.tp_rank:02d}_{ps.pp_rank:03d}.pt")
 
 
+# --------------------------------------------------------------------------------------------------
+# Permissions, atomic small files, disk-full detection
+# --------------------------------------------------------------------------------------------------
+
+
+def parse_permissions(value: str | int | None) -> tuple[int, int]:
+    """``trainer.checkpoint_permissions`` -> (file mode, directory mode). Directories get the search
+    bit wherever the file mode has the read bit (0600 -> 0700, 0640 -> 0750, 0644 -> 0755)."""
+    text = "0600" if value is None else str(value).strip()
+    if not re.fullmatch(r"0?[0-7]{3}", text):
+        raise ConfigError(
+            f"{PERMISSIONS_KEY}={value!r} is not an octal file mode: give it as a quoted string (unquoted, "
+            "YAML reads 0600 as the number 384) such as "
+            '"0600" (owner only, the default) or "0640" (the group may read).'
+        )
+    mode = int(text, 8)
+    if mode & 0o600 != 0o600 or mode & 0o111:
+        unquoted = "" if text.startswith("0") else " (if you wrote 0NNN unquoted, YAML read it as a number)"
+        raise ConfigError(
+            f"{PERMISSIONS_KEY}={text}{unquoted}: a checkpoint file mode must let the owner read and write "
+            '(6 in the first digit) and set no execute bits (directories get them): e.g. "0600" or "0640".'
+        )
+    return mode, mode | ((mode & 0o444) >> 2)
+
+
+def _chmod_tree(path: str, file_mode: int, dir_mode: int) -> None:
+    """Set every file under ``path`` to ``file_mode`` and every directory to ``dir_mode`` (an explicit
+    chmod: modes given to open/mkdir are cut by the umask)."""
+    os.chmod(path, dir_mode)
+    for top, dirs, files in os.walk(path):
+        for d in dirs:
+            os.chmod(os.path.join(top, d), dir_mode)
+        for f in files:
+            os.chmod(os.path.join(top, f), file_mode)
+
+
+def _write_atomic(path: str, text: str, file_mode: int) -> None:
+    """Write ``text`` to ``path`` through a temporary file and one rename: a reader sees the old or the
+    new content, never a torn one."""
+    tmp = path + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, file_mode)
+    try:
+        os.fchmod(fd, file_mode)
+        with os.fdopen(fd, "w") as f:
+            fd = -1
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    os.replace(tmp, path)
+
+
+def _open_private(path: str, file_mode: int, binary: bool = True):
+    """A new file for writing, created with ``file_mode`` (set explicitly, past the umask). Writing
+    through a Python file object makes a full disk raise OSError(ENOSPC) instead of torch's
+    message-less zip-writer error."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, file_mode)
+    os.fchmod(fd, file_mode)
+    return os.fdopen(fd, "wb" if binary else "w")
+
+
+def _is_disk_full(exc: BaseException | None, path: str) -> bool:
+    """True for ENOSPC anywhere in the exception's chain (or in torch DCP's per-rank failures), or
+    when the filesystem of ``path`` is left with under 1 MiB (writers that drop the errno)."""
+    seen: list[BaseException] = []
+    todo = [exc] if exc is not None else []
+    while todo:
+        e = todo.pop()
+        if e is None or any(e is s for s in seen):
+            continue
+        seen.append(e)
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(e) or "ENOSPC" in str(e):
+            return True
+        todo += [e.__cause__, e.__context__]
+        for failure in (getattr(e, "failures", None) or {}).values():  # DCP's CheckpointException
+            todo.append(failure[0] if isinstance(failure, tuple) else failure)
+    with contextlib.suppress(OSError):
+        return shutil.disk_usage(path).free < 1 << 20
+    return False
+
+
+def _any_rank(flag: bool) -> bool:
+    """True on every rank if ``flag`` is True on any (gloo on CPU, or the default group's device)."""
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+# --------------------------------------------------------------------------------------------------
+# The run lock
+# --------------------------------------------------------------------------------------------------
+
+# Locks this process holds, by real path -> [fd, users]: flock locks belong to an open file, so a
+# second open in the same process would conflict with the first; a second manager shares the first's.
+_HELD: dict[str, list[int]] = {}
+
+
+class DirLock:
+    """An exclusive ``flock`` on ``root/run.lock``, held until :meth:`release` or the process exits.
+
+    The kernel drops the lock when the holder dies (also by SIGKILL or a crashed node on a local
+    filesystem), so a dead run never leaves a stale lock; the file itself stays and is reused. The
+    file says who holds it: ``host=... pid=... started=...``.
+    """
+
+    def __init__(self, root: str, file_mode: int = 0o600) -> None:
+        self.path = os.path.join(root, LOCK_FILE)
+        self.file_mode = file_mode
+        self._key: str | None = None
+
+    def acquire(self) -> None:
+        """Take the lock or raise :class:`CheckpointError` naming the holder."""
+        key = os.path.realpath(self.path)
+        if key in _HELD:
+            _HELD[key][1] += 1
+            self._key = key
+            return
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, self.file_mode)  # not inherited across exec
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                # e.g. a Lustre mount without -o flock: run unlocked rather than not at all
+                os.close(fd)
+                log.warning(
+                    "cannot lock %s (%s): running without the one-run-per-directory lock", self.path, e
+                )
+                return
+            holder = (
+                os.pread(fd, 512, 0).decode(errors="replace").strip()
+                or "a process that has not written its name yet"
+            )
+            os.close(fd)
+            raise CheckpointError(
+                f"{os.path.dirname(self.path)} is in use by another run ({holder}; lock file {self.path}): "
+                "wait for that run to end or stop it, or give this run another trainer.default_local_dir."
+            ) from None
+        started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        os.fchmod(fd, self.file_mode)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"host={socket.gethostname()} pid={os.getpid()} started={started}\n".encode(), 0)
+        _HELD[key] = [fd, 1]
+        self._key = key
+
+    def release(self) -> None:
+        if self._key is None or self._key not in _HELD:
+            return
+        held = _HELD[self._key]
+        held[1] -= 1
+        if held[1] == 0:
+            del _HELD[self._key]
+            os.close(held[0])  # closing the last descriptor drops the flock
+        self._key = None
+
+
+# --------------------------------------------------------------------------------------------------
+# The manager
+# --------------------------------------------------------------------------------------------------
+
+
 class CheckpointManager:
     def __init__(
         self,
@@ -83,25 +278,128 @@ class CheckpointManager:
         ps: ParallelState,
         max_to_keep: int | None = None,
         side_file_dirs: tuple[str, ...] = (),
+        permissions: str | int | None = "0600",
+        claim: bool = False,
     ) -> None:
         """``side_file_dirs``: where the tokenizer and generation-config files are (the first that has
-        any); each saved model directory gets a copy, so that an export is a complete HF model."""
+        any); each saved model directory gets a copy, so that an export is a complete HF model.
+        ``permissions``: octal mode of the files written (directories get the matching search bits).
+        ``claim``: take the directory for this run now (collective, see :meth:`claim`)."""
         self.root = root
         self.ps = ps
         self.max_to_keep = max_to_keep
         self.side_file_dirs = side_file_dirs
+        self.file_mode, self.dir_mode = parse_permissions(permissions)
+        self.resumed_from: str | None = None
+        """Set by the trainer after it resumed: pruning never deletes that checkpoint."""
+        self.lock: DirLock | None = None
+        if claim:
+            self.claim()
 
     def step_dir(self, step: int) -> str:
         return os.path.join(self.root, f"global_step_{step}")
 
+    # ---------------------------------------------------------------------------------- start of a run
+
+    def claim(self) -> None:
+        """Collective: rank 0 locks the directory for the life of this process and removes what runs
+        that stopped mid-save or mid-prune left behind; every rank raises the same one-line
+        :class:`CheckpointError` if another run holds the lock."""
+        error = None
+        if self.ps.rank == 0:
+            try:
+                self._make_root()
+                self.lock = DirLock(self.root, self.file_mode)
+                self.lock.acquire()
+                self._remove_leftovers()
+            except CheckpointError as e:
+                error = str(e)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            box = [error]
+            dist.broadcast_object_list(box, src=0)
+            error = box[0]
+        if error is not None:
+            raise CheckpointError(error)
+
+    def release(self) -> None:
+        """Give the directory lock back (it also goes when the process exits)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    def _make_root(self) -> None:
+        if not os.path.isdir(self.root):
+            os.makedirs(self.root, exist_ok=True)
+            os.chmod(self.root, self.dir_mode)  # ours: private like the checkpoints in it
+
+    def _remove_leftovers(self) -> None:
+        for name in sorted(os.listdir(self.root)):
+            if _LEFTOVER.match(name):
+                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+                log.warning(
+                    "removed %s: a save or prune that an earlier run did not finish (no rank of this run "
+                    "wrote it; the directory is locked by this run)",
+                    os.path.join(self.root, name),
+                )
+
+    # ---------------------------------------------------------------------------------- finding
+
     def latest(self) -> str | None:
-        """The newest complete checkpoint under root, or None."""
-        f = os.path.join(self.root, LATEST)
-        if not os.path.isfile(f):
+        """The newest complete checkpoint under root, or None (lenient: see :meth:`resume_path`)."""
+        try:
+            return self.resume_path()
+        except CheckpointError:
             return None
-        with open(f) as fh:
-            path = self.step_dir(int(fh.read().strip()))
-        return path if os.path.isdir(path) else None
+
+    def resume_path(self) -> str | None:
+        """The checkpoint ``resume_mode=auto`` continues from: the one the tracker names; None for a
+        directory with no tracker and no checkpoint. A tracker that is unreadable, holds no step
+        number or names a missing checkpoint, or checkpoints without a tracker, raise a one-line
+        :class:`CheckpointError` instead of silently starting over at step 0."""
+        tracker = os.path.join(self.root, LATEST)
+        fix = (
+            "set trainer.resume_mode=resume_path and trainer.resume_from_path to an existing "
+            f"{self.root}/global_step_N, or start over with trainer.resume_mode=disable"
+        )
+        if not os.path.exists(tracker):
+            steps = self._step_dirs()
+            if not steps:
+                return None
+            raise CheckpointError(
+                f"{self.root} holds checkpoints ({', '.join(steps[-3:])}) but no {LATEST}: to resume, "
+                f"set trainer.resume_mode=resume_path trainer.resume_from_path={self.root}/{steps[-1]} "
+                "(or write its step number into the tracker); to start over, trainer.resume_mode=disable."
+            )
+        try:
+            with open(tracker) as f:
+                text = f.read(200)
+        except (OSError, UnicodeDecodeError) as e:
+            raise CheckpointError(
+                f"cannot read the checkpoint tracker {tracker} ({e}): fix or delete it, or {fix}."
+            ) from None
+        if not re.fullmatch(r"\s*\d+\s*", text):
+            shown = repr(text.strip()[:40]) if text.strip() else "nothing"
+            raise CheckpointError(
+                f"the checkpoint tracker {tracker} holds {shown}, not a step number: write the step of an "
+                f"existing global_step_N into it (or delete it), or {fix}."
+            )
+        path = self.step_dir(int(text))
+        if not os.path.isfile(os.path.join(path, "trainer_state.json")):
+            why = "is incomplete (no trainer_state.json)" if os.path.isdir(path) else "does not exist"
+            raise CheckpointError(
+                f"the checkpoint tracker {tracker} names {path}, which {why}: write the step of an existing "
+                f"global_step_N into the tracker (or delete it), or {fix}."
+            )
+        return path
+
+    def _step_dirs(self) -> list[str]:
+        """global_step_N directory names, by step."""
+        if not os.path.isdir(self.root):
+            return []
+        found = [(int(m.group(1)), d) for d in os.listdir(self.root) if (m := _STEP_DIR.match(d))]
+        return [d for _, d in sorted(found) if os.path.isdir(os.path.join(self.root, d))]
+
+    # ---------------------------------------------------------------------------------- saving
 
     def save(
         self,
@@ -112,45 +410,132 @@ class CheckpointManager:
         trainer_state: dict[str, Any],
     ) -> str:
         """Collective: every rank passes the models, their optimizers (``ModelOptimizer`` by the model's
-        name) and its shard's state dicts; rank 0 publishes."""
+        name) and its shard's state dicts; rank 0 publishes.
+
+        A write that fails on any rank (a full disk included) fails the save on every rank: the
+        partial directory is removed, the tracker and earlier checkpoints are left as they were, and
+        a full disk is reported in one line naming ENOSPC and the path.
+        """
         from megatron_rl.weights.megatron_ckpt import save_torch_dist
 
         ps = self.ps
         final = self.step_dir(step)
         partial = os.path.join(self.root, f".global_step_{step}.partial")
-        if ps.rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)
-            os.makedirs(partial)
-        dist.barrier()
-        for name, model in models.items():
-            save_torch_dist(model, ps, os.path.join(partial, name))
+        error: BaseException | None = None
+        try:
             if ps.rank == 0:
-                copy_side_files(list(self.side_file_dirs), os.path.join(partial, name))
-        for name, opt in optimizers.items():
-            save_optimizer(opt, ps, os.path.join(partial, f"{name}_optim"))
-        if ps.dp_rank == 0:
-            torch.save({**shards, "rng": rng_state()}, _shard_file(partial, ps))
-        if ps.rank == 0:
-            with open(os.path.join(partial, "trainer_state.json"), "w") as f:
-                json.dump({**trainer_state, "global_step": step, "layout": _layout(ps)}, f, indent=1)
-        dist.barrier()
-        if ps.rank == 0:
-            shutil.rmtree(final, ignore_errors=True)
-            os.rename(partial, final)
-            tmp = os.path.join(self.root, LATEST + ".tmp")
-            with open(tmp, "w") as f:
-                f.write(str(step))
-            os.replace(tmp, os.path.join(self.root, LATEST))
-            self._prune()
-        dist.barrier()
-        return final
+                self._make_root()
+                shutil.rmtree(partial, ignore_errors=True)
+                os.mkdir(partial, self.dir_mode)
+        except OSError as e:
+            error = e
+        if _any_rank(error is not None):
+            raise self._save_failed(error, partial, final)
+        try:
+            # torch DCP gathers write failures, so a rank that cannot write fails these on every rank
+            for name, model in models.items():
+                save_torch_dist(model, ps, os.path.join(partial, name))
+                if ps.rank == 0:
+                    copy_side_files(list(self.side_file_dirs), os.path.join(partial, name))
+            for name, opt in optimizers.items():
+                save_optimizer(opt, ps, os.path.join(partial, f"{name}_optim"))
+            if ps.dp_rank == 0:
+                with _open_private(_shard_file(partial, ps), self.file_mode) as f:
+                    torch.save({**shards, "rng": rng_state()}, f)
+            if ps.rank == 0:
+                with _open_private(os.path.join(partial, "trainer_state.json"), self.file_mode, False) as f:
+                    json.dump({**trainer_state, "global_step": step, "layout": _layout(ps)}, f, indent=1)
+        except Exception as e:  # any rank's failure must reach every rank, or they wait at the barrier
+            error = e
+        if not _any_rank(error is not None):
+            try:
+                if ps.rank == 0:
+                    self._publish(partial, final, step)
+            except Exception as e:
+                error = e
+            if not _any_rank(error is not None):
+                return final
+        raise self._save_failed(error, partial, final)
 
-    def _prune(self) -> None:
-        if not self.max_to_keep:
-            return
-        steps = sorted(int(m.group(1)) for d in os.listdir(self.root) if (m := _STEP_DIR.match(d)))
-        for s in steps[: -self.max_to_keep]:
-            shutil.rmtree(self.step_dir(s), ignore_errors=True)
+    def _save_failed(self, error: BaseException | None, partial: str, final: str) -> BaseException:
+        """Clean up after a failed save (rank 0) and return what this rank raises."""
+        full = _is_disk_full(error, self.root) if error is not None else False
+        if self.ps.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        previous = self.latest() or "none yet"
+        if full:
+            return CheckpointError(
+                f"no space left on device (ENOSPC) while saving {final} (writing {partial}): free space on "
+                f"that filesystem or point trainer.default_local_dir at a larger one; the partial save was "
+                f"removed and earlier checkpoints are untouched (latest: {previous}).",
+                same_on_all_ranks=False,
+            )
+        if error is None:
+            from megatron_rl.launch_checks import _COLLATERAL
+
+            return CheckpointError(
+                f"saving {final} failed on another rank ({_COLLATERAL}); the partial save was removed.",
+                same_on_all_ranks=False,
+            )
+        return error
+
+    def _publish(self, partial: str, final: str, step: int) -> None:
+        """Rank 0, after every rank wrote: permissions, one rename, tracker, order file, pruning."""
+        _chmod_tree(partial, self.file_mode, self.dir_mode)
+        if os.path.isdir(final):  # the same step saved again (a resumed run): the new one wins
+            old = os.path.join(self.root, f".global_step_{step}.deleting")
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+            shutil.rmtree(old, ignore_errors=True)
+        os.rename(partial, final)
+        _write_atomic(os.path.join(self.root, LATEST), f"{step}\n", self.file_mode)
+        name = os.path.basename(final)
+        order = [d for d in self._publication_order() if d != name] + [name]
+        order = self._prune(order, keep={name})
+        _write_atomic(os.path.join(self.root, ORDER_FILE), "".join(f"{d}\n" for d in order), self.file_mode)
+
+    def _publication_order(self) -> list[str]:
+        """Checkpoint directory names, oldest publication first: those not in the order file (written
+        by an older version, or copied in) by modification time, then the order file's, in its order."""
+        listed: list[str] = []
+        with contextlib.suppress(OSError, UnicodeDecodeError):
+            with open(os.path.join(self.root, ORDER_FILE)) as f:
+                for line in f:
+                    d = line.strip()
+                    if _STEP_DIR.match(d):
+                        listed = [x for x in listed if x != d] + [d]
+        present = set(self._step_dirs())
+        unknown = sorted(
+            present - set(listed),
+            key=lambda d: (os.path.getmtime(os.path.join(self.root, d)), int(d.rsplit("_", 1)[1])),
+        )
+        return unknown + [d for d in listed if d in present]
+
+    def _prune(self, order: list[str], keep: set[str]) -> list[str]:
+        """Delete all but the newest ``max_to_keep`` of ``order`` (and ``keep`` and the checkpoint the
+        run resumed from); returns what is left, in order. A deletion renames first, so a crash
+        mid-delete leaves a ``.deleting`` directory (removed at the next start), never a torn
+        global_step_N."""
+        if not self.max_to_keep or self.max_to_keep < 1:
+            return order
+        keep = set(keep) | set(order[-self.max_to_keep :])
+        if self.resumed_from:
+            keep.add(os.path.basename(os.path.normpath(self.resumed_from)))
+        left = []
+        for d in order:
+            if d in keep:
+                left.append(d)
+                continue
+            doomed = os.path.join(self.root, f".{d}.deleting")
+            shutil.rmtree(doomed, ignore_errors=True)
+            os.rename(os.path.join(self.root, d), doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+            log.info(
+                "removed checkpoint %s (trainer.max_ckpt_to_keep=%d)",
+                os.path.join(self.root, d),
+                self.max_to_keep,
+            )
+        return left
 
     def load(
         self, path: str, models: dict[str, torch.nn.Module], optimizers: dict[str, Any]
@@ -161,8 +546,9 @@ class CheckpointManager:
 
         state_file = os.path.join(path, "trainer_state.json")
         if not os.path.isfile(state_file):
-            raise FileNotFoundError(
-                f"{path} is not a complete checkpoint (no trainer_state.json): check trainer.resume_from_path"
+            raise CheckpointError(
+                f"{path} is not a complete checkpoint (no trainer_state.json): point "
+                "trainer.resume_from_path at an existing global_step_N directory."
             )
         with open(state_file) as f:
             trainer_state = json.load(f)

@@ -146,6 +146,23 @@ class MegatronConfig:
 
 
 @dataclass
+class PolicyLossConfig:
+    loss_mode: str = "vanilla"
+    """Policy loss: vanilla (PPO clip + dual-clip) | gspo | sapo | gpg | cispo | clip_cov | kl_cov | geo_mean
+    (formulas in megatron_rl/algos/policy_loss.py)."""
+    clip_cov_ratio: float = 0.0002
+    """clip_cov: share of the response tokens whose gradient is cut."""
+    clip_cov_lb: float = 1.0
+    """clip_cov: lower bound of the covariance of the tokens that may be cut."""
+    clip_cov_ub: float = 5.0
+    """clip_cov: upper bound of that covariance."""
+    kl_cov_ratio: float = 0.0002
+    """kl_cov: share of the response tokens (largest covariance) that get the KL penalty."""
+    ppo_kl_coef: float = 0.1
+    """kl_cov: coefficient of the |log ratio| penalty."""
+
+
+@dataclass
 class ActorConfig:
     ppo_mini_batch_size: int = 256
     """Prompts per optimizer step (over all DP ranks, before rollout.n)."""
@@ -164,7 +181,16 @@ class ActorConfig:
     clip_ratio_c: float = 3.0
     """Dual-clip bound for negative advantages; must be > 1."""
     loss_agg_mode: str = "token-mean"
-    """token-mean | seq-mean-token-sum | seq-mean-token-mean."""
+    """token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm."""
+    loss_scale_factor: float | None = None
+    """seq-mean-token-sum-norm: the constant the per-sequence token sums are divided by (Dr. GRPO);
+    None means data.max_response_length."""
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    """Which policy-gradient loss, and its constants."""
+    tau_pos: float = 1.0
+    """sapo: gate temperature for positive advantages."""
+    tau_neg: float = 1.05
+    """sapo: gate temperature for negative advantages."""
     entropy_coeff: float = 0.0
     """Entropy bonus coefficient."""
     use_kl_loss: bool = False
@@ -172,7 +198,8 @@ class ActorConfig:
     kl_loss_coef: float = 0.001
     """Coefficient of the KL loss."""
     kl_loss_type: str = "low_var_kl"
-    """KL estimator of the KL loss: kl | abs | mse | low_var_kl (k1 | k2 | k3 also accepted)."""
+    """KL estimator of the KL loss: kl | abs | mse | low_var_kl (k1 | k2 | k3 also accepted); a "+" suffix
+    (k3+, low_var_kl+, ...) keeps the value and takes the k2 gradient (straight-through)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer and learning-rate schedule."""
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
@@ -231,6 +258,9 @@ class RolloutConfig:
     """Sequences per forward when recomputing old log-probs."""
     update_weights_bucket_megabytes: int = 512
     """Size of the buckets in which weights are streamed into the engine."""
+    calculate_log_probs: bool = False
+    """Keep the engine's log-probs of the sampled tokens and log the rollout-training mismatch metrics
+    (training/rollout_probs_diff_*, rollout_corr/*); on whenever algorithm.rollout_correction corrects."""
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
     """Sampling parameters of validation."""
 
@@ -284,6 +314,31 @@ class KLCtrlConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    rollout_is: str | None = None
+    """Truncated importance sampling of the policy loss by pi_train / pi_rollout: token | sequence | None."""
+    rollout_is_threshold: float = 2.0
+    """Upper truncation of the importance weights."""
+    rollout_is_batch_normalize: bool = False
+    """Rescale the truncated weights to mean 1 over the batch."""
+    rollout_rs: str | None = None
+    """Rejection (masked IS): comma list of token_k1|k2|k3, seq_sum_k1|k2|k3, seq_mean_k1|k2|k3,
+    seq_max_k2|k3; tokens/sequences out of bounds get no loss. seq_sum_k1 is sequence-level MIS."""
+    rollout_rs_threshold: str | None = None
+    """Bounds of rollout_rs, one or one per option: k1 "lower_upper" (or U for 1/U..U), k2/k3 an upper."""
+
+
+@dataclass
+class FilterGroupsConfig:
+    enable: bool = False
+    """Drop groups whose samples all have the same metric, and generate more prompts to refill the batch."""
+    metric: str | None = None
+    """acc | score | seq_reward | seq_final_reward, or a key the reward function returns; None = acc."""
+    max_num_gen_batches: int = 0
+    """Most generation rounds per step before the run stops with an error (0 = no limit)."""
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "gae"
     """gae | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline."""
@@ -299,12 +354,69 @@ class AlgorithmConfig:
     """KL estimator of the reward penalty: kl | abs | mse | low_var_kl."""
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
     """KL coefficient controller."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=lambda: RolloutCorrectionConfig())
+    """Correction of the rollout-training mismatch (importance weights, rejection)."""
+    filter_groups: FilterGroupsConfig = field(default_factory=lambda: FilterGroupsConfig())
+    """DAPO's dynamic sampling: drop prompt groups whose samples all score the same."""
+
+
+@dataclass
+class OverlongBufferConfig:
+    enable: bool = False
+    """DAPO's overlong shaping: penalise responses that run into the last ``len`` tokens of
+    data.max_response_length, linearly down to -penalty_factor at the limit."""
+    len: int = 0
+    """Buffer length in tokens."""
+    penalty_factor: float = 0.0
+    """Penalty at data.max_response_length."""
+    log: bool = False
+    """Log reward/overlong_reward/mean and reward/overlong/mean."""
+
+
+@dataclass
+class RewardModelModelConfig:
+    path: str = ""
+    """HF sequence-classification directory (a score head with one output) or a Megatron checkpoint of one."""
+    input_tokenizer: str | None = None
+    """The actor's tokenizer, which the responses are decoded with (default: data.tokenizer) before the
+    reward model's own tokenizer and chat template re-encode the conversation."""
+    trust_remote_code: bool = False
+    """Allow custom code in the reward model's tokenizer files."""
+
+
+@dataclass
+class HttpRewardConfig:
+    url: str | None = None
+    """POST batches of {data_source, prompt, response, ground_truth, extra_info} here and read scores back;
+    None = off."""
+    batch_size: int = 64
+    """Samples per request."""
+    concurrency: int = 4
+    """Requests in flight at once (per rank that scores)."""
+    timeout_s: float = 30.0
+    """Longest wait for one request's reply."""
+    retries: int = 3
+    """Further attempts after a failed request (connection error, timeout, HTTP 5xx/429)."""
+    backoff_s: float = 1.0
+    """Wait before the first retry; doubled for each further one."""
 
 
 @dataclass
 class RewardModelConfig:
     enable: bool = False
-    """A learned reward model (not supported yet: rewards come from rule functions)."""
+    """Score responses with a learned reward model (reward_model.model.path) instead of the rules."""
+    model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
+    """The reward model's weights and tokenizer."""
+    micro_batch_size_per_gpu: int = 8
+    """Sequences per reward-model forward."""
+    max_length: int | None = None
+    """Longest re-tokenized conversation the reward model reads (default: prompt + response lengths)."""
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    """Parallel layout (the actor's) and memory options of the reward model."""
+    http: HttpRewardConfig = field(default_factory=HttpRewardConfig)
+    """Rewards served over HTTP (instead of the rules or a reward model)."""
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    """Overlong reward shaping (DAPO)."""
 
 
 @dataclass
@@ -313,6 +425,13 @@ class CustomRewardFunctionConfig:
     """Python file holding a reward function; None uses the built-in rules by data_source."""
     name: str = "compute_score"
     """Function name in that file: f(data_source, solution_str, ground_truth, extra_info) -> float."""
+    timeout_s: float = 60.0
+    """Longest a single reward call may take; a call that hangs (or exits the process) stops the run with
+    one line naming the function, the sample and its data_source. 0 = no limit. The file is Python
+    code run on every rank: use only reward files you trust."""
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments of the reward function (built-in GSM8K rule: method, format_score, score,
+    lenient)."""
 
 
 @dataclass
@@ -344,7 +463,11 @@ class TrainerConfig:
     resume_from_path: str | None = None
     """Checkpoint to resume from when resume_mode=resume_path."""
     max_ckpt_to_keep: int | None = None
-    """Keep only the newest this many checkpoints (None keeps all)."""
+    """Keep only the newest this many checkpoints, newest by save order across runs (None keeps all);
+    the checkpoint just written and the one the run resumed from are never deleted."""
+    checkpoint_permissions: str = "0600"
+    """Octal mode of every checkpoint file (weights, optimizer states, trainer_state.json, the tracker),
+    as a quoted string; directories get the matching search bits ("0600" -> 0700, "0640" -> 0750)."""
     nnodes: int = 1
     """Nodes of the job (informational; the world comes from torchrun)."""
     n_gpus_per_node: int = 8
@@ -358,6 +481,10 @@ class TrainerConfig:
     console_block_freq: int = 10
     """The console prints one line per step and every metric, grouped, every this many steps (and
     at the last step); 1 prints the grouped block every step."""
+    max_nonfinite_steps: int = 3
+    """A non-finite loss or gradient norm skips that optimizer step (logged, counted in
+    actor|critic/nonfinite_grad_steps); after this many PPO steps in a row with a skipped update the
+    run stops, leaving the last checkpoint as it was. 0 never stops."""
 
 
 @dataclass
@@ -401,8 +528,17 @@ def leaves(d: Any, prefix: str = "") -> list[tuple[str, Any]]:
 
 def _check_keys(raw: dict, source: str) -> None:
     known = _known_keys(Config)
-    for key, _ in leaves(raw):
-        if key not in known:
+    # Keys under a dict-typed field (custom_reward_function.reward_kwargs.*) are the user's own.
+    free = tuple(k + "." for k, t in known.items() if str(t).startswith("dict"))
+    sections = {k.rsplit(".", 1)[0] for k in known if "." in k}
+    for key, value in leaves(raw):
+        if key in sections and value is not None:
+            example = next(k for k in known if k.startswith(key + "."))
+            raise ConfigError(
+                f"'{key}' (from {source}) is a section of keys, not a value: got {value!r}; write its keys "
+                f"under it (e.g. {example}=...)."
+            )
+        if key not in known and not key.startswith(free):
             near = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
             hint = f" Did you mean '{near[0]}'?" if near else ""
             raise ConfigError(f"Unknown config key '{key}' (from {source}).{hint}")
@@ -471,7 +607,8 @@ def load_config(
             merged = OmegaConf.merge(merged, layer)
         except OmegaConfBaseException as e:
             key = getattr(e, "full_key", None) or "?"
-            raise ConfigError(f"Bad value for '{key}' (from {source}): {e.msg.splitlines()[0]}") from None
+            why = (e.msg or str(e) or type(e).__name__).splitlines()[0]
+            raise ConfigError(f"Bad value for '{key}' (from {source}): {why}") from None
     try:
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
@@ -486,11 +623,16 @@ def _fill_derived(cfg: Config) -> None:
     """Defaults that are defined in terms of other keys (one source of truth for each value)."""
     arr = cfg.actor_rollout_ref
     am = arr.actor.megatron
-    am.tensor_model_parallel_size = am.tensor_model_parallel_size or 1
-    am.pipeline_model_parallel_size = am.pipeline_model_parallel_size or 1
-    for m in (arr.ref.megatron, cfg.critic.megatron):
-        m.tensor_model_parallel_size = m.tensor_model_parallel_size or am.tensor_model_parallel_size
-        m.pipeline_model_parallel_size = m.pipeline_model_parallel_size or am.pipeline_model_parallel_size
+    # None means "the default"; 0 stays 0 and fails validation (it is no layout)
+    if am.tensor_model_parallel_size is None:
+        am.tensor_model_parallel_size = 1
+    if am.pipeline_model_parallel_size is None:
+        am.pipeline_model_parallel_size = 1
+    for m in (arr.ref.megatron, cfg.critic.megatron, cfg.reward_model.megatron):
+        if m.tensor_model_parallel_size is None:
+            m.tensor_model_parallel_size = am.tensor_model_parallel_size
+        if m.pipeline_model_parallel_size is None:
+            m.pipeline_model_parallel_size = am.pipeline_model_parallel_size
     if not cfg.critic.model.path:
         cfg.critic.model.path = arr.model.path
     if cfg.critic.ppo_mini_batch_size is None:
@@ -501,6 +643,8 @@ def _fill_derived(cfg: Config) -> None:
         cfg.critic.enable = cfg.algorithm.adv_estimator == "gae"
     if cfg.data.tokenizer is None:
         cfg.data.tokenizer = arr.model.tokenizer_path or arr.model.path
+    if arr.actor.loss_scale_factor is None:
+        arr.actor.loss_scale_factor = cfg.data.max_response_length
     if arr.actor.clip_ratio_low is None:
         arr.actor.clip_ratio_low = arr.actor.clip_ratio
     if arr.actor.clip_ratio_high is None:
@@ -513,14 +657,26 @@ def _fill_derived(cfg: Config) -> None:
 # Validation
 # --------------------------------------------------------------------------------------------------
 
+
+def _choices() -> dict[str, tuple]:
+    """Keys with a fixed set of values; the algorithm lists come from their registries in algos/."""
+    from megatron_rl.algos import ADV_ESTIMATORS, KL_PENALTIES, LOSS_AGG_MODES, POLICY_LOSSES
+
+    return {
+        **_CHOICES,
+        "actor_rollout_ref.actor.loss_agg_mode": LOSS_AGG_MODES,
+        "critic.loss_agg_mode": LOSS_AGG_MODES,
+        "actor_rollout_ref.actor.kl_loss_type": KL_PENALTIES,
+        "algorithm.kl_penalty": KL_PENALTIES,
+        "algorithm.adv_estimator": tuple(ADV_ESTIMATORS),
+        "actor_rollout_ref.actor.policy_loss.loss_mode": tuple(POLICY_LOSSES),
+        "algorithm.rollout_correction.rollout_is": (None, "token", "sequence"),
+    }
+
+
 _CHOICES = {
     "data.truncation": ("error", "left", "right", "middle"),
     "actor_rollout_ref.rollout.name": ("sglang", "hf"),
-    "actor_rollout_ref.actor.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
-    "critic.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
-    "actor_rollout_ref.actor.kl_loss_type": ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"),
-    "algorithm.kl_penalty": ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"),
-    "algorithm.adv_estimator": ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"),
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
     "actor_rollout_ref.actor.optim.lr_decay_style": ("constant", "cosine", "linear"),
     "critic.optim.lr_decay_style": ("constant", "cosine", "linear"),
@@ -533,6 +689,124 @@ _CHOICES = {
     "critic.megatron.recompute_method": ("uniform", "block"),
     "actor_rollout_ref.rollout.dtype": ("float32", "bfloat16", "float16"),
 }
+
+
+# Every numeric key's range (fnmatch patterns over the dotted key; None values pass: "unset").
+# ">0" / ">=1" / "[0,1]" / "(0,1]" / "any"; tests/unit/test_config.py checks that every numeric key has one.
+RANGES: dict[str, str] = {
+    "data.max_prompt_length": ">=1",
+    "data.max_response_length": ">=1",
+    "data.train_batch_size": ">=1",
+    "data.val_batch_size": ">=1",
+    "data.seed": "any",
+    "*.ppo_mini_batch_size": ">=1",
+    "*.ppo_micro_batch_size_per_gpu": ">=1",
+    "*.log_prob_micro_batch_size_per_gpu": ">=1",
+    "*.ppo_epochs": ">=1",
+    "actor_rollout_ref.actor.clip_ratio": ">0",
+    "actor_rollout_ref.actor.clip_ratio_low": ">=0",
+    "actor_rollout_ref.actor.clip_ratio_high": ">=0",
+    "actor_rollout_ref.actor.clip_ratio_c": ">1",
+    "actor_rollout_ref.actor.loss_scale_factor": ">0",
+    "actor_rollout_ref.actor.policy_loss.clip_cov_ratio": "[0,1]",
+    "actor_rollout_ref.actor.policy_loss.clip_cov_lb": "any",
+    "actor_rollout_ref.actor.policy_loss.clip_cov_ub": "any",
+    "actor_rollout_ref.actor.policy_loss.kl_cov_ratio": "[0,1]",
+    "actor_rollout_ref.actor.policy_loss.ppo_kl_coef": ">=0",
+    "actor_rollout_ref.actor.tau_*": ">0",
+    "actor_rollout_ref.actor.entropy_coeff": "any",
+    "actor_rollout_ref.actor.kl_loss_coef": ">=0",
+    "*.optim.lr": ">=0",
+    "*.optim.min_lr": ">=0",
+    "*.optim.lr_warmup_steps": ">=-1",
+    "*.optim.lr_warmup_steps_ratio": "[0,1]",
+    "*.optim.weight_decay": ">=0",
+    "*.optim.eps": ">0",
+    "*.optim.clip_grad": ">=0",
+    "*.megatron.tensor_model_parallel_size": ">=1",
+    "*.megatron.pipeline_model_parallel_size": ">=1",
+    "*.megatron.seed": "any",
+    "*.megatron.recompute_num_layers": ">=1",
+    "actor_rollout_ref.rollout.n": ">=1",
+    "actor_rollout_ref.rollout.temperature": ">0",
+    "actor_rollout_ref.rollout.top_p": "(0,1]",
+    "actor_rollout_ref.rollout.top_k": ">=-1",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size": ">=1",
+    "actor_rollout_ref.rollout.gpu_memory_utilization": "(0,1]",
+    "actor_rollout_ref.rollout.max_num_batched_tokens": ">=1",
+    "actor_rollout_ref.rollout.update_weights_bucket_megabytes": ">=1",
+    "actor_rollout_ref.rollout.val_kwargs.temperature": ">=0",
+    "actor_rollout_ref.rollout.val_kwargs.top_p": "(0,1]",
+    "actor_rollout_ref.rollout.val_kwargs.top_k": ">=-1",
+    "actor_rollout_ref.rollout.val_kwargs.n": ">=1",
+    "critic.cliprange_value": ">0",
+    "algorithm.gamma": "[0,1]",
+    "algorithm.lam": "[0,1]",
+    "algorithm.kl_ctrl.kl_coef": ">=0",
+    "algorithm.kl_ctrl.horizon": ">=1",
+    "algorithm.kl_ctrl.target_kl": ">0",
+    "algorithm.rollout_correction.rollout_is_threshold": ">0",
+    "algorithm.filter_groups.max_num_gen_batches": ">=0",
+    "reward_model.overlong_buffer.len": ">=0",
+    "reward_model.overlong_buffer.penalty_factor": ">=0",
+    "custom_reward_function.timeout_s": ">=0",
+    "reward_model.micro_batch_size_per_gpu": ">=1",
+    "reward_model.max_length": ">=1",
+    "reward_model.http.batch_size": ">=1",
+    "reward_model.http.concurrency": ">=1",
+    "reward_model.http.timeout_s": ">0",
+    "reward_model.http.retries": ">=0",
+    "reward_model.http.backoff_s": ">=0",
+    "trainer.total_epochs": ">=1",
+    "trainer.total_training_steps": ">=1",
+    "trainer.critic_warmup": ">=0",
+    "trainer.test_freq": "any",
+    "trainer.save_freq": "any",
+    "trainer.max_ckpt_to_keep": ">=1",
+    "trainer.nnodes": ">=1",
+    "trainer.n_gpus_per_node": ">=1",
+    "trainer.dist_timeout_minutes": ">=1",
+    "trainer.console_block_freq": ">=1",
+    "trainer.max_nonfinite_steps": ">=0",
+}
+
+
+def range_rule(key: str) -> str | None:
+    """The RANGES rule of ``key`` (the first pattern that matches), or None."""
+    import fnmatch
+
+    return next((rule for pat, rule in RANGES.items() if fnmatch.fnmatchcase(key, pat)), None)
+
+
+def _in_range(value: float, rule: str) -> bool:
+    if rule == "any":
+        return True
+    if rule[0] in "[(":
+        lo, hi = (float(x) for x in rule[1:-1].split(","))
+        above = value >= lo if rule[0] == "[" else value > lo
+        below = value <= hi if rule[-1] == "]" else value < hi
+        return above and below
+    if rule.startswith(">="):
+        return value >= float(rule[2:])
+    return value > float(rule[1:])  # ">x"
+
+
+def _check_ranges(cfg: Config) -> None:
+    """One line for the first numeric key outside its range."""
+    for key, ftype in _known_keys(Config).items():
+        if not (("int" in str(ftype) or "float" in str(ftype)) and "list" not in str(ftype)):
+            continue
+        value, rule = get_key(cfg, key), range_rule(key)
+        if value is None or rule is None or isinstance(value, bool):
+            continue
+        if not isinstance(value, (int, float)) or not _in_range(value, rule):
+            raise ConfigError(f"{key}={value!r} is out of range: it must be {_describe(rule)}.")
+
+
+def _describe(rule: str) -> str:
+    if rule[0] in "[(":
+        return f"in {rule}"
+    return f">= {rule[2:]}" if rule.startswith(">=") else f"> {rule[1:]}"
 
 
 def get_key(cfg: Config, key: str) -> Any:
@@ -549,7 +823,8 @@ def validate(cfg: Config, world_size: int, model_dims: dict[str, int] | None = N
     model's own config; when None it is read from actor_rollout_ref.model.path if that exists.
     Raises :class:`ConfigError` naming the key and the fix.
     """
-    for key, choices in _CHOICES.items():
+    _check_ranges(cfg)
+    for key, choices in _choices().items():
         value = get_key(cfg, key)
         if value not in choices:
             raise ConfigError(f"{key}={value!r} is not one of {list(choices)}.")
@@ -566,7 +841,12 @@ def validate(cfg: Config, world_size: int, model_dims: dict[str, int] | None = N
 
     mp = actor.megatron
     tp, pp = mp.tensor_model_parallel_size, mp.pipeline_model_parallel_size
-    for name, m in (("actor_rollout_ref.ref", arr.ref.megatron), ("critic", cfg.critic.megatron)):
+    others = (
+        ("actor_rollout_ref.ref", arr.ref.megatron),
+        ("critic", cfg.critic.megatron),
+        ("reward_model", cfg.reward_model.megatron),
+    )
+    for name, m in others:
         if (m.tensor_model_parallel_size, m.pipeline_model_parallel_size) != (tp, pp):
             raise ConfigError(
                 f"{name}.megatron.tensor/pipeline_model_parallel_size = "
@@ -639,14 +919,19 @@ def validate(cfg: Config, world_size: int, model_dims: dict[str, int] | None = N
         )
     if actor.clip_ratio_c <= 1.0:
         raise ConfigError(f"actor_rollout_ref.actor.clip_ratio_c={actor.clip_ratio_c} must be > 1.0.")
+    _validate_algorithm_options(cfg)
     if not 0.0 < rollout.gpu_memory_utilization <= 1.0:
         raise ConfigError("actor_rollout_ref.rollout.gpu_memory_utilization must be in (0, 1].")
-    for key in ("grad_offload", "optimizer_offload"):
-        if getattr(cfg.actor_rollout_ref.ref.megatron, key):
-            raise ConfigError(
-                f"actor_rollout_ref.ref.megatron.{key}=True: the reference model is not trained; "
-                "only actor_rollout_ref.ref.megatron.param_offload applies to it."
-            )
+    for section, m in (
+        ("actor_rollout_ref.ref", arr.ref.megatron),
+        ("reward_model", cfg.reward_model.megatron),
+    ):
+        for key in ("grad_offload", "optimizer_offload"):
+            if getattr(m, key):
+                raise ConfigError(
+                    f"{section}.megatron.{key}=True: that model is not trained; only "
+                    f"{section}.megatron.param_offload applies to it."
+                )
     for key in ("actor_rollout_ref.actor.megatron", "critic.megatron"):
         if get_key(cfg, key).recompute_num_layers < 1:
             raise ConfigError(f"{key}.recompute_num_layers must be >= 1.")
@@ -655,18 +940,65 @@ def validate(cfg: Config, world_size: int, model_dims: dict[str, int] | None = N
     for key in ("data.max_prompt_length", "data.max_response_length"):
         if get_key(cfg, key) <= 0:
             raise ConfigError(f"{key} must be > 0.")
+    perms = cfg.trainer.checkpoint_permissions
+    if not (isinstance(perms, str) and len(perms) == 4 and perms[0] == "0" and set(perms) <= set("01234567")):
+        raise ConfigError(
+            f"trainer.checkpoint_permissions={perms!r} must be an octal mode as a quoted string, e.g. "
+            '"0600" (owner only) or "0640" (group may read).'
+        )
     if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
         raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path.")
-    if cfg.reward_model.enable:
+    if cfg.reward_model.enable and not cfg.reward_model.model.path:
         raise ConfigError(
-            "reward_model.enable=True: learned reward models are not supported; use rule rewards or "
-            "custom_reward_function.path."
+            "reward_model.enable=True needs reward_model.model.path: an HF ...ForSequenceClassification "
+            "directory (one score output) or a Megatron checkpoint of one."
+        )
+    if cfg.reward_model.http.url and (cfg.reward_model.enable or cfg.custom_reward_function.path):
+        raise ConfigError(
+            "reward_model.http.url is set together with "
+            f"{'reward_model.enable=True' if cfg.reward_model.enable else 'custom_reward_function.path'}: "
+            "rewards come from one source; unset one of them."
         )
 
     if model_dims is None:
         model_dims = _read_model_dims(arr.model.path)
     if model_dims:
         check_layout_against_model(model_dims, tp, pp, rtp)
+
+
+def _validate_algorithm_options(cfg: Config) -> None:
+    """Loss scaling, mismatch correction, dynamic sampling and overlong shaping."""
+    from megatron_rl.algos.rollout_corr import parse_rs
+
+    actor, alg = cfg.actor_rollout_ref.actor, cfg.algorithm
+    if actor.loss_scale_factor is not None and actor.loss_scale_factor <= 0:
+        raise ConfigError(
+            f"actor_rollout_ref.actor.loss_scale_factor={actor.loss_scale_factor} must be > 0 "
+            "(or null for data.max_response_length)."
+        )
+    corr = alg.rollout_correction
+    if corr.rollout_is is not None and corr.rollout_is_threshold <= 0:
+        raise ConfigError("algorithm.rollout_correction.rollout_is_threshold must be > 0.")
+    if corr.rollout_rs:
+        try:
+            parse_rs(corr.rollout_rs, corr.rollout_rs_threshold)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    fg = alg.filter_groups
+    if fg.enable:
+        if fg.max_num_gen_batches < 0:
+            raise ConfigError("algorithm.filter_groups.max_num_gen_batches must be >= 0 (0 = no limit).")
+        if fg.metric == "seq_final_reward" and alg.use_kl_in_reward:
+            raise ConfigError(
+                "algorithm.filter_groups.metric=seq_final_reward needs the KL-shaped rewards, which come "
+                "after filtering here: use seq_reward (or acc), or algorithm.use_kl_in_reward=False."
+            )
+    ob = cfg.reward_model.overlong_buffer
+    if ob.enable and not (0 < ob.len <= cfg.data.max_response_length and ob.penalty_factor >= 0):
+        raise ConfigError(
+            f"reward_model.overlong_buffer: len={ob.len} must be in (0, data.max_response_length="
+            f"{cfg.data.max_response_length}] and penalty_factor={ob.penalty_factor} >= 0."
+        )
 
 
 def _read_model_dims(path: str) -> dict[str, int] | None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,6 +60,9 @@ class PromptItem:
     extra_info: dict[str, Any] = field(default_factory=dict)
     index: int = 0
     """Row position in the concatenation of the input files, counted before overlong rows are dropped."""
+    messages: Any = None
+    """The prompt as the file holds it (a chat message list): a reward model with its own chat template
+    re-renders it."""
 
 
 def _as_file_list(files: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[str]:
@@ -102,7 +105,10 @@ class PromptDataset(torch.utils.data.Dataset):
         truncation: str = "error",
         filter_overlong_prompts: bool = True,
         prompt_key: str = "prompt",
+        rule_sources: Collection[str] | None = None,
     ) -> None:
+        """``rule_sources``: when rewards come from the built-in rules, the data_source values they know;
+        a row with another data_source, or with a null ground truth, is then a DataError naming it."""
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"data.truncation must be one of {TRUNCATION_MODES}, got {truncation!r}")
         if max_prompt_length < 1:
@@ -119,6 +125,8 @@ class PromptDataset(torch.utils.data.Dataset):
         sources: list[str] = []
         for path in self.files:
             file_rows = _read_rows(path, prompt_key)
+            if rule_sources is not None:
+                _check_rule_rows(path, file_rows, rule_sources)
             rows.extend(file_rows)
             sources.extend([path] * len(file_rows))
 
@@ -149,6 +157,7 @@ class PromptDataset(torch.utils.data.Dataset):
                     ground_truth=reward_model["ground_truth"],
                     extra_info=_clean_extra_info(row.get("extra_info")),
                     index=i,
+                    messages=row[prompt_key],
                 )
             )
         self.num_rows_read = len(rows)
@@ -175,6 +184,14 @@ class PromptDataset(torch.utils.data.Dataset):
 
     def __len__(self) -> int:
         return len(self._items)
+
+    def fingerprint(self) -> str:
+        """A digest of the prompts (token ids), data sources and ground truths, in order: a checkpoint
+        records it, so that resuming on different data fails instead of silently skipping prompts."""
+        h = hashlib.sha1()
+        for it in self._items:
+            h.update(repr((it.prompt_ids, it.data_source, it.ground_truth)).encode())
+        return h.hexdigest()[:16]
 
     def __getitem__(self, idx: int) -> PromptItem:
         return self._items[idx]
@@ -203,6 +220,28 @@ class PromptDataset(torch.utils.data.Dataset):
             "Raise data.max_prompt_length, set data.truncation to 'left', 'right' or 'middle', "
             "or set data.filter_overlong_prompts=true to drop such prompts."
         )
+
+
+def _check_rule_rows(path: str, rows: list[dict[str, Any]], rule_sources: Collection[str]) -> None:
+    """Every row can be scored by a built-in rule: a known data_source and a ground truth."""
+    for r, row in enumerate(rows):
+        source = row.get("data_source")
+        if source not in rule_sources:
+            raise DataError(
+                f"{path}: row {r} has data_source={source!r}, which no built-in reward rule scores "
+                f"(built in: {sorted(rule_sources)}); write compute_score(data_source, solution_str, "
+                "ground_truth, extra_info) in a .py file and set custom_reward_function.path to it."
+            )
+        reward_model = row.get("reward_model")
+        if (
+            isinstance(reward_model, dict)
+            and "ground_truth" in reward_model
+            and reward_model["ground_truth"] is None
+        ):
+            raise DataError(
+                f"{path}: row {r} (data_source={source!r}) has reward_model.ground_truth = null, so it could "
+                "only ever score 0; fill in the ground truth or drop the row."
+            )
 
 
 def _clean_extra_info(extra_info: Any) -> dict[str, Any]:

@@ -163,6 +163,13 @@ def _check_model_paths(cfg: Any) -> None:
                 f"{key}={path}: no such directory. Point it at a local HF model directory or Megatron "
                 "checkpoint (models are not downloaded from a hub)."
             )
+        if path and key != "data.tokenizer":
+            from megatron_rl.models.loading import detect_format
+
+            try:
+                detect_format(path)
+            except (FileNotFoundError, ValueError) as e:
+                raise ConfigError(f"{key}={path}: {e}") from None
 
 
 def _check_device(device: str, env: Mapping[str, str]) -> None:

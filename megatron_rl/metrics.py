@@ -82,16 +82,20 @@ def _reduced_stats(named: list[tuple[str, torch.Tensor]], group) -> dict[str, fl
     return out
 
 
-def data_metrics(batch: RolloutBatch, max_response_length: int, dp_group) -> dict[str, float]:
-    """critic/score, critic/rewards, critic/advantages, critic/returns, critic/values, response_length, ...
+def data_metrics(
+    batch: RolloutBatch, max_prompt_length: int, max_response_length: int, dp_group
+) -> dict[str, float]:
+    """critic/score, critic/rewards, critic/advantages, critic/returns, critic/values, response_length,
+    prompt_length (each /mean, /max, /min, lengths with /clip_ratio: the share at the data.max_*_length
+    limit), response/aborted_ratio (empty responses), critic/vf_explained_var.
 
     ``critic/vf_explained_var`` is 1 - Var[returns - values] / Var[returns] over the response tokens
     of all data-parallel ranks (its moments ride along as five more "mean" statistics).
     """
-    m = batch.response_mask
-    keep = m.bool()
-    resp_len = m.sum(-1).double()
-    prompt_len = batch.attention_mask[:, : batch.prompts.shape[1]].sum(-1).double()
+    keep = batch.response_mask.bool()  # the tokens trained on (rollout rejection may have removed some)
+    p = batch.prompts.shape[1]
+    resp_len = batch.attention_mask[:, p:].sum(-1).double()
+    prompt_len = batch.attention_mask[:, :p].sum(-1).double()
     named = [
         ("critic/score", batch.token_level_scores.sum(-1)),
         ("critic/rewards", batch.token_level_rewards.sum(-1)),
@@ -100,14 +104,22 @@ def data_metrics(batch: RolloutBatch, max_response_length: int, dp_group) -> dic
         ("response_length", resp_len),
         ("response_length/clip", (resp_len >= max_response_length).double()),
         ("prompt_length", prompt_len),
+        ("prompt_length/clip", (prompt_len >= max_prompt_length).double()),
+        ("response/aborted", (resp_len == 0).double()),
     ]
     if batch.values is not None:
         ret, res = batch.returns[keep].double(), (batch.returns - batch.values)[keep].double()
         named += [("critic/values", batch.values[keep])]
         named += [(f"ev/{k}", v) for k, v in (("r", ret), ("r2", ret * ret), ("e", res), ("e2", res * res))]
     stats = _reduced_stats(named, dp_group)
-    out = {k: v for k, v in stats.items() if not k.startswith(("ev/", "response_length/clip/"))}
+    out = {
+        k: v
+        for k, v in stats.items()
+        if not k.startswith(("ev/", "response_length/clip/", "prompt_length/clip/", "response/"))
+    }
     out["response_length/clip_ratio"] = stats["response_length/clip/mean"]
+    out["prompt_length/clip_ratio"] = stats["prompt_length/clip/mean"]
+    out["response/aborted_ratio"] = stats["response/aborted/mean"]
     if batch.values is not None:
         var_ret = stats["ev/r2/mean"] - stats["ev/r/mean"] ** 2
         var_res = stats["ev/e2/mean"] - stats["ev/e/mean"] ** 2
@@ -121,31 +133,36 @@ _GROUP_ORDER = (
     "reward",
     "response_length",
     "prompt_length",
-    "val",
+    "response",
+    "val-core",
+    "val-aux",
+    "train",
+    "rollout_corr",
     "timing_s",
+    "timing_per_token_ms",
     "perf",
     "training",
 )
 
 
 def format_console(step: int, metrics: dict[str, float]) -> str:
-    """Compact console line block: one line per group, in a fixed order."""
+    """Compact console line block: one line per group (the key's first part), known groups first."""
 
     def group_of(key: str) -> str:
-        head = key.split("/")[0]
         if key.startswith(("critic/score", "critic/rewards")):
             return "reward"
-        return head if head in _GROUP_ORDER else "other"
+        return key.split("/")[0] if "/" in key else "other"
 
     groups: dict[str, list[str]] = {}
     for k in sorted(metrics):
         v = metrics[k]
         short = k.split("/", 1)[1] if "/" in k else k
         groups.setdefault(group_of(k), []).append(f"{short}={v:.4g}")
+    order = [g for g in _GROUP_ORDER if g in groups] + sorted(set(groups) - set(_GROUP_ORDER))
     lines = [f"step {step}"]
-    for g in (*_GROUP_ORDER, "other"):
-        if g in groups:
-            lines.append(f"  {g:<15} " + "  ".join(groups[g]))
+    width = max((len(g) for g in order), default=0)
+    for g in order:
+        lines.append(f"  {g:<{max(width, 15)}} " + "  ".join(groups[g]))
     return "\n".join(lines)
 
 

@@ -11,7 +11,7 @@ import json
 import os
 
 PANELS = (
-    ("reward", ("critic/score/mean", "val/test_score/*")),
+    ("reward", ("critic/score/mean", "val-core/*")),
     ("KL", ("actor/ppo_kl", "actor/reward_kl_penalty", "actor/kl_loss")),
     ("losses", ("actor/pg_loss", "critic/vf_loss")),
     ("response length", ("response_length/mean",)),

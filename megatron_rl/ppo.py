@@ -34,6 +34,7 @@ mini-batches and epochs, and broadcast from the last stage, so every rank return
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -41,7 +42,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_rl.algos import agg_loss, compute_policy_loss, compute_value_loss, kl_penalty, masked_mean
+from megatron_rl.algos import (
+    PolicyLossOptions,
+    agg_loss,
+    compute_policy_loss,
+    compute_value_loss,
+    effective_agg_mode,
+    kl_penalty,
+    masked_mean,
+)
 from megatron_rl.batch import RolloutBatch
 from megatron_rl.config import ActorConfig, ConfigError, CriticConfig
 from megatron_rl.models.forward import broadcast_from_last_stage, run_pipeline
@@ -162,7 +171,10 @@ def _global_counts(mask: torch.Tensor, ps: ParallelState) -> torch.Tensor:
     return counts
 
 
-def _denominator(counts: torch.Tensor, loss_agg_mode: str) -> torch.Tensor:
+def _denominator(counts: torch.Tensor, loss_agg_mode: str) -> torch.Tensor | float:
+    """The mini-batch count ``agg_loss`` divides by: tokens, sequences, or nothing for token-sum."""
+    if loss_agg_mode == "token-sum":
+        return 1.0
     return counts[0] if loss_agg_mode == "token-mean" else counts[1]
 
 
@@ -190,7 +202,7 @@ def _run_update(
         raise ConfigError(f"{key}.ppo_epochs must be >= 1, got {epochs}")
     model.train()
     shares = torch.zeros(len(names), dtype=torch.float32, device=ps.device)
-    grad_norms, lrs = [], []
+    grad_norms, lrs, nonfinite = [], [], 0
     n_mini = len(batch) // rows
     for epoch in range(epochs):
         if shuffle:
@@ -213,16 +225,21 @@ def _run_update(
             )
             for m in outs:  # last stage only
                 shares += m
-            norm, lr = optimizer.step()
-            grad_norms.append(norm)
+            norm, lr = optimizer.step()  # a non-finite norm skips the step
+            if math.isfinite(norm):
+                grad_norms.append(norm)
+            else:
+                nonfinite += 1
             lrs.append(lr)
     # Mini-batch values = shares summed over DP; then the mean over mini-batches and epochs.
     if ps.dp_size > 1:
         dist.all_reduce(shares, op=dist.ReduceOp.SUM, group=ps.dp_group)
     shares = broadcast_from_last_stage(shares, ps, shares.shape, shares.dtype) / (epochs * n_mini)
     metrics = {f"{prefix}/{name}": v for name, v in zip(names, shares.tolist(), strict=True)}
-    metrics[f"{prefix}/grad_norm"] = sum(grad_norms) / len(grad_norms)
+    metrics[f"{prefix}/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0
     metrics[f"{prefix}/lr"] = sum(lrs) / len(lrs)
+    # optimizer steps skipped for a non-finite loss or gradient (the norm is the same on every rank)
+    metrics[f"{prefix}/nonfinite_grad_steps"] = float(nonfinite)
     updated = optimizer.pop_update_fraction()
     if updated is not None:  # bf16/fp16 models: how much of the model the update actually moved
         metrics[f"{prefix}/param_update_frac"] = updated
@@ -242,10 +259,12 @@ def update_actor(
     """One PPO update of the actor on this rank's share of the rollout batch (see the module docstring).
 
     ``batch`` tensors live on ``ps.device``. Uses batch.input_ids, attention_mask, responses,
-    response_mask, old_log_probs, advantages and, with ``cfg.use_kl_loss``, ref_log_probs.
+    response_mask, old_log_probs, advantages, rollout_is_weights when set and, with ``cfg.use_kl_loss``,
+    ref_log_probs. The policy loss is ``cfg.policy_loss.loss_mode``'s (algos/policy_loss.py).
     ``temperature`` is the rollout's sampling temperature; ``shuffle_seed`` (e.g. the global step)
     seeds the mini-batch order when ``cfg.shuffle``.
-    Returns actor/pg_loss, pg_clipfrac, pg_clipfrac_lower, ppo_kl, entropy, [kl_loss], grad_norm, lr.
+    Returns actor/loss, pg_loss, pg_clipfrac, pg_clipfrac_lower, ppo_kl, entropy, [kl_loss], grad_norm (of
+    the finite steps), lr, nonfinite_grad_steps.
     """
     key = "actor_rollout_ref.actor"
     for name in ("old_log_probs", "advantages") + (("ref_log_probs",) if cfg.use_kl_loss else ()):
@@ -259,12 +278,25 @@ def update_actor(
     vocab = model.args.vocab_size
     low = cfg.clip_ratio if cfg.clip_ratio_low is None else cfg.clip_ratio_low
     high = cfg.clip_ratio if cfg.clip_ratio_high is None else cfg.clip_ratio_high
-    names = ["pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy"]
+    names = ["loss", "pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy"]
     if cfg.use_kl_loss:
         names.append("kl_loss")
+    loss_mode = cfg.policy_loss.loss_mode
+    options = PolicyLossOptions(
+        clip_cov_ratio=cfg.policy_loss.clip_cov_ratio,
+        clip_cov_lb=cfg.policy_loss.clip_cov_lb,
+        clip_cov_ub=cfg.policy_loss.clip_cov_ub,
+        kl_cov_ratio=cfg.policy_loss.kl_cov_ratio,
+        ppo_kl_coef=cfg.policy_loss.ppo_kl_coef,
+        tau_pos=cfg.tau_pos,
+        tau_neg=cfg.tau_neg,
+    )
+    # clip_cov picks tokens at random: the TP/PP peers of one replica draw the same (same seed, same data).
+    generator = torch.Generator().manual_seed(shuffle_seed * 7919 + ps.dp_rank)
 
     def make_loss_fn(counts: torch.Tensor):
         denom = _denominator(counts, cfg.loss_agg_mode)
+        pg_denom = _denominator(counts, effective_agg_mode(loss_mode, cfg.loss_agg_mode))
         tokens = counts[0]
 
         def loss_fn(mb: RolloutBatch, logits: torch.Tensor):
@@ -283,13 +315,19 @@ def update_actor(
                 clip_ratio_high=high,
                 clip_ratio_c=cfg.clip_ratio_c,
                 loss_agg_mode=cfg.loss_agg_mode,
-                global_denominator=denom,
+                global_denominator=pg_denom,
+                loss_mode=loss_mode,
+                options=options,
+                rollout_is_weights=mb.rollout_is_weights,
+                loss_scale_factor=cfg.loss_scale_factor,
+                generator=generator,
             )
-            ent = agg_loss(entropy, mask, cfg.loss_agg_mode, denom)
+            ent = agg_loss(entropy, mask, cfg.loss_agg_mode, denom, cfg.loss_scale_factor)
             loss = pg_loss - cfg.entropy_coeff * ent if cfg.entropy_coeff else pg_loss
             # Diagnostics are token means over the mini-batch: local mean x local tokens / global tokens.
             weight = mask.sum() / tokens.clamp_min(1)
             metrics = [
+                loss.detach(),
                 pg_loss.detach(),
                 clipfrac * weight,
                 clipfrac_lower * weight,
@@ -298,8 +336,9 @@ def update_actor(
             ]
             if cfg.use_kl_loss:
                 kld = kl_penalty(log_probs, mb.ref_log_probs, cfg.kl_loss_type)
-                kl_loss = agg_loss(kld, mask, cfg.loss_agg_mode, denom)
+                kl_loss = agg_loss(kld, mask, cfg.loss_agg_mode, denom, cfg.loss_scale_factor)
                 loss = loss + cfg.kl_loss_coef * kl_loss
+                metrics[0] = loss.detach()
                 metrics.append(kl_loss.detach())
             return loss, mask.sum().int(), torch.stack(metrics).float()
 
@@ -337,7 +376,8 @@ def update_critic(
     ``batch`` tensors live on ``ps.device``. Uses batch.values (V_old) and batch.returns besides the
     tokens and masks.
 
-    Returns critic/vf_loss, vf_clipfrac, vpred_mean, grad_norm, lr.
+    Returns critic/vf_loss, vf_clipfrac, vpred_mean, grad_norm (of the finite steps), lr,
+    nonfinite_grad_steps.
     """
     for name in ("values", "returns"):
         if getattr(batch, name) is None:

@@ -2,18 +2,20 @@
 
 Data flow (one PPO step):
 
-    RewardManager(tokenizer, compute_score)(response_ids, data_sources, ground_truths, extra_infos)
+    RewardManager(tokenizer, compute_score, kwargs)(responses, data_sources, ground_truths, extra_infos)
         decodes each response (special tokens skipped), calls
         compute_score(data_source=..., solution_str=..., ground_truth=..., extra_info=..., **reward_kwargs)
-        and returns a float32 tensor [B] of sequence scores plus a metrics dict. The trainer places each
-        score on the sequence's last response token.
+        and returns a RewardOutput: float32 scores [B], the per-sample extra keys, the error count. The
+        trainer places each score on the sequence's last response token.
 
 ``compute_score`` has verl's custom-reward signature, so verl reward files load unchanged through
 ``load_custom_reward_function(custom_reward_function.path, custom_reward_function.name)``. It may return a
-number or a dict with a "score" key (its other numeric keys are averaged into the metrics).
+number or a dict with a "score" key; its other numeric keys are logged (reward/<key>/mean, and per data
+source in validation) and may drive DAPO's group filter (algorithm.filter_groups.metric).
 
 Built in (``default_compute_score`` dispatches on ``data_source``):
-    "openai/gsm8k", "gsm8k"   -> compute_score_gsm8k (strict "#### <number>" format)
+    "openai/gsm8k", "gsm8k"   -> compute_score_gsm8k (verl's strict "#### <number>" rule; reward_kwargs
+                                 method=flexible, lenient=True, format_score, score)
     toy.TOY_DATA_SOURCE       -> toy.toy_compute_score (the CPU demo's task)
 """
 
@@ -24,51 +26,70 @@ import importlib.util
 import logging
 import math
 import numbers
+import queue
 import re
 import sys
-from collections import defaultdict
+import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from megatron_rl.launch_checks import LaunchError
 from megatron_rl.toy import TOY_DATA_SOURCE, toy_compute_score
 
 logger = logging.getLogger(__name__)
 
 GSM8K_DATA_SOURCES = ("openai/gsm8k", "gsm8k")
+RULE_DATA_SOURCES = (*GSM8K_DATA_SOURCES, TOY_DATA_SOURCE)
+"""The data_source values ``default_compute_score`` scores."""
 
 # Only the tail of a response is searched, so an answer-shaped number that the model wrote early in a
 # long (possibly degenerate) response does not count.
 _SOLUTION_CLIP_CHARS = 300
-_STRICT_RE = re.compile(r"#### \$?(-?[0-9.,]+)")
-_NUMBER_RE = re.compile(r"-?[0-9.,]+")
-
-
-def _normalize_number(text: str) -> str:
-    text = text.replace(",", "").replace("$", "")
-    # A sentence-ending period ("#### 72.") is punctuation, not part of the number.
-    return text.rstrip(".")
+_STRICT_RE = re.compile(r"#### (\-?[0-9\.\,]+)")
+_NUMBER_RE = re.compile(r"(\-?[0-9\.\,]+)")
+_LENIENT_STRICT_RE = re.compile(r"#### \$?(-?[0-9.,]+)")
 
 
 def extract_solution(solution_str: str, method: str = "strict") -> str | None:
-    """The final numeric answer in a GSM8K response, or None.
+    """The final answer of a GSM8K response as written, or None (verl's rule, character for character).
 
-    strict: the number right after the last "#### " (an optional "$" is allowed).
-    flexible: the last number anywhere.
-    Both look only at the last 300 characters and drop thousands separators "," and "$".
+    Only the last 300 characters are searched.
+    strict: the last "#### " followed directly by an optional "-" and a run of digits, "." and ","
+        (so "#### $12" has no answer); "," is removed from it ("#### 1,234" -> "1234", "#### 72." -> "72.").
+    flexible: the last run of digits, "." and "," (an optional "-" before it) that is not a lone ".";
+        nothing is removed ("1,234" stays "1,234").
     """
     if method not in ("strict", "flexible"):
         raise ValueError(f"method must be 'strict' or 'flexible', got {method!r}")
     tail = solution_str[-_SOLUTION_CLIP_CHARS:]
-    matches = (_STRICT_RE if method == "strict" else _NUMBER_RE).findall(tail)
-    for match in reversed(matches):
+    if method == "strict":
+        matches = _STRICT_RE.findall(tail)
+        return matches[-1].replace(",", "").replace("$", "") if matches else None
+    matches = _NUMBER_RE.findall(tail)
+    answer = None
+    for answer in reversed(matches):
+        if answer not in ("", "."):
+            break
+    return answer
+
+
+def _lenient_answer(solution_str: str, method: str) -> str | None:
+    """The lenient reading: "$" allowed after "####", thousands separators and a trailing "." dropped,
+    digit-less matches skipped."""
+    tail = solution_str[-_SOLUTION_CLIP_CHARS:]
+    for match in reversed((_LENIENT_STRICT_RE if method == "strict" else _NUMBER_RE).findall(tail)):
         answer = _normalize_number(match)
-        # Runs of punctuation alone ("...", ",") match the pattern but are not numbers.
         if any(ch.isdigit() for ch in answer):
             return answer
     return None
+
+
+def _normalize_number(text: str) -> str:
+    return text.strip().replace(",", "").replace("$", "").rstrip(".")
 
 
 def compute_score_gsm8k(
@@ -77,12 +98,24 @@ def compute_score_gsm8k(
     method: str = "strict",
     format_score: float = 0.0,
     score: float = 1.0,
+    lenient: bool = False,
 ) -> float:
-    """``score`` for the right answer, ``format_score`` for a wrong but extractable one, else 0."""
+    """``score`` when the extracted answer equals ``ground_truth`` exactly (string equality, as verl),
+    ``format_score`` for a wrong but extractable one, else 0.
+
+    ``lenient=True`` (``custom_reward_function.reward_kwargs.lenient``) also accepts "#### $12",
+    "#### 72." and "1,234" against "1234", and normalises the ground truth the same way (an int, " 72 ");
+    its scores are not comparable with verl's.
+    """
+    if lenient:
+        answer = _lenient_answer(solution_str, method)
+        if answer is None:
+            return 0.0
+        return score if answer == _normalize_number(str(ground_truth)) else format_score
     answer = extract_solution(solution_str, method=method)
     if answer is None:
         return 0.0
-    return score if answer == _normalize_number(str(ground_truth).strip()) else format_score
+    return score if answer == ground_truth else format_score
 
 
 def default_compute_score(
@@ -99,7 +132,7 @@ def default_compute_score(
         return toy_compute_score(solution_str, ground_truth, extra_info, **kwargs)
     raise NotImplementedError(
         f"no built-in reward for data_source={data_source!r} (built in: "
-        f"{[*GSM8K_DATA_SOURCES, TOY_DATA_SOURCE]}). Write a function "
+        f"{list(RULE_DATA_SOURCES)}). Write a function "
         "compute_score(data_source, solution_str, ground_truth, extra_info=None) and point "
         "custom_reward_function.path at its .py file and custom_reward_function.name at its name."
     )
@@ -150,9 +183,16 @@ class RewardManager:
     """Scores decoded responses with ``compute_score``, one float per sequence.
 
     A sample whose reward function raises (or returns a non-finite or non-numeric value) is logged with
-    its index, data_source and response, scores 0.0, and is counted in ``info["reward/num_errors"]``.
+    its index, data_source and response, scores 0.0, and is counted in ``RewardOutput.num_errors``
+    (metric ``reward/num_errors``).
     If every sample of a batch fails, the reward function is broken rather than unlucky, and training on
     all-zero rewards would waste the run, so a RuntimeError is raised from the first exception.
+
+    Each call runs on a worker thread and may take at most ``timeout_s`` seconds
+    (``custom_reward_function.timeout_s``; 0 = no limit): a call that takes longer, or one that exits the
+    interpreter (``sys.exit``), stops the run with a :class:`RewardFunctionError` naming the function,
+    the sample and its data_source. The worker is a daemon thread, so a hung call does not keep the
+    process alive.
     """
 
     def __init__(
@@ -160,10 +200,43 @@ class RewardManager:
         tokenizer: Any,
         compute_score: Callable[..., Any] | None = None,
         reward_kwargs: dict[str, Any] | None = None,
+        timeout_s: float = 0.0,
     ) -> None:
         self.tokenizer = tokenizer
         self.compute_score = compute_score if compute_score is not None else default_compute_score
         self.reward_kwargs = dict(reward_kwargs or {})
+        self.timeout_s = timeout_s
+        self._worker: _Worker | None = None
+
+    @property
+    def name(self) -> str:
+        fn = self.compute_score
+        return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+    def _call(
+        self, i: int, data_source: str, text: str, ground_truth: Any, extra_info: Any
+    ) -> tuple[float, dict]:
+        """``_score_one`` under the timeout; exceptions come back as they were raised."""
+        if self._worker is None or not self._worker.is_alive():
+            self._worker = _Worker()
+        status, value = self._worker.run(
+            lambda: self._score_one(data_source, text, ground_truth, extra_info), self.timeout_s or None
+        )
+        where = f"sample {i} (data_source={data_source!r})"
+        if status == "timeout":
+            self._worker = None  # abandoned: still inside the hung call
+            raise RewardFunctionError(
+                f"reward function {self.name} did not return within {self.timeout_s:g} s on {where}; "
+                "make it faster or raise custom_reward_function.timeout_s (0 = no limit)."
+            )
+        if status == "exit":
+            raise RewardFunctionError(
+                f"reward function {self.name} exited the process (SystemExit({value.code!r})) on {where}; "
+                "a reward function must return a score or raise an exception."
+            )
+        if status == "error":
+            raise value
+        return value
 
     def _score_one(
         self, data_source: str, text: str, ground_truth: Any, extra_info: Any
@@ -200,7 +273,7 @@ class RewardManager:
         data_sources: Sequence[str],
         ground_truths: Sequence[Any],
         extra_infos: Sequence[dict[str, Any] | None] | None = None,
-    ) -> tuple[torch.Tensor, dict[str, float]]:
+    ) -> RewardOutput:
         n = len(response_ids)
         if extra_infos is None:
             extra_infos = [None] * n
@@ -212,20 +285,21 @@ class RewardManager:
         texts = self.tokenizer.batch_decode([list(r) for r in response_ids], skip_special_tokens=True)
 
         scores = torch.zeros(n, dtype=torch.float32)
+        extras: dict[str, torch.Tensor] = {}
         first_error: BaseException | None = None
         num_errors = 0
-        extras_sum: dict[str, float] = defaultdict(float)
-        extras_count: dict[str, int] = defaultdict(int)
-        per_source: dict[str, list[float]] = defaultdict(list)
         for i, (text, source, truth, info) in enumerate(
             zip(texts, data_sources, ground_truths, extra_infos, strict=True)
         ):
             try:
-                value, extras = self._score_one(source, text, truth, info)
+                value, sample_extras = self._call(i, source, text, truth, info)
+            except RewardFunctionError:
+                raise
             except Exception as exc:
                 num_errors += 1
                 logger.error(
-                    "reward function failed on sample %d (data_source=%r): %r; response: %r",
+                    "reward function %s failed on sample %d (data_source=%r): %r; response: %r",
+                    self.name,
                     i,
                     source,
                     exc,
@@ -235,25 +309,60 @@ class RewardManager:
                 )
                 if first_error is None:
                     first_error = exc
-                value, extras = 0.0, {}
+                value, sample_extras = 0.0, {}
             scores[i] = value
-            per_source[source].append(value)
-            for k, v in extras.items():
-                extras_sum[k] += v
-                extras_count[k] += 1
+            for k, v in sample_extras.items():
+                extras.setdefault(k, torch.full((n,), math.nan))[i] = v
 
         if n > 0 and num_errors == n:
             raise RuntimeError(
                 f"the reward function failed on all {n} samples of the batch; first error: {first_error!r}"
             ) from first_error
+        return RewardOutput(scores, extras, num_errors)
 
-        info: dict[str, float] = {
-            "reward/num_errors": float(num_errors),
-            "reward/mean": float(scores.mean()) if n else 0.0,
-        }
-        if len(per_source) > 1:
-            for source, values in per_source.items():
-                info[f"reward/{source}/mean"] = sum(values) / len(values)
-        for k, total in extras_sum.items():
-            info[f"reward/{k}/mean"] = total / extras_count[k]
-        return scores, info
+
+class _Worker:
+    """One daemon thread that runs reward calls one at a time, so the caller can stop waiting."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.Queue = queue.Queue()
+        self._results: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name="reward-function", daemon=True)
+        self._thread.start()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _loop(self) -> None:
+        while True:
+            fn = self._jobs.get()
+            try:
+                self._results.put(("ok", fn()))
+            except SystemExit as exc:
+                self._results.put(("exit", exc))
+            except BaseException as exc:  # handed to the caller, which decides
+                self._results.put(("error", exc))
+
+    def run(self, fn: Callable[[], Any], timeout: float | None) -> tuple[str, Any]:
+        self._jobs.put(fn)
+        try:
+            return self._results.get(timeout=timeout)
+        except queue.Empty:
+            return "timeout", None
+
+
+class RewardFunctionError(LaunchError):
+    """A reward function hung past its timeout or exited the process (one line, on the failing rank)."""
+
+
+@dataclass
+class RewardOutput:
+    """What a batch of rewards gives back."""
+
+    scores: torch.Tensor
+    """[B] float32 sequence scores (0.0 where the reward function failed)."""
+    extras: dict[str, torch.Tensor]
+    """Other numeric keys of dict-returning reward functions, [B] float32 each, NaN where a sample did
+    not return the key."""
+    num_errors: int
+    """Samples whose reward function raised or returned a non-number."""

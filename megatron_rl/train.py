@@ -17,6 +17,10 @@ def main(argv: list[str] | None = None) -> None:
         "overrides", nargs="*", help="dotted overrides, e.g. actor_rollout_ref.actor.optim.lr=1e-6"
     )
     a = ap.parse_args(argv)
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun: never outlive it (kill -9 included)
+        from megatron_rl.lifecycle import die_with_parent
+
+        die_with_parent()
 
     from megatron_rl.config import load_config
     from megatron_rl.launch_checks import explain_failures, preflight
@@ -37,6 +41,8 @@ def main(argv: list[str] | None = None) -> None:
             format=f"[%(asctime)s rank{rank}] %(levelname)s %(name)s: %(message)s",
             datefmt="%H:%M:%S",
         )
+        # Our own level, set on our logger: SGLang reconfigures the root logger when its engine starts.
+        logging.getLogger("megatron_rl").setLevel(logging.INFO if rank == 0 else logging.WARNING)
         from megatron_rl.parallel import destroy_parallel, init_parallel
         from megatron_rl.trainer import Trainer
 

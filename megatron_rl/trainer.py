@@ -19,8 +19,10 @@ resumed run repeats the same rollouts.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import logging
+import math
 import os
 import time
 
@@ -29,6 +31,7 @@ import torch.distributed as dist
 
 from megatron_rl.batch import RolloutBatch, SeqMeta
 from megatron_rl.config import Config, ConfigError, to_dict
+from megatron_rl.launch_checks import LaunchError
 from megatron_rl.metrics import MetricsLogger, Timer, data_metrics, progress_bar, set_aside
 from megatron_rl.offload import HostParking
 from megatron_rl.parallel import ParallelState
@@ -43,6 +46,7 @@ class Models:
     ref: torch.nn.Module | None
     critic: torch.nn.Module | None
     critic_optim: object | None
+    reward: torch.nn.Module | None = None  # reward_model.enable
 
 
 class Trainer:
@@ -50,11 +54,13 @@ class Trainer:
         from transformers import AutoTokenizer
 
         from megatron_rl.algos.kl import get_kl_controller
+        from megatron_rl.algos.rollout_corr import parse_rs
         from megatron_rl.checkpoint import CheckpointManager
         from megatron_rl.data import PromptDataset, ResumableDistributedSampler
         from megatron_rl.models.hf import check_sliding_window
         from megatron_rl.models.loading import load_model_args_any
-        from megatron_rl.reward import RewardManager, load_custom_reward_function
+        from megatron_rl.reward import RULE_DATA_SOURCES, RewardManager, load_custom_reward_function
+        from megatron_rl.rollout.base import stop_token_ids
 
         self.cfg, self.ps = cfg, ps
         arr = cfg.actor_rollout_ref
@@ -74,6 +80,7 @@ class Trainer:
             else self.tokenizer.eos_token_id
         )
         self.model_args = load_model_args_any(arr.model.path)
+        self.stop_ids = stop_token_ids(self.tokenizer, (arr.model.path, cfg.data.tokenizer))
         # Full causal attention equals the model's sliding window only for sequences within the window.
         check_sliding_window(
             self.model_args, cfg.data.max_prompt_length + cfg.data.max_response_length, arr.model.path
@@ -87,6 +94,8 @@ class Trainer:
                 truncation=cfg.data.truncation,
                 filter_overlong_prompts=cfg.data.filter_overlong_prompts,
                 prompt_key=cfg.data.prompt_key,
+                # built-in rules: every row's data_source and ground truth are checked up front
+                rule_sources=None if self._rewards_not_by_rule() else RULE_DATA_SOURCES,
             )
 
         if not cfg.data.train_files:
@@ -114,26 +123,61 @@ class Trainer:
             compute_score = load_custom_reward_function(
                 cfg.custom_reward_function.path, cfg.custom_reward_function.name
             )
-        self.reward_fn = RewardManager(self.tokenizer, compute_score)
+        crf = cfg.custom_reward_function
+        if cfg.reward_model.http.url:
+            from megatron_rl.http_reward import HttpRewardManager
+
+            self.reward_fn = HttpRewardManager(self.tokenizer, cfg.reward_model.http)
+        else:
+            self.reward_fn = RewardManager(self.tokenizer, compute_score, crf.reward_kwargs, crf.timeout_s)
+        corr = cfg.algorithm.rollout_correction
+        self.rejection = parse_rs(corr.rollout_rs, corr.rollout_rs_threshold) if corr.rollout_rs else None
+        # The engine's log-probs of the sampled tokens: for the mismatch metrics and corrections.
+        self.keep_rollout_log_probs = bool(
+            arr.rollout.calculate_log_probs or corr.rollout_is or self.rejection
+        )
         self.kl_ctrl = get_kl_controller(
             cfg.algorithm.kl_ctrl.type,
             cfg.algorithm.kl_ctrl.kl_coef,
             cfg.algorithm.kl_ctrl.target_kl,
             cfg.algorithm.kl_ctrl.horizon,
         )
-        # The engine starts first, on an empty GPU, so that rollout.gpu_memory_utilization is the share
-        # of the whole GPU it takes; colocated, it gives that memory back until the first rollout.
-        self.engine = self._build_engine()
-        if cfg.actor_rollout_ref.rollout.free_cache_engine:
-            self.engine.release_memory()
-        self.models = self._build_models()
-        self.parking = HostParking(ps.device)
+        # The output directory is this run's before anything heavy is built.
         self.ckpt = CheckpointManager(
             cfg.trainer.default_local_dir,
             ps,
             cfg.trainer.max_ckpt_to_keep,
             side_file_dirs=(cfg.data.tokenizer, arr.model.path),
+            permissions=cfg.trainer.checkpoint_permissions,
+            claim=True,  # rank 0 locks the directory for this run (one line if another run has it)
         )
+        # The engine starts first, on an empty GPU, so that rollout.gpu_memory_utilization is the share
+        # of the whole GPU it takes; colocated, it gives that memory back until the first rollout.
+        t0 = time.perf_counter()
+        self.engine = self._build_engine()
+        if ps.rank == 0:
+            r = arr.rollout
+            graphs = "on" if r.enable_cuda_graph and r.name == "sglang" else "off"
+            print(
+                f"megatron-rl: rollout engine {r.name} (TP={r.tensor_model_parallel_size}, CUDA graphs "
+                f"{graphs}) started in {time.perf_counter() - t0:.1f} s",
+                flush=True,
+            )
+        if cfg.actor_rollout_ref.rollout.free_cache_engine:
+            self.engine.release_memory()
+        self.models = self._build_models()
+        if self.models.reward is not None:
+            from megatron_rl.reward_model import ModelReward, reward_model_tokenizer
+
+            rm = cfg.reward_model
+            actor_tok = self.tokenizer
+            if rm.model.input_tokenizer:
+                actor_tok = AutoTokenizer.from_pretrained(rm.model.input_tokenizer, trust_remote_code=True)
+            rm_tok = reward_model_tokenizer(rm.model.path, actor_tok, rm.model.trust_remote_code)
+            self.reward_fn = ModelReward(
+                self.models.reward, ps, rm.micro_batch_size_per_gpu, actor_tok, rm_tok, rm.max_length
+            )
+        self.parking = HostParking(ps.device)
         self.timer = Timer(ps.device)
         self.logger = MetricsLogger(
             cfg.trainer.logger,
@@ -145,6 +189,7 @@ class Trainer:
             block_freq=cfg.trainer.console_block_freq,
         )
         self.global_step = 0
+        self.nonfinite_streak = 0  # PPO steps in a row with a skipped (non-finite) update
         self.weights_stale = True  # the engine starts without the actor's weights
         self.peak_flops = _measure_peak_flops(ps.device)
 
@@ -203,7 +248,20 @@ class Trainer:
             critic_optim = ModelOptimizer(
                 critic, cfg.critic.optim, cfg.critic.megatron, ps, critic_steps, key="critic.optim"
             )
-        return Models(actor, actor_optim, ref, critic, critic_optim)
+        reward = None
+        if cfg.reward_model.enable:
+            from megatron_rl.models.loading import load_model_args_any
+
+            rm = cfg.reward_model
+            options = TrainingOptions(sequence_parallel=rm.megatron.sequence_parallel)
+            dtype = torch.float32 if ps.device.type == "cpu" else DTYPES[rm.megatron.params_dtype]
+            args = load_model_args_any(rm.model.path)
+            reward = build_model(
+                args, ps, role="reward", dtype=dtype, sdpa=rm.megatron.use_sdpa_attention, options=options
+            )
+            load_weights(reward, rm.model.path, ps)
+            reward.eval()
+        return Models(actor, actor_optim, ref, critic, critic_optim, reward)
 
     def _build_engine(self):
         from megatron_rl.rollout import create_engine
@@ -221,6 +279,10 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ loop
 
     def fit(self) -> dict[str, float]:
+        """Resume (trainer.resume_mode), then train to the last step; a stop signal ends the loop after
+        the current step with a checkpoint and :class:`~megatron_rl.lifecycle.Preempted`."""
+        from megatron_rl.lifecycle import Preempted, PreemptionWatch
+
         self._maybe_resume()
         cfg = self.cfg.trainer
         last: dict[str, float] = {}
@@ -242,18 +304,35 @@ class Trainer:
             self.total_steps, self.global_step, enabled=self.ps.rank == 0 and "console" in cfg.logger
         )
         batches = iter(self.sampler)
-        while self.global_step < self.total_steps:
-            self.global_step += 1
-            last = self.step(next(batches))
-            if self.val_data is not None and cfg.test_freq > 0 and self.global_step % cfg.test_freq == 0:
-                last.update(self.validate())
-            is_last = self.global_step == self.total_steps
-            if (cfg.save_freq > 0 and self.global_step % cfg.save_freq == 0) or (is_last and cfg.save_at_end):
-                with self.timer("save_checkpoint"):
-                    self.save()
-                last.update(self.timer.pop())
-            self.logger.log(self.global_step, last, echo=bar.write, last=is_last)
-            bar.update(1)
+        # SIGTERM / SIGINT / SIGUSR2 only set a flag; after each step (and its save) every rank agrees
+        # on it, so all save the same step and leave together (megatron_rl.lifecycle).
+        with PreemptionWatch() as watch:
+            while self.global_step < self.total_steps:
+                self.global_step += 1
+                last = self.step(next(batches), more=lambda: next(batches))
+                if self.val_data is not None and cfg.test_freq > 0 and self.global_step % cfg.test_freq == 0:
+                    last.update(self.validate())
+                is_last = self.global_step == self.total_steps
+                saved = None
+                every = cfg.save_freq > 0 and self.global_step % cfg.save_freq == 0
+                if every or (is_last and cfg.save_at_end):
+                    with self.timer("save_checkpoint"):
+                        saved = self.save()
+                    last.update(self.timer.pop())
+                self.logger.log(self.global_step, last, echo=bar.write, last=is_last)
+                bar.update(1)
+                if not is_last and watch.requested(device=self.ps.device):
+                    saved = saved or self.save()
+                    bar.close()
+                    self.logger.close()
+                    if self.ps.rank == 0:
+                        again = "" if cfg.resume_mode == "auto" else " and trainer.resume_mode=auto"
+                        print(
+                            f"megatron-rl: received {watch.signal_name} at step {self.global_step}; saved "
+                            f"{saved}; exiting (resume with the same command{again})",
+                            flush=True,
+                        )
+                    raise Preempted(watch.exit_code)
         bar.close()
         self.logger.close()
         self._write_summary(last)
@@ -300,8 +379,9 @@ class Trainer:
             lines.append(f"  metrics:    {summary['metrics']}   plot: {summary['plot']}")
         print("\n".join(lines), flush=True)
 
-    def step(self, prompt_indices: list[int]) -> dict[str, float]:
-        """One PPO step on this rank's prompts."""
+    def step(self, prompt_indices: list[int], more=None) -> dict[str, float]:
+        """One PPO step on this rank's prompts; ``more()`` gives the next prompts when DAPO's group filter
+        (algorithm.filter_groups) needs to refill the batch."""
         from megatron_rl import ppo
 
         cfg, ps, m, timer = self.cfg, self.ps, self.models, self.timer
@@ -309,8 +389,7 @@ class Trainer:
         t_step = time.perf_counter()
         metrics: dict[str, float] = {}
 
-        batch = self.rollout(prompt_indices, timer)
-        metrics.update(self.score(batch))
+        batch = self.scored_rollout(prompt_indices, more, metrics)
 
         with timer("old_log_prob"):
             batch.old_log_probs = ppo.compute_log_probs(
@@ -320,6 +399,9 @@ class Trainer:
                 arr.rollout.log_prob_micro_batch_size_per_gpu,
                 temperature=arr.rollout.temperature,
             )
+        if batch.rollout_log_probs is not None:
+            with timer("rollout_corr"):
+                metrics.update(self.correct_mismatch(batch))
         if m.ref is not None:
             with timer("ref"):
                 batch.ref_log_probs = ppo.compute_log_probs(
@@ -336,6 +418,8 @@ class Trainer:
                 )
         with timer("adv"):
             metrics.update(self.compute_advantages(batch))
+            if self.rejection is not None:
+                metrics.update(self.reject(batch))
 
         n, seed = arr.rollout.n, self.global_step  # seed: mini-batch shuffling (actor/critic .shuffle)
         if m.critic is not None:
@@ -355,7 +439,11 @@ class Trainer:
             if arr.actor.use_kl_loss:
                 metrics["actor/kl_coef"] = arr.actor.kl_loss_coef
 
-        metrics.update(data_metrics(batch, cfg.data.max_response_length, ps.dp_group))
+        with timer("metrics"):
+            self._guard_nonfinite(metrics)
+            metrics.update(
+                data_metrics(batch, cfg.data.max_prompt_length, cfg.data.max_response_length, ps.dp_group)
+            )
         metrics.update(self.timer.pop())
         metrics["timing_s/step"] = time.perf_counter() - t_step
         metrics["perf/time_per_step"] = metrics["timing_s/step"]
@@ -368,22 +456,23 @@ class Trainer:
 
     def rollout(self, prompt_indices: list[int], timer: Timer, validate: bool = False) -> RolloutBatch:
         """Generate responses for this rank's prompts and assemble the batch (n samples per prompt)."""
-        from megatron_rl.data import collate_left_pad
         from megatron_rl.rollout import SamplingParams
         from megatron_rl.rollout.reshard import sync_weights
 
         cfg, ps = self.cfg, self.ps
         rollout = cfg.actor_rollout_ref.rollout
         data = self.val_data if validate else self.train_data
-        items = [data[i] for i in prompt_indices]
+        with timer("data"):
+            items = [data[i] for i in prompt_indices]
         free = rollout.free_cache_engine
 
         with timer("offload"):
             self._park_training_state()
         if free:
-            if ps.device.type == "cuda":
-                torch.cuda.empty_cache()  # training's cached blocks go back to the device for the engine
-            self.engine.resume_memory()
+            with timer("engine"):  # the engine's memory comes back (and training's cache goes)
+                if ps.device.type == "cuda":
+                    torch.cuda.empty_cache()  # training's cached blocks go back to the device
+                self.engine.resume_memory()
         if self.weights_stale:
             with timer("reshard"):
                 sync_weights(
@@ -410,17 +499,27 @@ class Trainer:
             top_k=top_k,
             greedy=greedy or temperature == 0,
             max_new_tokens=cfg.data.max_response_length,
-            stop_token_ids=self._stop_ids(),
+            stop_token_ids=self.stop_ids,
             seed=cfg.data.seed * 1_000_003 + self.global_step * 1009 + ps.dp_rank + (7 if validate else 0),
+            return_logprobs=self.keep_rollout_log_probs and not validate,
         )
         with timer("gen"):
             gens = self.engine.generate([it.prompt_ids for it in items], params)
         if free:
-            # SGLang drops its weights with its memory: the next rollout streams them again.
-            self.engine.release_memory()
+            with timer("engine"):
+                # SGLang drops its weights with its memory: the next rollout streams them again.
+                self.engine.release_memory()
             self.weights_stale = True
         with timer("offload"):
             self.parking.reload()
+        with timer("batch"):
+            return self._assemble(items, gens, params)
+
+    def _assemble(self, items, gens, params) -> RolloutBatch:
+        """Generations -> the [B*n] rollout batch on the device."""
+        from megatron_rl.data import collate_left_pad
+
+        cfg, ps = self.cfg, self.ps
 
         # [B*n] rows: prompt i's samples are adjacent and share a uid (the GRPO/RLOO group).
         prompts, metas, responses = [], [], []
@@ -435,6 +534,7 @@ class Trainer:
                         data_source=it.data_source,
                         ground_truth=it.ground_truth,
                         extra_info=it.extra_info,
+                        messages=it.messages,
                     )
                 )
         prompt_ids, prompt_mask = collate_left_pad(prompts, self.pad_id)
@@ -444,7 +544,16 @@ class Trainer:
         for i, r in enumerate(responses):
             resp[i, : len(r)] = torch.tensor(r, dtype=torch.long)
             resp_mask[i, : len(r)] = 1.0
-        return RolloutBatch.from_tokens(prompt_ids, prompt_mask, resp, resp_mask, metas).to(ps.device)
+        batch = RolloutBatch.from_tokens(prompt_ids, prompt_mask, resp, resp_mask, metas)
+        if params.return_logprobs:
+            # NaN where the engine gave no log-prob (the trainer's own value is used there)
+            lp = torch.full((len(responses), width), math.nan)
+            engine_lps = [g.logprobs or [] for samples in gens for g in samples]
+            for i, (r, got) in enumerate(zip(responses, engine_lps, strict=True)):
+                got = got[: len(r)]
+                lp[i, : len(got)] = torch.tensor(got, dtype=torch.float32)
+            batch.rollout_log_probs = lp
+        return batch.to(ps.device)
 
     def _park_training_state(self) -> None:
         """Before generation: park what the *.megatron.*_offload keys name (see megatron_rl.offload)."""
@@ -461,47 +570,143 @@ class Trainer:
                 park(model.parameters())
         if m.ref is not None and arr.ref.megatron.param_offload:
             park(m.ref.parameters())
+        if m.reward is not None and self.cfg.reward_model.megatron.param_offload:
+            park(m.reward.parameters())
 
-    def _stop_ids(self) -> list[int]:
-        eos = self.tokenizer.eos_token_id
-        ids = eos if isinstance(eos, list) else [eos]
-        return [i for i in ids if i is not None]
+    def _rewards_not_by_rule(self) -> bool:
+        """Rewards come from a custom function, a reward server or a reward model, not the rules."""
+        cfg = self.cfg
+        return bool(cfg.custom_reward_function.path or cfg.reward_model.http.url or cfg.reward_model.enable)
 
-    def reward_scores(self, batch: RolloutBatch) -> tuple[torch.Tensor, int]:
-        """Per-sequence scores [B] (on the device) and the number of reward errors.
-
-        Computed once per model replica, on its first rank, and broadcast to the other TP/PP ranks:
-        a non-deterministic reward function must not give the shards of one model different losses.
-        """
-        ps = self.ps
-        scores = torch.zeros(len(batch) + 1, dtype=torch.float32)
-        if ps.tp_rank == 0 and ps.pp_rank == 0:
-            lengths = batch.response_mask.sum(-1).long().tolist()
-            responses = batch.responses.cpu()
-            values, info = self.reward_fn(
-                [responses[i, :n].tolist() for i, n in enumerate(lengths)],
-                [mt.data_source for mt in batch.meta],
-                [mt.ground_truth for mt in batch.meta],
-                [mt.extra_info for mt in batch.meta],
+    def _guard_nonfinite(self, metrics: dict[str, float]) -> None:
+        """Skipped updates (non-finite loss or gradient norm) are logged; trainer.max_nonfinite_steps PPO
+        steps in a row with one stop the run before anything is saved (the last checkpoint stays good)."""
+        skipped = {
+            phase: int(metrics.get(f"{role}/nonfinite_grad_steps", 0))
+            for phase, role in (("update_actor", "actor"), ("update_critic", "critic"))
+        }
+        if not any(skipped.values()):
+            self.nonfinite_streak = 0
+            return
+        self.nonfinite_streak += 1
+        where = ", ".join(f"{phase}: {n}" for phase, n in skipped.items() if n)
+        if self.ps.rank == 0:
+            log.warning(
+                "step %d: optimizer steps skipped for a non-finite loss or gradient norm (%s); %d step(s) "
+                "in a row",
+                self.global_step,
+                where,
+                self.nonfinite_streak,
             )
-            scores[:-1], scores[-1] = values, float(info.get("reward/num_errors", 0))
-        scores = scores.to(ps.device)
-        if ps.tp_size * ps.pp_size > 1:
-            dist.broadcast(scores, src=dist.get_global_rank(ps.mp_group, 0), group=ps.mp_group)
-        return scores[:-1], int(scores[-1].item())
+        limit = self.cfg.trainer.max_nonfinite_steps
+        if limit > 0 and self.nonfinite_streak >= limit:
+            latest = self.ckpt.latest()
+            raise NonFiniteError(
+                f"{self.nonfinite_streak} steps in a row (the last: step {self.global_step}, {where}) had a "
+                "non-finite loss or gradient norm, so the run stopped "
+                f"(trainer.max_nonfinite_steps={limit}); "
+                f"the last checkpoint is {latest or 'none (nothing was saved)'}. Lower "
+                "actor_rollout_ref.actor.optim.lr / critic.optim.lr or set *.optim.clip_grad, then resume."
+            )
 
-    def score(self, batch: RolloutBatch) -> dict[str, float]:
-        """Rule rewards, placed on each response's last real token -> batch.token_level_scores [B, R]."""
-        with self.timer("reward"):
-            scores, errors = self.reward_scores(batch)
-            lengths = batch.response_mask.sum(-1).long()
-            token_scores = torch.zeros_like(batch.response_mask)
-            last = (lengths - 1).clamp(min=0)
-            token_scores[torch.arange(len(batch), device=last.device), last] = scores * (lengths > 0)
-            batch.token_level_scores = token_scores
-        t = torch.tensor(float(errors), device=self.ps.device)
-        dist.all_reduce(t, group=self.ps.dp_group)  # a count: summed over data-parallel ranks
-        return {"reward/num_errors": t.item()}
+    def scored_rollout(self, prompt_indices: list[int], more, metrics: dict[str, float]) -> RolloutBatch:
+        """Rollout and rewards; with algorithm.filter_groups, groups whose samples all score the same are
+        dropped and more prompts generated until this rank has its share of the batch (every rank runs
+        the same number of rounds: generation is collective)."""
+        from megatron_rl import scoring
+        from megatron_rl.algos.dapo import informative_groups
+
+        fg, ps = self.cfg.algorithm.filter_groups, self.ps
+        quota = len(prompt_indices) * self.cfg.actor_rollout_ref.rollout.n
+        kept: list[RolloutBatch] = []
+        have = rounds = errors = 0
+        groups = [0, 0]  # [dropped, seen] on this rank
+        while True:
+            rounds += 1
+            batch = self.rollout(prompt_indices, self.timer)
+            with self.timer("reward"):
+                scores, n_err = scoring.reward_scores(self.reward_fn, batch, ps, self.cfg)
+                scoring.place_scores(batch, scores)
+            errors += n_err
+            if not fg.enable:
+                kept.append(batch)
+                break
+            uids = [mt.uid for mt in batch.meta]
+            rows = [
+                i
+                for i, ok in enumerate(informative_groups(scoring.filter_values(batch, fg.metric), uids))
+                if ok
+            ]
+            groups[0] += len(set(uids)) - len({uids[i] for i in rows})
+            groups[1] += len(set(uids))
+            rows = rows[: quota - have]
+            if rows:
+                kept.append(batch.select(rows))
+                have += len(rows)
+            short = torch.tensor([float(have < quota)], device=ps.device)
+            dist.all_reduce(short, op=dist.ReduceOp.MAX)
+            if short.item() == 0:
+                break
+            if 0 < fg.max_num_gen_batches <= rounds:
+                raise ConfigError(
+                    f"algorithm.filter_groups: {rounds} generation rounds (max_num_gen_batches) left "
+                    f"{have} of {quota} sequences on rank {ps.rank} after dropping groups whose "
+                    f"{fg.metric or 'acc'} is the same for every sample: raise "
+                    "algorithm.filter_groups.max_num_gen_batches (0 = no limit) or use easier prompts."
+                )
+            prompt_indices = more()
+        batch = kept[0] if len(kept) == 1 else RolloutBatch.concat(kept, self.pad_id)
+        with self.timer("metrics"):
+            metrics.update(scoring.reward_metrics(batch, errors, ps))
+        if fg.enable:
+            t = torch.tensor(groups, dtype=torch.float64, device=ps.device)
+            dist.all_reduce(t, group=ps.dp_group)
+            metrics["train/num_gen_batches"] = float(rounds)
+            metrics["train/num_dropped_groups"] = t[0].item()
+            metrics["train/dropped_group_ratio"] = (t[0] / t[1].clamp(min=1)).item()
+        return batch
+
+    def correct_mismatch(self, batch: RolloutBatch) -> dict[str, float]:
+        """Mismatch metrics of the engine's log-probs against the trainer's (old_log_probs), and the
+        truncated importance weights (algorithm.rollout_correction.rollout_is) -> batch.rollout_is_weights."""
+        from megatron_rl.algos import rollout_corr
+
+        corr, group = self.cfg.algorithm.rollout_correction, self.ps.dp_group
+        # Where the engine gave no log-prob, its value is taken to be the trainer's (ratio 1).
+        rollout_lp = torch.where(
+            batch.rollout_log_probs.isnan(), batch.old_log_probs, batch.rollout_log_probs
+        )
+        batch.rollout_log_probs = rollout_lp
+        mask = batch.response_mask
+        metrics = rollout_corr.mismatch_metrics(batch.old_log_probs, rollout_lp, mask, group)
+        if corr.rollout_is is not None:
+            batch.rollout_is_weights, is_metrics = rollout_corr.importance_weights(
+                batch.old_log_probs,
+                rollout_lp,
+                mask,
+                corr.rollout_is,
+                corr.rollout_is_threshold,
+                corr.rollout_is_batch_normalize,
+                group,
+            )
+            metrics.update(is_metrics)
+        return metrics
+
+    def reject(self, batch: RolloutBatch) -> dict[str, float]:
+        """algorithm.rollout_correction.rollout_rs: rejected tokens (or sequences) leave the response mask
+        and their advantages are zeroed; group statistics were taken before, over every sample."""
+        from megatron_rl.algos.rollout_corr import rejection_mask
+
+        keep, metrics = rejection_mask(
+            batch.old_log_probs,
+            batch.rollout_log_probs,
+            batch.response_mask,
+            self.rejection,
+            self.ps.dp_group,
+        )
+        batch.response_mask = keep
+        batch.advantages = batch.advantages * keep
+        return metrics
 
     def compute_advantages(self, batch: RolloutBatch) -> dict[str, float]:
         from megatron_rl.algos import advantages as adv
@@ -522,61 +727,47 @@ class Trainer:
             metrics.update(kl_metrics)
         else:
             batch.token_level_rewards = batch.token_level_scores
-        r, mask, uids = batch.token_level_rewards, batch.response_mask, [mt.uid for mt in batch.meta]
-        name = alg.adv_estimator
-        if name == "gae":
-            batch.advantages, batch.returns = adv.compute_gae(
-                r, batch.values, mask, alg.gamma, alg.lam, group=ps.dp_group
-            )
-        elif name == "grpo":
-            batch.advantages, batch.returns = adv.compute_grpo_outcome_advantage(
-                r, mask, uids, alg.norm_adv_by_std_in_grpo
-            )
-        elif name == "rloo":
-            batch.advantages, batch.returns = adv.compute_rloo_outcome_advantage(r, mask, uids)
-        elif name == "reinforce_plus_plus":
-            batch.advantages, batch.returns = adv.compute_reinforce_plus_plus_outcome_advantage(
-                r, mask, alg.gamma, group=ps.dp_group
-            )
-        else:
-            batch.advantages, batch.returns = adv.compute_reinforce_plus_plus_baseline_outcome_advantage(
-                r, mask, uids, group=ps.dp_group
-            )
+        # Each estimator takes the subset of these it needs (gae: values; the outcome ones: the groups).
+        available = {
+            "token_level_rewards": batch.token_level_rewards,
+            "response_mask": batch.response_mask,
+            "values": batch.values,
+            "index": [mt.uid for mt in batch.meta],
+            "gamma": alg.gamma,
+            "lam": alg.lam,
+            "norm_adv_by_std_in_grpo": alg.norm_adv_by_std_in_grpo,
+            "group": ps.dp_group,  # whitening over every data-parallel rank
+        }
+        estimator = adv.get_adv_estimator(alg.adv_estimator)
+        wanted = inspect.signature(estimator).parameters
+        batch.advantages, batch.returns = estimator(**{k: v for k, v in available.items() if k in wanted})
         return metrics
 
     def validate(self) -> dict[str, float]:
-        """Generation with val_kwargs on every validation prompt once; val/test_score/{data_source}.
+        """Generation with val_kwargs on every validation prompt once, scored under verl's names:
+        val-core/<data_source>/reward/mean@<n> (``acc`` instead of ``reward`` when the reward function
+        returns it), its other keys and std@n under val-aux/ (megatron_rl.scoring.ValidationScores).
 
         Rank r of the data-parallel group takes prompts r, r + dp, ...; every rank runs the same number
         of batches of the same size (the engine's generate is collective), a short last batch is filled
         with a repeated prompt whose scores are not counted.
         """
+        from megatron_rl.scoring import ValidationScores, reward_scores
+
         ps = self.ps
         n_val = len(self.val_data)
         mine = list(range(ps.dp_rank, n_val, ps.dp_size))
         per_rank = -(-n_val // ps.dp_size)
         bs = max(1, (self.cfg.data.val_batch_size or n_val) // ps.dp_size)
-        n_samples = self.cfg.actor_rollout_ref.rollout.val_kwargs.n
-        sums: dict[str, list[float]] = {}
+        scores = ValidationScores(self.cfg.actor_rollout_ref.rollout.val_kwargs.n)
         with self.timer("testing"):
             for start in range(0, per_rank, bs):
                 idx = mine[start : start + bs]
-                real = len(idx) * n_samples
+                real = len(idx) * scores.n
                 idx += [0] * (min(bs, per_rank - start) - len(idx))
                 batch = self.rollout(idx, Timer(ps.device), validate=True)
-                scores, _ = self.reward_scores(batch)
-                for mt, s in zip(batch.meta[:real], scores[:real].tolist(), strict=True):
-                    acc = sums.setdefault(mt.data_source, [0.0, 0.0])
-                    acc[0] += s
-                    acc[1] += 1
-        # Every rank must contribute the same keys: reduce over the union of data sources.
-        sources = [None] * ps.world_size
-        dist.all_gather_object(sources, sorted(sums))
-        out = {}
-        for src in sorted({s for ss in sources for s in ss}):
-            t = torch.tensor(sums.get(src, [0.0, 0.0]), dtype=torch.float64, device=ps.device)
-            dist.all_reduce(t, group=ps.dp_group)
-            out[f"val/test_score/{src}"] = (t[0] / t[1].clamp(min=1)).item()
+                scores.add(batch, reward_scores(self.reward_fn, batch, ps, self.cfg)[0], real)
+        out = scores.metrics(ps)
         out.update(self.timer.pop())
         return out
 
@@ -590,11 +781,20 @@ class Trainer:
             "perf/total_num_tokens": total,
             "perf/throughput": total / max(metrics["timing_s/step"], 1e-9) / ps.world_size,
         }
-        upd = metrics.get("timing_s/update_actor")
-        if upd and self.peak_flops:
-            flops = _train_flops(self.model_args, total, responses, squares)
-            flops *= self.cfg.actor_rollout_ref.actor.ppo_epochs / ps.world_size  # per GPU
-            out["perf/mfu/actor"] = flops / upd / self.peak_flops
+        # verl's per-token times: generation per response token, the other phases per token processed
+        for phase in ("gen", "ref", "values", "adv", "update_critic", "update_actor"):
+            if f"timing_s/{phase}" in metrics:
+                per = responses if phase == "gen" else total
+                out[f"timing_per_token_ms/{phase}"] = metrics[f"timing_s/{phase}"] * 1000 / max(per, 1.0)
+        trained = [("actor", self.model_args, self.cfg.actor_rollout_ref.actor.ppo_epochs, True)]
+        if self.models.critic is not None:
+            trained.append(("critic", self.models.critic.args, self.cfg.critic.ppo_epochs, False))
+        for role, args, epochs, lm_head in trained:
+            upd = metrics.get(f"timing_s/update_{role}")
+            if upd and self.peak_flops:
+                flops = _train_flops(args, total, responses, squares, lm_head)
+                flops *= epochs / ps.world_size  # per GPU
+                out[f"perf/mfu/{role}"] = flops / upd / self.peak_flops
         # fp32 main weights and Adam's moments held on this rank (sharded over DP by the distributed
         # optimizer), wherever they are parked
         opts = [o for o in (self.models.actor_optim, self.models.critic_optim) if o is not None]
@@ -624,7 +824,11 @@ class Trainer:
     def save(self) -> str:
         models, optims = self._checkpointed()
         shards = {f"{k}_optim": o.counters() for k, o in optims.items()}
-        state = {"sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict()}
+        state = {
+            "sampler": self.sampler.state_dict(),
+            "kl_ctrl": self.kl_ctrl.state_dict(),
+            "train_data": self.train_data.fingerprint(),
+        }
         path = self.ckpt.save(self.global_step, models, optims, shards, state)
         if self.ps.rank == 0:
             log.info("saved checkpoint %s", path)
@@ -634,9 +838,11 @@ class Trainer:
         t = self.cfg.trainer
         if t.resume_mode == "disable":
             return
-        path = t.resume_from_path if t.resume_mode == "resume_path" else self.ckpt.latest()
+        # auto: the tracker's checkpoint; an unusable tracker stops the run in one line (never step 0)
+        path = t.resume_from_path if t.resume_mode == "resume_path" else self.ckpt.resume_path()
         if path is None:
             return
+        self._check_same_data(path)
         models, optims = self._checkpointed()
         shards, state = self.ckpt.load(path, models, optims)
         for k, o in optims.items():
@@ -645,8 +851,31 @@ class Trainer:
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.global_step = state["global_step"]
         self.weights_stale = True
+        self.ckpt.resumed_from = path  # pruning never deletes it
         if self.ps.rank == 0:
             log.info("resumed from %s at step %d", path, self.global_step)
+
+    def _check_same_data(self, path: str) -> None:
+        """Resuming continues the sampler's position in the same prompts: other prompts (even as many)
+        would be skipped or repeated without a word, so they stop the run in one line."""
+        state_file = os.path.join(path, "trainer_state.json")
+        if not os.path.isfile(state_file):
+            return  # not a checkpoint: CheckpointManager.load says so
+        with open(state_file) as f:
+            saved = json.load(f).get("train_data")
+        if saved is not None and saved != self.train_data.fingerprint():
+            raise ConfigError(
+                f"data.train_files={self.cfg.data.train_files} hold other prompts than the run that wrote "
+                f"{path}; resuming would skip or repeat prompts. Restore the files, or start a new run from "
+                f"those weights: actor_rollout_ref.model.path={os.path.join(path, 'actor')} with "
+                "trainer.resume_mode=disable (or another trainer.default_local_dir)."
+            )
+
+
+class NonFiniteError(LaunchError):
+    """The run stopped after trainer.max_nonfinite_steps steps with non-finite updates (one line)."""
+
+    same_on_all_ranks = True  # the gradient norms are reduced: every rank counts the same
 
 
 def _dtype(name: str, ps: ParallelState) -> torch.dtype:
@@ -655,14 +884,17 @@ def _dtype(name: str, ps: ParallelState) -> torch.dtype:
     return torch.float32 if ps.device.type == "cpu" else DTYPES[name]
 
 
-def _train_flops(args, tokens: float, response_tokens: float, sum_sq_lens: float) -> float:
+def _train_flops(
+    args, tokens: float, response_tokens: float, sum_sq_lens: float, lm_head: bool = True
+) -> float:
     """Model FLOPs of one forward + backward over a batch: 6 per weight per token for the transformer
-    body, the LM head on response tokens only (the only positions it runs on), and causal attention
-    scores (QK^T and AV over n^2 / 2 pairs per sequence of n tokens, times 3 for the backward)."""
+    body, the LM head on response tokens only (the only positions it runs on; the critic's scalar head
+    is negligible), and causal attention scores (QK^T and AV over n^2 / 2 pairs per sequence of n
+    tokens, times 3 for the backward)."""
     head = args.vocab_size * args.hidden_size  # the embedding lookup itself costs no FLOPs
     body = args.num_params() - head * (1 if args.tie_embeddings else 2)
     attention = 6 * args.num_layers * args.num_heads * args.head_dim * sum_sq_lens
-    return 6 * body * tokens + 6 * head * response_tokens + attention
+    return 6 * body * tokens + (6 * head * response_tokens if lm_head else 0) + attention
 
 
 def _measure_peak_flops(device: torch.device) -> float | None:

@@ -94,18 +94,13 @@ RULES: tuple[Rule, ...] = (
     ),
     _refused("actor_rollout_ref.model.external_lib", "no external model code is imported", None),
     _refused(
-        "actor_rollout_ref.actor.policy_loss.loss_mode",
-        "the policy loss is PPO's (dual-)clipped one",
-        "vanilla",
-    ),
-    _refused(
         "*use_dynamic_bsz",
         "micro-batches have a fixed size (ppo_micro_batch_size_per_gpu, log_prob_micro_batch_size_per_gpu)",
         False,
     ),
     _refused("*.ppo_micro_batch_size", "use ppo_micro_batch_size_per_gpu", None),
     _refused("*.log_prob_micro_batch_size", "use log_prob_micro_batch_size_per_gpu", None),
-    _refused("reward_model.micro_batch_size", "learned reward models are not supported", None),
+    _refused("reward_model.micro_batch_size", "use reward_model.micro_batch_size_per_gpu", None),
     _refused("actor_rollout_ref.rollout.multi_turn.enable", "multi-turn rollouts are not implemented", False),
     _refused("actor_rollout_ref.rollout.data_parallel_size", "one engine per rollout TP group", 1),
     _refused(
@@ -117,17 +112,20 @@ RULES: tuple[Rule, ...] = (
     _refused("actor_rollout_ref.rollout.ignore_eos", "generation stops at the model's stop tokens", False),
     _refused("algorithm.use_pf_ppo", "preference-feedback PPO is not implemented", False),
     _refused(
-        "algorithm.rollout_correction.rollout_is", "rollout importance sampling is not implemented", None
+        "algorithm.rollout_correction.bypass_mode",
+        "the ratio's denominator is the trainer's recomputed log-prob, corrected by rollout_is / rollout_rs",
+        False,
     ),
-    _refused(
-        "algorithm.rollout_correction.rollout_rs", "rollout rejection sampling is not implemented", None
-    ),
-    _refused("algorithm.rollout_correction.bypass_mode", "rollout correction is not implemented", False),
     _refused("data.custom_cls.path", "prompts load through megatron_rl.data (verl's parquet format)", None),
     _refused("data.sampler.class_path", "the sampler is megatron_rl.data's resumable one", None),
     _refused("data.datagen.path", "no dynamic data generation", None),
     _refused("reward_manager.module.path", "rewards go through custom_reward_function.path", None),
-    _refused("reward_model.rollout.name", "learned reward models are not supported", None, "???"),
+    _refused(
+        "reward_model.rollout.name",
+        "the reward model is a Megatron model in the trainer's processes (reward_model.megatron.*)",
+        None,
+        "???",
+    ),
     _refused("transfer_queue.enable", NO_RAY, False),
     _refused("actor_rollout_ref.hybrid_engine", "actor and rollout always share the processes", True),
     # -- accepted and ignored, with what this project does instead
@@ -163,15 +161,12 @@ RULES: tuple[Rule, ...] = (
     _ignored("*.data_loader_seed", "data.seed seeds the sampler"),
     _ignored("*.freeze_vision_tower", NO_MULTIMODAL),
     _ignored("*.tiled_mlp.*", "tiled MLPs are an FSDP feature"),
-    _ignored("actor_rollout_ref.actor.tau_*", "the policy loss is PPO's (dual-)clipped one"),
-    _ignored("actor_rollout_ref.actor.policy_loss.*", "the policy loss is PPO's (dual-)clipped one"),
-    _ignored("actor_rollout_ref.actor.loss_scale_factor", "losses are normalised by global token counts"),
+    _ignored("actor_rollout_ref.actor.policy_loss.*", "policy_loss.loss_mode selects the loss"),
     _ignored("actor_rollout_ref.actor.calculate_entropy", "the entropy is always computed and logged"),
     _ignored("actor_rollout_ref.actor.use_prefix_grouper", "not implemented"),
     _ignored("actor_rollout_ref.rollout.mode", "generation runs in process, synchronously"),
     _ignored("actor_rollout_ref.rollout.prompt_length", "data.max_prompt_length"),
     _ignored("actor_rollout_ref.rollout.response_length", "data.max_response_length"),
-    _ignored("actor_rollout_ref.rollout.calculate_log_probs", "old log-probs are recomputed by the actor"),
     _ignored("actor_rollout_ref.rollout.logprobs_mode", "old log-probs are recomputed by the actor"),
     _ignored(
         "actor_rollout_ref.rollout.load_format", "the engine starts empty and receives the actor's weights"
@@ -206,10 +201,13 @@ RULES: tuple[Rule, ...] = (
     _ignored("data.trust_remote_code", "actor_rollout_ref.model.trust_remote_code"),
     _ignored("data.apply_chat_template_kwargs", "the tokenizer's chat template is applied as it is"),
     _ignored("reward_manager.*", "rewards go through custom_reward_function.path or the built-in rules"),
-    _ignored("reward_model.*", "learned reward models are not supported (reward_model.enable stays False)"),
+    _ignored(
+        "reward_model.*",
+        "the reward model runs in the trainer's processes at the actor's layout (reward_model.megatron.*)",
+    ),
     _ignored("critic.model.*", OWN_LOADING),
     _ignored("critic.forward_max_token_len_per_gpu", "micro-batches have a fixed size"),
-    _ignored("algorithm.rollout_correction.*", "rollout correction is not implemented"),
+    _ignored("algorithm.rollout_correction.*", "used by verl's bypass mode only, which is not implemented"),
     _ignored("algorithm.pf_ppo.*", "preference-feedback PPO is not implemented"),
     _ignored("algorithm.kl_ctrl.*", "not used by the fixed/adaptive controllers here"),
     _ignored("trainer.max_critic_ckpt_to_keep", "trainer.max_ckpt_to_keep keeps whole checkpoints"),

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -33,10 +34,12 @@ SPLITS = ("train", "test")
 
 
 def extract_ground_truth(answer: str) -> str:
-    """The final answer of a GSM8K reference solution: the text after "####", "," removed."""
-    if "####" not in answer:
-        raise ValueError(f"GSM8K answer has no '####' final-answer marker: {answer[-200:]!r}")
-    return answer.rsplit("####", maxsplit=1)[-1].replace(",", "").strip()
+    """The final answer of a GSM8K reference solution: the number right after the first "#### "
+    (an optional "-", then digits, "." and ","), with "," removed ("#### 5 dollars" -> "5")."""
+    match = re.search(r"#### (\-?[0-9\.\,]+)", answer)
+    if match is None:
+        raise ValueError(f"GSM8K answer has no '#### <number>' final answer: {answer[-200:]!r}")
+    return match.group(1).replace(",", "")
 
 
 def make_row(example: dict[str, Any], idx: int, split: str) -> dict[str, Any]:

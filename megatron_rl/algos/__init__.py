@@ -6,8 +6,9 @@ and 0.0 on padding after EOS. Data flows through the modules in this order:
 1. ``token_level_scores`` from the reward function
 2. ``kl.apply_kl_penalty`` (optional, ``algorithm.use_kl_in_reward``) -> ``token_level_rewards``
 3. ``advantages.get_adv_estimator(algorithm.adv_estimator)`` -> ``advantages`` and ``returns``
-4. ``losses.compute_policy_loss`` / ``compute_entropy_loss`` (actor, plus ``kl.kl_penalty`` as a KL loss)
-   and ``losses.compute_value_loss`` (critic), each reduced by ``losses.agg_loss``
+4. ``policy_loss.compute_policy_loss`` (actor, one of ``POLICY_LOSSES``; plus ``kl.kl_penalty`` as a KL
+   loss), weighted by ``rollout_corr`` importance weights when the mismatch correction is on, and
+   ``losses.compute_value_loss`` (critic), each reduced by ``losses.agg_loss``
 
 Names and semantics follow verl. Importing this package needs only torch.
 """
@@ -33,25 +34,25 @@ from megatron_rl.algos.kl import (
     get_kl_controller,
     kl_penalty,
 )
-from megatron_rl.algos.losses import (
-    LOSS_AGG_MODES,
-    agg_loss,
-    compute_entropy_loss,
+from megatron_rl.algos.losses import LOSS_AGG_MODES, agg_loss, compute_value_loss
+from megatron_rl.algos.policy_loss import (
+    POLICY_LOSSES,
+    PolicyLossOptions,
     compute_policy_loss,
-    compute_value_loss,
-    explained_variance,
+    effective_agg_mode,
 )
 
 __all__ = [
     "ADV_ESTIMATORS",
     "KL_PENALTIES",
     "LOSS_AGG_MODES",
+    "POLICY_LOSSES",
+    "PolicyLossOptions",
     "AdaptiveKLController",
     "FixedKLController",
     "KLController",
     "agg_loss",
     "apply_kl_penalty",
-    "compute_entropy_loss",
     "compute_gae",
     "compute_grpo_outcome_advantage",
     "compute_policy_loss",
@@ -59,7 +60,7 @@ __all__ = [
     "compute_reinforce_plus_plus_outcome_advantage",
     "compute_rloo_outcome_advantage",
     "compute_value_loss",
-    "explained_variance",
+    "effective_agg_mode",
     "get_adv_estimator",
     "get_kl_controller",
     "kl_penalty",

@@ -261,21 +261,24 @@ def compute_reinforce_plus_plus_outcome_advantage(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ advantage (``algorithm.adv_estimator=reinforce_plus_plus``).
 
-    The per-token discounted return-to-go ``G_t = r_t + gamma * G_{t+1}`` is whitened over the whole
-    batch (across ``group`` when given). The running return is reset after every padding position, so
-    rewards stored at padding never flow back into the response.
+    The per-token discounted return-to-go ``G_t = r_t + gamma * G_{t+1}`` over the tokens the mask
+    keeps, whitened over the whole batch (across ``group`` when given). A masked position (padding after
+    EOS, or a zero inside the mask such as a tool's output in a multi-turn response) gets return 0, its
+    reward is dropped, and the running return passes through it unchanged (no discount): rewards
+    [0, 0, 0, 1] with mask [1, 0, 1, 1] and gamma 1 give returns [1, 0, 1, 1].
 
     Returns:
-        advantages: [B, T] whitened returns, 0 on padding.
-        returns: [B, T] the discounted returns before whitening.
+        advantages: [B, T] whitened returns, 0 on masked positions.
+        returns: [B, T] the discounted returns before whitening, 0 on masked positions.
     """
     mask = response_mask.to(token_level_rewards.dtype)
     returns = torch.zeros_like(token_level_rewards)
     running = token_level_rewards.new_zeros(token_level_rewards.shape[0])
     for t in reversed(range(token_level_rewards.shape[1])):
-        running = token_level_rewards[:, t] + gamma * running
-        returns[:, t] = running
-        running = running * mask[:, t]
+        m = mask[:, t]
+        candidate = token_level_rewards[:, t] + gamma * running
+        returns[:, t] = candidate * m
+        running = candidate * m + running * (1 - m)
     advantages = masked_whiten(returns, mask, group=group) * mask
     return advantages, returns
 

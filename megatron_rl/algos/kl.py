@@ -28,7 +28,8 @@ __all__ = [
     "kl_penalty",
 ]
 
-KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+_BASE_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+KL_PENALTIES = _BASE_ESTIMATORS + tuple(f"{name}+" for name in _BASE_ESTIMATORS)
 
 
 def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str) -> torch.Tensor:
@@ -39,19 +40,30 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str
     - ``mse`` / ``k2``: ``0.5 * (logp - ref)^2``.
     - ``low_var_kl`` / ``k3``: ``exp(ref - logp) - (ref - logp) - 1`` (unbiased, non-negative); the log
       ratio is clamped to [-20, 20] before ``exp`` and the result to [-10, 10], as in verl.
+    - ``<name>+`` (straight-through, e.g. ``k3+``): the value of ``<name>`` with the gradient of ``k2``,
+      ``(logp - ref) * grad(logp)``, which is the gradient of the true KL in expectation; the k1 and k3
+      gradients are biased as a loss (their estimates are unbiased only as values).
     """
-    if kl_penalty in ("kl", "k1"):
+    if kl_penalty.endswith("+") and kl_penalty[:-1] in _BASE_ESTIMATORS:
+        value = _kl_value(logprob, ref_logprob, kl_penalty[:-1])
+        k2 = 0.5 * (logprob - ref_logprob).square()
+        return k2 - k2.detach() + value.detach()
+    return _kl_value(logprob, ref_logprob, kl_penalty)
+
+
+def _kl_value(logprob: torch.Tensor, ref_logprob: torch.Tensor, name: str) -> torch.Tensor:
+    if name in ("kl", "k1"):
         return logprob - ref_logprob
-    if kl_penalty == "abs":
+    if name == "abs":
         return (logprob - ref_logprob).abs()
-    if kl_penalty in ("mse", "k2"):
+    if name in ("mse", "k2"):
         return 0.5 * (logprob - ref_logprob).square()
-    if kl_penalty in ("low_var_kl", "k3"):
+    if name in ("low_var_kl", "k3"):
         log_ratio = torch.clamp(ref_logprob - logprob, min=-20.0, max=20.0)
         kld = torch.exp(log_ratio) - log_ratio - 1
         return torch.clamp(kld, min=-10.0, max=10.0)
     raise ValueError(
-        f"Unknown KL estimator {kl_penalty!r} for `algorithm.kl_penalty` / "
+        f"Unknown KL estimator {name!r} for `algorithm.kl_penalty` / "
         f"`actor_rollout_ref.actor.kl_loss_type`; valid choices: {', '.join(KL_PENALTIES)}."
     )
 

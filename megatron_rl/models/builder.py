@@ -2,7 +2,8 @@
 
 Layer spec: megatron-core's local spec (no Transformer Engine needed), RMSNorm, SwiGLU, RoPE with
 HF's non-interleaved rotation, optionally torch's fused scaled_dot_product_attention as the core
-attention. The critic is the same trunk with its vocabulary head replaced by a scalar value head.
+attention. The critic is the same trunk with its vocabulary head replaced by a scalar value head; the
+reward model (``role="reward"``) likewise, with HF's sequence-classification ``score`` head (no bias).
 
 Each rank builds only its pipeline stage and holds only its TP shard; :func:`load_hf_weights`
 reads exactly those slices from the safetensors files.
@@ -20,7 +21,7 @@ from megatron_rl import cpu_bridge
 from megatron_rl.models.hf import ModelArgs
 from megatron_rl.parallel import ParallelState
 from megatron_rl.weights.hf_io import HFReader, assemble_shard
-from megatron_rl.weights.tables import global_layer_name, iter_stage_layouts
+from megatron_rl.weights.tables import TABLES, global_layer_name, iter_stage_layouts
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -70,12 +71,15 @@ class ValueHead(nn.Module):
     """hidden [s, b, H] -> values [s, b, 1]; replicated over TP (its input is identical there).
 
     Under sequence parallelism the input is [s/TP, b, H]: it is gathered first, so that every TP rank
-    computes the same values and the same (full) weight gradient."""
+    computes the same values and the same (full) weight gradient. ``bias=False`` is the reward model's
+    score head: HF's ``...ForSequenceClassification.score`` is ``nn.Linear(H, 1, bias=False)``."""
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype, sequence_parallel: bool = False) -> None:
+    def __init__(
+        self, hidden_size: int, dtype: torch.dtype, sequence_parallel: bool = False, bias: bool = True
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
-        self.bias = nn.Parameter(torch.zeros(1, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(1, dtype=dtype)) if bias else None
         self.sequence_parallel = sequence_parallel
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
@@ -157,14 +161,16 @@ def build_model(
     sdpa: bool = True,
     options: TrainingOptions = TrainingOptions(),
 ) -> nn.Module:
-    """This rank's pipeline stage of the actor/ref (``role="actor"``) or critic (``role="critic"``)."""
+    """This rank's pipeline stage of the actor/ref (``role="actor"``), critic (``role="critic"``) or
+    reward model (``role="reward"``: the trunk + a [1, H] score head, output [b, s, 1] like the critic's,
+    filled from an HF ``...ForSequenceClassification``'s ``score.weight``)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 
-    if role not in ("actor", "critic"):
-        raise ValueError(f"role must be actor or critic, got {role!r}")
+    if role not in ("actor", "critic", "reward"):
+        raise ValueError(f"role must be actor, critic or reward, got {role!r}")
     config = transformer_config(args, ps, dtype, options)
     layer = get_gpt_layer_local_spec(qk_layernorm=args.qk_norm, normalization="RMSNorm")
     sub = layer.submodules
@@ -195,8 +201,9 @@ def build_model(
             rope_scaling=args.rope_scaling,
             rope_scaling_factor=args.rope_scaling_factor,
         )
-    if role == "critic" and ps.is_last_stage:
-        model.output_layer = ValueHead(args.hidden_size, dtype, config.sequence_parallel)
+    if role in ("critic", "reward") and ps.is_last_stage:
+        bias = role == "critic"  # HF's score head has none
+        model.output_layer = ValueHead(args.hidden_size, dtype, config.sequence_parallel, bias=bias)
     model.args = args
     model.role = role
     model.layer_offset = ps.pp_rank * (args.num_layers // ps.pp_size)
@@ -231,6 +238,8 @@ def fill_from_reader(model: nn.Module, ps: ParallelState, reader, progress: bool
 
     params = named_global_params(model)
     layouts = list(iter_stage_layouts(model.args, ps.tp_size, ps.pp_size, ps.pp_rank, model.role))
+    if model.role == "reward" and ps.is_last_stage:
+        check_score_head(reader, model.args)
     for lay in tqdm(layouts, desc="loading", disable=None if progress else True, leave=False):
         p = params.get(lay.name)
         if p is None:
@@ -240,6 +249,24 @@ def fill_from_reader(model: nn.Module, ps: ParallelState, reader, progress: bool
     missing = set(params) - {lay.name for lay in layouts} - value_head
     if missing:
         raise KeyError(f"Parameters not covered by the {model.args.arch} table: {sorted(missing)}")
+
+
+def check_score_head(reader, args: ModelArgs) -> None:
+    """A reward model's score head must exist and have one row (num_labels=1): the table reads rows
+    [0, 1) of it, which would silently take the first label of a wider head."""
+    name = TABLES[args.arch].score
+    where = getattr(reader, "path", "the checkpoint")
+    if name not in reader.keys():
+        raise KeyError(
+            f"{where} has no {name}: a reward model loads from an HF ...ForSequenceClassification "
+            "(num_labels=1) or a torch_dist checkpoint of one, not from a causal LM."
+        )
+    shape = tuple(reader.get(name).shape)
+    if shape != (1, args.hidden_size):
+        raise ValueError(
+            f"{where}: {name} has shape {shape}, a reward model needs (1, {args.hidden_size}) "
+            "(num_labels=1, a scalar score); re-save the classifier with num_labels=1."
+        )
 
 
 def load_hf_weights(model: nn.Module, path: str, ps: ParallelState) -> HFReader:

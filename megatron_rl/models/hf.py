@@ -14,6 +14,15 @@ HF_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
 }
+# HF sequence-classification classes (reward models): the same trunk with a ``score`` linear head
+# [num_labels, hidden] instead of the LM head (transformers' GenericForSequenceClassification).
+HF_SEQ_CLS_ARCHITECTURES = {
+    "LlamaForSequenceClassification": "llama",
+    "MistralForSequenceClassification": "mistral",
+    "Qwen2ForSequenceClassification": "qwen2",
+    "Qwen3ForSequenceClassification": "qwen3",
+    "Phi3ForSequenceClassification": "phi3",
+}
 
 
 @dataclass(frozen=True)
@@ -42,6 +51,11 @@ class ModelArgs:
     Our attention is full causal: see :func:`check_sliding_window`."""
     hf_config: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
     """The original config.json, written back unchanged when exporting to HF."""
+
+    @property
+    def is_sequence_classifier(self) -> bool:
+        """True for an HF ``...ForSequenceClassification`` (reward model: ``score`` head, no LM head)."""
+        return any(a in HF_SEQ_CLS_ARCHITECTURES for a in self.hf_config.get("architectures") or [])
 
     @property
     def heads_per_group(self) -> int:
@@ -113,13 +127,23 @@ def _sliding_window(hf: dict, arch: str, num_layers: int) -> int | None:
 def model_args_from_hf_config(hf: dict, source: str | None = None) -> ModelArgs:
     """``source`` (the model's path) names the model in errors; the architecture does otherwise."""
     archs = hf.get("architectures") or []
-    arch = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None)
+    known = {**HF_ARCHITECTURES, **HF_SEQ_CLS_ARCHITECTURES}
+    arch = next((known[a] for a in archs if a in known), None)
     if arch is None:
         raise ValueError(
-            f"Unsupported HF architecture {archs}; supported: {sorted(HF_ARCHITECTURES)}. "
+            f"Unsupported HF architecture {archs}; supported: {sorted(known)}. "
             "Check 'architectures' in the model's config.json."
         )
     where = source or "/".join(archs)
+    if any(a in HF_SEQ_CLS_ARCHITECTURES for a in archs):
+        # HF writes num_labels as id2label, and leaves it out at its default of 2; a reward model's
+        # score head has exactly one output.
+        labels = hf.get("num_labels", len(hf.get("id2label") or {0: None, 1: None}))
+        if labels != 1:
+            raise ValueError(
+                f"{where}: a sequence classifier with num_labels={labels}; a reward model needs a scalar "
+                "score head (num_labels=1, score.weight [1, hidden])."
+            )
     # transformers 5 keeps RoPE settings under rope_parameters; older configs use rope_scaling.
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     rope_scaling, rope_scaling_factor = _rope_scaling(hf, where)

@@ -28,8 +28,6 @@ from megatron_rl.models.hf import ModelArgs, load_model_args, model_args_from_hf
 from megatron_rl.parallel import ParallelState
 from megatron_rl.weights import megatron_ckpt as mc
 
-FORMATS = ("hf", "torch_dist", "legacy")
-
 
 def _is_hf_dir(path: str) -> bool:
     if not os.path.isfile(os.path.join(path, "config.json")):
@@ -122,12 +120,23 @@ def open_reader(path: str, args: ModelArgs) -> mc.TensorSource:
 def load_weights(model: torch.nn.Module, path: str, ps: ParallelState, progress: bool = False) -> str:
     """Fill an already built model (``builder.build_model``) from ``path``; returns the format found.
 
-    Collective for torch_dist (every rank calls it). A critic loaded from an HF or actor checkpoint
-    gets the trunk; its value head is left as built.
+    Collective for torch_dist (every rank calls it). A critic loaded from an HF, actor or reward-model
+    checkpoint gets the trunk; its value head is left as built. A reward model (``role="reward"``)
+    needs a score head: an HF ``...ForSequenceClassification`` with num_labels=1, or a torch_dist
+    checkpoint saved from a reward model.
     """
     from megatron_rl.models.builder import fill_from_reader, load_hf_weights
 
     fmt = detect_format(path)
+    if fmt == "torch_dist" and model.role in ("actor", "reward"):
+        # Both heads are saved as output_layer.weight ([V, H] vs [1, H]): refuse the mix-up by role.
+        saved = (mc.read_our_metadata(mc.locate_megatron_checkpoint(path)) or {}).get("role", "actor")
+        if (saved == "reward") != (model.role == "reward"):
+            raise ValueError(
+                f"{path} is a {saved} checkpoint, whose output_layer is not a {model.role} model's head; "
+                "a reward model loads a reward model's checkpoint or HF ...ForSequenceClassification "
+                "directory, an actor an actor's."
+            )
     if fmt == "hf":
         load_hf_weights(model, path, ps)
     elif fmt == "torch_dist":

@@ -1,6 +1,10 @@
 """Random HF models built in code (no download): tiny ones for tests and the CPU demo, full-size
 shapes (e.g. Qwen2.5-1.5B) for GPU benchmarks.
 
+``head="score"`` gives the ``...ForSequenceClassification`` of the architecture instead (a reward
+model: the trunk + ``score`` [num_labels=1, hidden], no bias; HF pools the last token that is not
+``pad_token_id``, which the config sets).
+
 ``init="o1"`` gives O(1) activations: matrices ~ N(0, 1/fan_in), norm weights in [0.5, 1.5],
 biases ~ N(0, 0.5). Unlike the usual 0.02 init, a wrong head order or gate/up split then changes
 the logits by O(1), so layout bugs cannot hide in parity tests.
@@ -16,6 +20,9 @@ ARCH_CLASSES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+}
+SEQ_CLS_CLASSES = {
+    arch: f"{cfg[: -len('Config')]}ForSequenceClassification" for arch, (cfg, _) in ARCH_CLASSES.items()
 }
 
 TINY = dict(
@@ -41,12 +48,22 @@ QWEN25_1_5B = dict(
 )
 
 
-def random_hf_model(arch: str, seed: int = 0, init: str = "o1", dtype=torch.float32, **dims):
-    """An HF ``*ForCausalLM`` of ``arch`` with random weights; ``dims`` override :data:`TINY`."""
+def random_hf_model(
+    arch: str, seed: int = 0, init: str = "o1", dtype=torch.float32, head: str = "lm", **dims
+):
+    """An HF ``*ForCausalLM`` (``head="lm"``) or ``*ForSequenceClassification`` (``head="score"``,
+    num_labels=1 unless ``dims`` say otherwise) of ``arch`` with random weights; ``dims`` override
+    :data:`TINY`."""
     import transformers
 
-    cfg_cls, model_cls = (getattr(transformers, n) for n in ARCH_CLASSES[arch])
+    if head not in ("lm", "score"):
+        raise ValueError(f"head must be lm or score, got {head!r}")
+    cfg_name, lm_name = ARCH_CLASSES[arch]
+    cfg_cls = getattr(transformers, cfg_name)
+    model_cls = getattr(transformers, lm_name if head == "lm" else SEQ_CLS_CLASSES[arch])
     kw = {**TINY, **dims}
+    if head == "score":
+        kw.setdefault("num_labels", 1)
     kw.setdefault("tie_word_embeddings", False)
     if arch == "qwen3":
         kw.setdefault("head_dim", kw["hidden_size"] // kw["num_attention_heads"])
@@ -77,7 +94,8 @@ def random_hf_model(arch: str, seed: int = 0, init: str = "o1", dtype=torch.floa
     return model.eval()
 
 
-def save_random_hf_model(path: str, arch: str, seed: int = 0, **dims) -> str:
-    model = random_hf_model(arch, seed=seed, **dims)
+def save_random_hf_model(path: str, arch: str, seed: int = 0, head: str = "lm", **dims) -> str:
+    """Save :func:`random_hf_model` as an HF directory (config.json + safetensors); returns ``path``."""
+    model = random_hf_model(arch, seed=seed, head=head, **dims)
     model.save_pretrained(path)
     return path

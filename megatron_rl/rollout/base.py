@@ -122,6 +122,30 @@ class RolloutEngine(Protocol):
     def shutdown(self) -> None: ...
 
 
+def stop_token_ids(tokenizer, model_dirs: Iterable[str]) -> list[int]:
+    """Where responses end: the ``eos_token_id`` of the model's ``generation_config.json`` (an id or a
+    list; the first of ``model_dirs`` that has the file), then the tokenizer's EOS, without repeats.
+
+    Chat models often end a turn with a token that is not the tokenizer's EOS (a ChatML model whose
+    tokenizer EOS is ``<|endoftext|>`` ends turns with ``<|im_end|>``, which its generation config
+    names); stopping at the tokenizer's EOS alone would let responses run past the end of the turn.
+    """
+    import json
+    import os
+
+    ids: list[int] = []
+    for d in model_dirs:
+        path = os.path.join(d, "generation_config.json") if d else ""
+        if path and os.path.isfile(path):
+            with open(path) as f:
+                eos = json.load(f).get("eos_token_id")
+            ids += eos if isinstance(eos, list) else [eos]
+            break
+    eos = tokenizer.eos_token_id
+    ids += eos if isinstance(eos, list) else [eos]
+    return list(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
 class RolloutOOMError(RuntimeError):
     """Generation ran out of device memory; the message names the numbers and the keys to lower."""
 

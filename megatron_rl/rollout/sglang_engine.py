@@ -81,6 +81,33 @@ def torchrun_env_hidden() -> Iterator[None]:
         os.environ.update(saved)
 
 
+def engine_arguments(cfg, model_path: str, tp_size: int, base_gpu_id: int, seed: int) -> dict:
+    """``sglang.Engine`` keyword arguments for a rollout config (``actor_rollout_ref.rollout.*``): the
+    trainer's engine and bench/rollout.py's standalone one start from the same dict."""
+    kwargs = dict(
+        model_path=model_path,
+        load_format="dummy",  # weights come from the reshard stream
+        skip_tokenizer_init=True,
+        tp_size=tp_size,
+        base_gpu_id=base_gpu_id,
+        dtype=cfg.dtype,
+        mem_fraction_static=cfg.gpu_memory_utilization,
+        chunked_prefill_size=cfg.max_num_batched_tokens,
+        max_prefill_tokens=cfg.max_num_batched_tokens,
+        attention_backend="triton",
+        sampling_backend="pytorch",
+        grammar_backend="none",
+        enable_memory_saver=True,
+        disable_cuda_graph=not cfg.enable_cuda_graph,
+        random_seed=seed,
+        log_level="error",
+    )
+    if cfg.enable_cuda_graph:
+        # Bounds capture time at start; larger decode batches run without graphs.
+        kwargs["cuda_graph_max_bs_decode"] = 256
+    return kwargs
+
+
 def _is_oom(text: str) -> bool:
     t = text.lower()
     return "out of memory" in t or "outofmemory" in t or "cuda oom" in t
@@ -139,28 +166,7 @@ class SGLangEngine:
         hf["eos_token_id"] = None  # stopping is SamplingParams.stop_token_ids alone
         with open(os.path.join(self._config_dir, "config.json"), "w") as f:
             json.dump(hf, f)
-        cfg = self.cfg
-        kwargs = dict(
-            model_path=self._config_dir,
-            load_format="dummy",  # weights come from the reshard stream
-            skip_tokenizer_init=True,
-            tp_size=self.group_size,
-            base_gpu_id=self.ps.local_rank,
-            dtype=cfg.dtype,
-            mem_fraction_static=cfg.gpu_memory_utilization,
-            chunked_prefill_size=cfg.max_num_batched_tokens,
-            max_prefill_tokens=cfg.max_num_batched_tokens,
-            attention_backend="triton",
-            sampling_backend="pytorch",
-            grammar_backend="none",
-            enable_memory_saver=True,
-            disable_cuda_graph=not cfg.enable_cuda_graph,
-            random_seed=self.seed,
-            log_level="error",
-        )
-        if cfg.enable_cuda_graph:
-            # Bounds capture time at start; larger decode batches run without graphs.
-            kwargs["cuda_graph_max_bs_decode"] = 256
+        kwargs = engine_arguments(self.cfg, self._config_dir, self.group_size, self.ps.local_rank, self.seed)
         kwargs.update(engine_kwargs)
         with torchrun_env_hidden():
             return sglang.Engine(**kwargs)

@@ -108,14 +108,37 @@ def _numpy_globals() -> list:
     return out
 
 
+# Modules whose classes run programs, touch files or import code when constructed: never allowed,
+# whatever the opt-in says (a class from them is a way to execute a checkpoint, not data).
+_NEVER_ALLOWED = (
+    "os", "posix", "nt", "sys", "builtins", "shutil", "subprocess", "importlib", "runpy", "ctypes",
+    "pickle", "marshal", "socket", "pty", "code", "codeop", "multiprocessing", "threading", "signal",
+    "io", "tempfile", "pathlib", "webbrowser", "operator", "functools", "types",
+)  # fmt: skip
+
+
 def _user_globals() -> list:
+    """The classes named by ``MEGATRON_RL_SAFE_GLOBALS``: classes only (a function or other callable
+    is code the unpickler would call), and none from a module in :data:`_NEVER_ALLOWED`."""
     out = []
     for entry in filter(None, (x.strip() for x in os.environ.get(SAFE_GLOBALS_ENV, "").split(","))):
         module, _, name = entry.rpartition(".")
         try:
-            out.append(getattr(importlib.import_module(module), name))
+            obj = getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError, ValueError) as e:
             raise ValueError(f"{SAFE_GLOBALS_ENV}: cannot import {entry!r} ({e})") from None
+        if not isinstance(obj, type):
+            raise ValueError(
+                f"{SAFE_GLOBALS_ENV}: {entry} is a {type(obj).__name__}, not a class; only plain data "
+                f"classes can be allowed: remove it from {SAFE_GLOBALS_ENV}."
+            )
+        homes = {module, getattr(obj, "__module__", "") or ""}
+        if any(h == m or h.startswith(m + ".") for h in homes for m in _NEVER_ALLOWED):
+            raise ValueError(
+                f"{SAFE_GLOBALS_ENV}: {entry} comes from {obj.__module__}, whose classes can run code or "
+                f"touch files when a checkpoint is loaded: remove it from {SAFE_GLOBALS_ENV}."
+            )
+        out.append(obj)
     return out
 
 
@@ -132,21 +155,17 @@ def safe_globals() -> list:
     return [*SAFE_GLOBALS, argparse.Namespace, *_numpy_globals(), *_user_globals()]
 
 
-def _refusal(file: str, detail: str, opt_in: bool = True) -> UnsafeCheckpointError:
+def _refusal(file: str, detail: str) -> UnsafeCheckpointError:
     m = re.search(r"GLOBAL ([\w.]+)", detail)
-    what = f"the global {m.group(1)}" if m else "an object"
+    what = f"the global {m.group(1)}, which is not allowed" if m else "an object that is not allowed"
     msg = (
-        f"Refusing to load {file}: it needs {what}, which is not on megatron-rl's allowlist of what "
-        "Megatron checkpoints contain (tensors, argparse.Namespace, numpy RNG states, megatron-core enums). "
-        "Nothing from the file was executed."
+        f"Refusing to load {file}: it contains {what} (megatron-rl loads only what Megatron checkpoints "
+        "hold: tensors, argparse.Namespace, numpy RNG states, megatron-core enums). Nothing from the file "
+        "was executed. Re-save the checkpoint with a trusted tool (the program that trained it, or "
+        "python -m ckpt_tools) so that it holds plain data only."
     )
     if not m:
         msg += f" ({detail.strip().splitlines()[-1]})"
-    elif opt_in:
-        msg += (
-            f" If you trust this file and {m.group(1)} is a plain data class (never a function), allow it "
-            f"with {SAFE_GLOBALS_ENV}={m.group(1)}."
-        )
     return UnsafeCheckpointError(msg)
 
 
@@ -192,7 +211,7 @@ class _DcpMetadataUnpickler(pickle.Unpickler):
             obj = getattr(importlib.import_module(module), name, None)
             if isinstance(obj, type) and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)):
                 return obj
-        raise _refusal(self.name, f"GLOBAL {module}.{name}", opt_in=False)
+        raise _refusal(self.name, f"GLOBAL {module}.{name}")
 
 
 def read_dcp_metadata(ckpt_dir: str):

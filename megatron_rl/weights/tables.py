@@ -51,6 +51,9 @@ class ArchTable:
     gate_up_fused: str | None = None
     """HF tensor holding [gate; up] rows (Phi-3); replaces gate/up."""
     down: str = "model.layers.{i}.mlp.down_proj.weight"
+    score: str = "score.weight"
+    """``...ForSequenceClassification``'s head: nn.Linear(hidden, num_labels, bias=False), [1, hidden]
+    for a reward model (the Megatron reward model's ``output_layer.weight``, replicated over TP)."""
 
 
 LLAMA = ArchTable()
@@ -104,6 +107,7 @@ def param_layouts(args: ModelArgs, tp: int, role: str = "actor") -> list[ParamLa
     """Every Megatron parameter of the full model (all pipeline stages), in model order.
 
     ``role="critic"`` leaves out the LM head: the critic's value head has no HF counterpart.
+    ``role="reward"`` has the sequence-classification ``score`` head [1, hidden] in its place.
     """
     t = TABLES[args.arch]
     hd, g, qpg = args.head_dim, args.num_kv_heads, args.heads_per_group
@@ -165,14 +169,16 @@ def param_layouts(args: ModelArgs, tp: int, role: str = "actor") -> list[ParamLa
     if role == "actor":
         head = t.embed if args.tie_embeddings else t.lm_head
         out.append(vocab(head, "output_layer.weight"))
+    elif role == "reward":  # one row (num_labels=1), the same on every TP rank
+        out.append(_split(t.score, 1, tp, None, "output_layer.weight"))
     return out
 
 
-def hf_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+def hf_shapes(args: ModelArgs, role: str = "actor") -> dict[str, tuple[int, ...]]:
     """Shape of every HF tensor (what an exported model directory holds)."""
     shapes: dict[str, tuple[int, ...]] = {}
     h = args.hidden_size
-    for lay in param_layouts(args, 1):
+    for lay in param_layouts(args, 1, role):
         vector = lay.name.endswith(("bias", "layernorm.weight"))
         for pc in lay.pieces[0]:
             if lay.dim == 1:  # row-parallel: HF [hidden, in_features]
@@ -220,6 +226,6 @@ def iter_stage_layouts(
         elif lay.name.startswith("embedding.") and pp_rank == 0:
             yield lay
         elif lay.name.startswith(("decoder.final_layernorm", "output_layer")) and pp_rank == pp - 1:
-            if lay.name.startswith("output_layer") and args.tie_embeddings and pp == 1:
-                continue  # tied: the embedding is the head
+            if lay.name.startswith("output_layer") and role == "actor" and args.tie_embeddings and pp == 1:
+                continue  # tied: the embedding is the head (a reward model's score head is never tied)
             yield lay

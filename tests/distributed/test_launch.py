@@ -115,7 +115,7 @@ def test_bad_inputs_end_in_one_line_before_any_model_is_built(tmp_path, demo):
             [
                 {
                     "prompt": [{"role": "user", "content": "copy 1 2 ="}],
-                    "data_source": "toy",
+                    "data_source": "toy/copy_last_digit",
                     "reward_model": {"style": "rule"},
                 }
             ]

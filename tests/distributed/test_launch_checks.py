@@ -116,7 +116,12 @@ def test_config_and_layout_errors(monkeypatch, tmp_path):
     # runs (which rejects the batch).
     with pytest.raises(ConfigError, match=r"actor_rollout_ref\.model\.path=/nonexistent: no such directory"):
         lc.preflight(load_config(DEMO_CFG, ["actor_rollout_ref.model.path=/nonexistent"]), 2, env={})
-    model = f"actor_rollout_ref.model.path={tmp_path}"  # a directory: the path check passes
+    empty = f"actor_rollout_ref.model.path={tmp_path}"  # a directory, but no model in it
+    with pytest.raises(ConfigError, match=rf"model\.path={tmp_path}: Cannot tell the checkpoint format"):
+        lc.preflight(load_config(DEMO_CFG, [empty]), 2, env={"LOCAL_WORLD_SIZE": "2"})
+    from megatron_rl.demo import prepare
+
+    model = f"actor_rollout_ref.model.path={prepare(str(tmp_path / 'demo'))['model']}"
     with pytest.raises(ConfigError, match="data.train_batch_size"):
         lc.preflight(
             load_config(DEMO_CFG, [model, "data.train_batch_size=63"]), 2, env={"LOCAL_WORLD_SIZE": "2"}

@@ -157,6 +157,7 @@ def test_update_metrics_match_tp1(runs, layout, pair):
 def test_update_exercises_every_loss_term(runs):
     a, c = runs["tp1"]["qwen2"]["result"]["actor"], runs["tp1"]["qwen2"]["result"]["critic"]
     expected = {
+        "actor/loss",
         "actor/pg_loss",
         "actor/pg_clipfrac",
         "actor/pg_clipfrac_lower",
@@ -165,6 +166,7 @@ def test_update_exercises_every_loss_term(runs):
         "actor/kl_loss",
         "actor/grad_norm",
         "actor/lr",
+        "actor/nonfinite_grad_steps",
     }
     assert set(a) == expected
     assert set(c) == {
@@ -173,6 +175,7 @@ def test_update_exercises_every_loss_term(runs):
         "critic/vpred_mean",
         "critic/grad_norm",
         "critic/lr",
+        "critic/nonfinite_grad_steps",
     }
     # clipping, dual-clip and value clipping are all active somewhere in the batch
     assert a["actor/pg_clipfrac"] > 0 and a["actor/pg_clipfrac_lower"] > 0 and c["critic/vf_clipfrac"] > 0

@@ -11,7 +11,8 @@ import torch
 
 from megatron_rl.demo import prepare
 
-VOLATILE = ("timing_s/", "perf/")
+VOLATILE = ("timing_s/", "timing_per_token_ms/", "perf/")
+OUTSIDE = ("step", "testing", "save_checkpoint")  # timing_s/* keys that are not phases of the step
 
 
 @pytest.fixture(scope="module")
@@ -80,17 +81,23 @@ def test_loop_runs_and_logs_verl_metrics(demo, tmp_path, torchrun):
         "timing_s/save_checkpoint",
         "perf/throughput",
         "perf/max_memory_allocated_gb",
-        "val/test_score/toy/copy_last_digit",
+        "val-core/toy/copy_last_digit/reward/mean@1",
     ):
         assert key in last, key
         assert last[key] == last[key], f"{key} is NaN"
     assert os.path.isfile(os.path.join(out, "global_step_2", "trainer_state.json"))
+    # Every second of a step is in a named phase (validation and saving come after the step).
+    for r in rows:
+        phases = sum(v for k, v in r.items() if k.startswith("timing_s/") and k.split("/")[1] not in OUTSIDE)
+        assert phases >= 0.97 * r["timing_s/step"], (r["step"], phases, r["timing_s/step"])
     # save_freq=1 with max_ckpt_to_keep=1: step 1 was published, then pruned; no partial save is left.
     assert sorted(os.listdir(out)) == [
+        "checkpoint_order.txt",
         "config.yaml",
         "global_step_2",
         "latest_checkpointed_iteration.txt",
         "logs",
+        "run.lock",
         "summary.json",
     ]
     assert open(os.path.join(out, "latest_checkpointed_iteration.txt")).read().strip() == "2"
@@ -98,7 +105,7 @@ def test_loop_runs_and_logs_verl_metrics(demo, tmp_path, torchrun):
     with open(os.path.join(out, "summary.json")) as f:
         summary = json.load(f)
     assert summary["global_step"] == 2 and summary["checkpoint"] == os.path.join(out, "global_step_2")
-    assert "val/test_score/toy/copy_last_digit" in summary["final"]
+    assert "val-core/toy/copy_last_digit/reward/mean@1" in summary["final"]
     from megatron_rl.config import load_config
 
     record = load_config(os.path.join(out, "config.yaml"))
@@ -112,11 +119,14 @@ def test_loop_runs_and_logs_verl_metrics(demo, tmp_path, torchrun):
         os.path.join(out, "summary.1.json")
     )
 
+    # max_ckpt_to_keep=1 keeps the newest by save order: the second run's step 1, not the first's step 2.
+    assert sorted(d for d in os.listdir(out) if d.startswith("global_step_")) == ["global_step_1"]
     # The trained actor exports to an HF directory that transformers loads, with the trained weights.
     hf_dir = str(tmp_path / "hf")
-    actor_ckpt = os.path.join(out, "global_step_2", "actor")
+    actor_ckpt = os.path.join(out, "global_step_1", "actor")
     cmd = [sys.executable, "-m", "ckpt_tools", "mcore-to-hf", "--ckpt", actor_ckpt, "--out", hf_dir]
-    subprocess.run(cmd, check=True, capture_output=True)
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     from transformers import AutoModelForCausalLM
 
     trained = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
@@ -220,3 +230,162 @@ def assert_same(a, b, where):
             assert_same(x, y, f"{where}[{i}]")
     else:
         assert a == b, where
+
+
+REWARD_WITH_ACC = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    right = float(solution_str.strip().split(" ")[0] == str(ground_truth)) if solution_str.strip() else 0.0
+    return {"score": right, "acc": right, "length_chars": float(len(solution_str))}
+"""
+
+
+def test_dapo_filter_mismatch_correction_and_verl_names(demo, tmp_path, torchrun):
+    """GRPO with DAPO's group filter and overlong shaping, GSPO's loss, token TIS and sequence MIS on the
+    engine's log-probs, a reward function with extra keys: the step runs and logs verl's names."""
+    reward = tmp_path / "reward.py"
+    reward.write_text(REWARD_WITH_ACC)
+    out = str(tmp_path / "run")
+    kw = {
+        "trainer.total_training_steps": 2,
+        "algorithm.adv_estimator": "grpo",
+        "algorithm.filter_groups.enable": True,
+        "algorithm.rollout_correction.rollout_is": "token",
+        "algorithm.rollout_correction.rollout_rs": "seq_sum_k1",
+        "algorithm.rollout_correction.rollout_rs_threshold": "0.5_2.0",
+        "reward_model.overlong_buffer.enable": True,
+        "reward_model.overlong_buffer.len": 1,
+        "reward_model.overlong_buffer.penalty_factor": 0.1,
+        "actor_rollout_ref.actor.policy_loss.loss_mode": "gspo",
+        "actor_rollout_ref.actor.kl_loss_type": "k3+",
+        "actor_rollout_ref.actor.use_kl_loss": True,
+        "custom_reward_function.path": str(reward),
+    }
+    torchrun("train.py", 2, overrides(demo, out, **kw))
+    last = metrics(out)[-1]
+    for key in (
+        "actor/loss",
+        "actor/kl_loss",
+        "train/num_gen_batches",
+        "train/num_dropped_groups",
+        "reward/acc/mean",
+        "reward/length_chars/mean",
+        "rollout_corr/kl",
+        "rollout_corr/k3_kl",
+        "rollout_corr/rollout_is_mean",
+        "rollout_corr/rollout_rs_seq_masked_fraction",
+        "training/rollout_probs_diff_mean",
+        "training/rollout_probs_diff_max",
+        "prompt_length/clip_ratio",
+        "response/aborted_ratio",
+        "timing_per_token_ms/gen",
+        "timing_per_token_ms/update_actor",
+        # the reward function returns "acc": it is the core validation variable, the rest auxiliary
+        "val-core/toy/copy_last_digit/acc/mean@1",
+        "val-aux/toy/copy_last_digit/reward/mean@1",
+        "val-aux/toy/copy_last_digit/length_chars/mean@1",
+    ):
+        assert key in last, key
+    assert last["train/num_gen_batches"] >= 1
+    # The engine (transformers, fp32) and the trainer (megatron, fp32) agree closely on CPU.
+    assert last["training/rollout_probs_diff_max"] < 1e-3
+    assert abs(last["rollout_corr/kl"]) < 1e-4
+
+
+def test_group_filter_that_never_fills_the_batch_stops_in_one_line(demo, tmp_path):
+    """Every group scores the same (a constant reward): the filter drops them all and the run stops at
+    algorithm.filter_groups.max_num_gen_batches with one line naming the key."""
+    reward = tmp_path / "constant.py"
+    reward.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n"
+    )
+    out = str(tmp_path / "run")
+    kw = {
+        "trainer.total_training_steps": 2,
+        "algorithm.adv_estimator": "grpo",
+        "algorithm.filter_groups.enable": True,
+        "algorithm.filter_groups.max_num_gen_batches": 2,
+        "custom_reward_function.path": str(reward),
+    }
+    proc = _run_train(demo, out, kw)
+    assert proc.returncode != 0
+    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "max_num_gen_batches" in ln]
+    assert lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "algorithm.filter_groups" in lines[0] and "2 generation rounds" in lines[0]
+    assert "megatron-rl error: config error: " in lines[0]  # the rank's own line, not a traceback
+
+
+def _run_train(demo, out, kw, timeout=300):
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd += ["-m", "megatron_rl.train", *overrides(demo, out, **kw)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root}
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=root)
+
+
+def test_non_finite_updates_are_skipped_then_stop_the_run(demo, tmp_path):
+    """A reward of 3e38 makes the critic's squared error overflow (and the advantages with it): every
+    update is non-finite. Each is skipped and logged; the second step in a row stops the run in one
+    line, before that step's save, naming the last checkpoint (step 1)."""
+    reward = tmp_path / "huge.py"
+    reward.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 3e38\n"
+    )
+    out = str(tmp_path / "run")
+    kw = {
+        "trainer.total_training_steps": 4,
+        "trainer.save_freq": 1,
+        "trainer.max_nonfinite_steps": 2,
+        "trainer.test_freq": -1,
+        "custom_reward_function.path": str(reward),
+    }
+    proc = _run_train(demo, out, kw)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0, text[-3000:]
+    warned = [ln for ln in text.splitlines() if "step 1: optimizer steps skipped for a non-finite" in ln]
+    assert warned and "update_critic: 2" in warned[0], text[-3000:]
+    lines = [ln for ln in text.splitlines() if "trainer.max_nonfinite_steps=2" in ln]
+    assert lines and "megatron-rl error: " in lines[0], text[-3000:]
+    assert os.path.join(out, "global_step_1") in lines[0]
+    assert not os.path.exists(os.path.join(out, "global_step_2"))
+    rows = metrics(out)
+    assert rows[0]["critic/nonfinite_grad_steps"] == 2  # both optimizer steps of the update
+
+
+def test_a_hung_reward_function_ends_the_job_at_its_timeout(demo, tmp_path):
+    """A reward function that never returns: the job ends within the reward timeout (plus start-up),
+    not the 30-minute collective timeout, with one line naming the function and the sample."""
+    import time
+
+    reward = tmp_path / "hang.py"
+    reward.write_text(
+        "import time\n\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    time.sleep(3600)\n"
+    )
+    kw = {
+        "trainer.total_training_steps": 2,
+        "trainer.test_freq": -1,
+        "custom_reward_function.path": str(reward),
+        "custom_reward_function.timeout_s": 2,
+    }
+    t0 = time.monotonic()
+    proc = _run_train(demo, str(tmp_path / "run"), kw, timeout=240)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and time.monotonic() - t0 < 120, text[-3000:]
+    lines = [ln for ln in text.splitlines() if "did not return within 2 s" in ln]
+    assert lines and "compute_score" in lines[0] and "data_source='toy/copy_last_digit'" in lines[0], text[
+        -3000:
+    ]
+
+
+def test_resuming_on_other_prompts_of_the_same_size_fails_in_one_line(demo, tmp_path, torchrun):
+    out = str(tmp_path / "run")
+    first = {"trainer.total_training_steps": 1, "trainer.test_freq": -1, "trainer.resume_mode": "auto"}
+    torchrun("train.py", 2, overrides(demo, out, **first))
+    other = prepare(str(tmp_path / "other"), seed=1)  # as many rows, other digits
+    kw = {**first, "trainer.total_training_steps": 2, "data.train_files": f"[{other['train']}]"}
+    proc = _run_train(demo, out, kw)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    lines = [ln for ln in text.splitlines() if "megatron-rl error: config error: data.train_files=" in ln]
+    assert lines and "hold other prompts than the run that wrote" in lines[0], text[-3000:]
+    assert "global_step_1/actor" in lines[0]

@@ -22,6 +22,7 @@ def test_three_ppo_steps_with_sglang(tmp_path):
     cmd = [sys.executable, os.path.join(ROOT, "bench", "ppo_step.py"), "--model", "tiny", "--nproc", "1"]
     cmd += ["--steps", "3", "--batch", "16", "--micro", "8", "--prompt-len", "32", "--response-len", "32"]
     cmd += ["--no-compare", "--save", "--out", out]
+    cmd += ["--set", "actor_rollout_ref.rollout.calculate_log_probs=true"]
     subprocess.run(cmd, check=True, timeout=900)
     with open(os.path.join(out, "colocated", "logs", "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
@@ -33,8 +34,12 @@ def test_three_ppo_steps_with_sglang(tmp_path):
             "critic/vf_loss",
             "critic/score/mean",
             "timing_s/gen",
+            # the engine's log-probs against the trainer's (bf16 on both sides: close, not equal)
+            "training/rollout_probs_diff_mean",
+            "rollout_corr/k3_kl",
         ):
             assert math.isfinite(r[key]), (r["step"], key, r[key])
+        assert r["training/rollout_probs_diff_max"] < 0.5 and abs(r["rollout_corr/kl"]) < 0.1
     assert rows[-1]["actor/grad_norm"] > 0
 
     # The trained actor differs from the initial HF weights (torch_dist holds global tensors, the

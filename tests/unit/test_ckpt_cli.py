@@ -75,3 +75,44 @@ def test_mcore_to_hf_from_megatron_lm_args(tmp_path):
         got = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()(input_ids=ids).logits
     assert got.shape[-1] == 256 and not got[..., 99:].any()  # padding rows are zero
     torch.testing.assert_close(got[..., :99], ref, rtol=0, atol=1e-5)
+
+
+def test_out_is_refused_when_not_empty_and_replaced_whole_with_overwrite(tmp_path, capsys):
+    """A non-empty --out needs --overwrite (one line naming both); with it, the old contents are gone
+    (no TP2 x PP2 shard of the first conversion stays beside the TP1 ones) and no staging is left."""
+    from megatron_rl.models.hf import load_model_args
+    from megatron_rl.models.loading import open_reader
+    from megatron_rl.models.random_hf import save_random_hf_model
+
+    hf = save_random_hf_model(str(tmp_path / "hf"), "qwen2", tie_word_embeddings=True)
+    out = tmp_path / "legacy"
+    assert main(["mcore-to-legacy", "--ckpt", hf, "--out", str(out), "--tp", "2", "--pp", "2"]) == 0
+    (out / "notes.txt").write_text("from an earlier conversion")
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+
+    again = ["mcore-to-legacy", "--ckpt", hf, "--out", str(out), "--tp", "1", "--pp", "1"]
+    with pytest.raises(SystemExit) as e:
+        main(again)
+    msg = str(e.value.code)
+    assert "\n" not in msg and f"--out {out}" in msg and "--overwrite" in msg, msg
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before  # untouched
+
+    assert main([*again, "--overwrite"]) == 0
+    assert f"wrote legacy Megatron-LM checkpoint {out} " in capsys.readouterr().out  # not the staging path
+    assert not (out / "notes.txt").exists() and not (out / "iter_0000001" / "mp_rank_01_001").exists()
+    assert sorted(os.listdir(out / "iter_0000001")) == ["mp_rank_00"]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staging left
+    reader, ref = open_reader(str(out), load_model_args(hf)), HFReader(hf)
+    for name in ref.keys():
+        assert torch.equal(reader.get(name), ref.get(name)), name
+
+
+def test_failed_verb_leaves_out_untouched(tmp_path):
+    """A conversion that fails midway (here: no such checkpoint) changes nothing at --out."""
+    out = tmp_path / "hf_out"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    with pytest.raises(Exception):  # noqa: B017 - whatever the verb raises, --out must survive it
+        main(["mcore-to-hf", "--ckpt", str(tmp_path / "missing"), "--out", str(out), "--overwrite"])
+    assert sorted(os.listdir(out)) == ["config.json"]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []

@@ -29,6 +29,11 @@ class Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
+def run_anything(cmd: str) -> int:
+    """A function: never allowed by the opt-in (unpickling calls it with the file's arguments)."""
+    return os.system(cmd)
+
+
 @dataclass
 class CustomState:
     step: int
@@ -54,7 +59,9 @@ def test_malicious_legacy_checkpoint_is_refused(hf, tmp_path):
     assert detect_format(out) == "legacy"
     with pytest.raises(mc.UnsafeCheckpointError) as e:
         load_model_args_any(out)  # reads the saved args from this file
-    assert f in str(e.value) and "system" in str(e.value) and mc.SAFE_GLOBALS_ENV in str(e.value)
+    msg = str(e.value)
+    assert f in msg and "system" in msg and "not allowed" in msg and "Re-save" in msg
+    assert mc.SAFE_GLOBALS_ENV not in msg, "the refusal must not advertise the opt-in"
     with pytest.raises(mc.UnsafeCheckpointError):
         open_reader(out, args)  # loading the weights with a config.json at hand opens the same file
     assert not marker.exists(), "the payload ran"
@@ -110,3 +117,35 @@ def test_what_megatron_lm_saves_is_allowed(tmp_path, monkeypatch):
         mc.safe_torch_load(f2)
     monkeypatch.setenv(mc.SAFE_GLOBALS_ENV, f"{__name__}.CustomState")
     assert mc.safe_torch_load(f2)["state"].step == 3
+
+
+@pytest.mark.parametrize(
+    "entry, why",
+    [
+        ("os.system", "not a class"),
+        ("posix.system", "not a class"),
+        ("builtins.eval", "not a class"),
+        ("shutil.rmtree", "not a class"),
+        (f"{__name__}.run_anything", "not a class"),
+        ("subprocess.Popen", "comes from subprocess"),
+        ("builtins.object", "comes from builtins"),
+        ("os.PathLike", "comes from os"),
+        ("sys.flags", "not a class"),
+    ],
+)
+def test_opt_in_accepts_plain_classes_only(tmp_path, monkeypatch, entry, why):
+    """MEGATRON_RL_SAFE_GLOBALS cannot open the door to code: functions, callables and classes from
+    os / subprocess / builtins / ... are refused before any file is read, and the payload never runs."""
+    marker = tmp_path / "pwned"
+    f = str(tmp_path / "evil.pt")
+    torch.save({"x": Payload(str(marker))}, f)
+    monkeypatch.setenv(mc.SAFE_GLOBALS_ENV, entry)
+    with pytest.raises(ValueError, match=why) as e:
+        mc.safe_torch_load(f)
+    assert mc.SAFE_GLOBALS_ENV in str(e.value) and "\n" not in str(e.value)
+    assert not marker.exists(), "the payload ran"
+    # without the opt-in the same file is refused as unsafe, naming os.system / posix.system
+    monkeypatch.delenv(mc.SAFE_GLOBALS_ENV)
+    with pytest.raises(mc.UnsafeCheckpointError, match="system.*not allowed"):
+        mc.safe_torch_load(f)
+    assert not marker.exists(), "the payload ran"

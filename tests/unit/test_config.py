@@ -248,3 +248,90 @@ def test_shipped_configs_validate(name, world, dims):
     if name.startswith("gsm8k"):
         assert cfg.actor_rollout_ref.actor.optim.lr == 1e-6 and cfg.critic.optim.lr == 1e-5
         assert cfg.actor_rollout_ref.actor.clip_ratio == 0.2 and cfg.algorithm.adv_estimator == "gae"
+
+
+def _numeric_keys():
+    from megatron_rl.config import Config, _known_keys
+
+    return [
+        k
+        for k, t in _known_keys(Config).items()
+        if ("int" in str(t) or "float" in str(t)) and "list" not in str(t)
+    ]
+
+
+def test_every_numeric_key_has_a_range():
+    from megatron_rl.config import range_rule
+
+    missing = [k for k in _numeric_keys() if range_rule(k) is None]
+    assert not missing, f"keys without a RANGES rule: {missing}"
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("actor_rollout_ref.rollout.n=0", "actor_rollout_ref.rollout.n=0"),
+        ("actor_rollout_ref.rollout.n=-1", "actor_rollout_ref.rollout.n=-1"),
+        ("actor_rollout_ref.actor.ppo_epochs=0", "actor_rollout_ref.actor.ppo_epochs=0"),
+        ("critic.ppo_epochs=0", "critic.ppo_epochs=0"),
+        ("trainer.total_training_steps=0", "trainer.total_training_steps=0"),
+        ("trainer.total_training_steps=-3", "trainer.total_training_steps=-3"),
+        ("actor_rollout_ref.actor.megatron.tensor_model_parallel_size=0", "tensor_model_parallel_size=0"),
+        ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=0", "ppo_micro_batch_size_per_gpu=0"),
+        (
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=0",
+            "rollout.log_prob_micro_batch_size_per_gpu=0",
+        ),
+        (
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=-2",
+            "ref.log_prob_micro_batch_size_per_gpu=-2",
+        ),
+        ("actor_rollout_ref.rollout.top_p=0", "top_p=0"),
+        ("algorithm.gamma=1.5", "algorithm.gamma=1.5"),
+        ("actor_rollout_ref.actor.optim.lr=-1e-6", "actor_rollout_ref.actor.optim.lr=-1e-06"),
+        ("trainer.max_ckpt_to_keep=0", "trainer.max_ckpt_to_keep=0"),
+        ("custom_reward_function.timeout_s=-1", "custom_reward_function.timeout_s=-1"),
+    ],
+)
+def test_out_of_range_values_fail_naming_the_key(override, key):
+    cfg = cfg_with("trainer.device=cpu", override)
+    with pytest.raises(ConfigError, match="out of range") as excinfo:
+        validate(cfg, world_size=1, model_dims=DIMS)
+    msg = str(excinfo.value)
+    assert key in msg and "\n" not in msg
+
+
+def test_a_value_given_for_a_section_is_one_line(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("data: 5\n")
+    with pytest.raises(
+        ConfigError, match=r"'data' \(from .*c\.yaml\) is a section of keys, not a value: got 5"
+    ):
+        load_config(str(f))
+    with pytest.raises(ConfigError, match=r"'trainer' \(from command line\) is a section"):
+        load_config(None, ["trainer=3"])
+
+
+def test_rollout_correction_and_dapo_keys_are_checked():
+    with pytest.raises(ConfigError, match="rollout_rs_threshold is not"):
+        validate(cfg_with("algorithm.rollout_correction.rollout_rs=seq_sum_k1"), 1, DIMS)
+    with pytest.raises(ConfigError, match="unknown option 'seq_k1'"):
+        validate(
+            cfg_with(
+                "algorithm.rollout_correction.rollout_rs=seq_k1",
+                "algorithm.rollout_correction.rollout_rs_threshold=2",
+            ),
+            1,
+            DIMS,
+        )
+    with pytest.raises(ConfigError, match=r"policy_loss\.loss_mode='ppo2' is not one of"):
+        validate(cfg_with("actor_rollout_ref.actor.policy_loss.loss_mode=ppo2"), 1, DIMS)
+    with pytest.raises(ConfigError, match=r"overlong_buffer: len=600"):
+        validate(
+            cfg_with("reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=600"),
+            1,
+            DIMS,
+        )
+    cfg = cfg_with("custom_reward_function.reward_kwargs.method=flexible")
+    assert cfg.custom_reward_function.reward_kwargs == {"method": "flexible"}
+    assert cfg.actor_rollout_ref.actor.loss_scale_factor == cfg.data.max_response_length

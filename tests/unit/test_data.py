@@ -257,3 +257,23 @@ def test_unreadable_and_missing_files_are_data_errors(tmp_path, tok):
         PromptDataset(str(garbage), tok, max_prompt_length=64)
     with pytest.raises(DataError, match=r"does not exist \(check data.train_files / data.val_files\)"):
         PromptDataset(str(tmp_path / "missing.parquet"), tok, max_prompt_length=64)
+
+
+def test_rows_the_built_in_rules_cannot_score_fail_up_front(tmp_path, tok):
+    from megatron_rl.config import DataError
+    from megatron_rl.reward import RULE_DATA_SOURCES
+
+    good = _write(tmp_path, "good.parquet", [_row("12", 0)])
+    bad_source = _write(tmp_path, "src.parquet", [_row("12", 0), _row("34", 1, data_source="my/task")])
+    null_truth = _write(
+        tmp_path, "null.parquet", [_row("12", 0, reward_model={"style": "rule", "ground_truth": None})]
+    )
+    PromptDataset(good, tok, 16, rule_sources=RULE_DATA_SOURCES)
+    with pytest.raises(
+        DataError, match=r"src\.parquet: row 1 has data_source='my/task'.*custom_reward_function\.path"
+    ):
+        PromptDataset([good, bad_source], tok, 16, rule_sources=RULE_DATA_SOURCES)
+    with pytest.raises(DataError, match=r"null\.parquet: row 0 .*ground_truth = null"):
+        PromptDataset(null_truth, tok, 16, rule_sources=RULE_DATA_SOURCES)
+    # a custom reward function decides for itself (no rule check)
+    assert len(PromptDataset(bad_source, tok, 16)) == 2

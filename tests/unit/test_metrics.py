@@ -28,7 +28,7 @@ def tiny_batch() -> RolloutBatch:
 
 
 def test_data_metrics_by_hand():
-    m = data_metrics(tiny_batch(), max_response_length=2, dp_group=None)
+    m = data_metrics(tiny_batch(), max_prompt_length=3, max_response_length=2, dp_group=None)
     assert m["critic/score/mean"] == pytest.approx(0.75)  # (1.0 + 0.5) / 2 sequences
     assert m["critic/score/max"] == 1.0 and m["critic/score/min"] == 0.5
     assert m["critic/rewards/mean"] == pytest.approx(0.65)  # (0.8 + 0.5) / 2
@@ -37,8 +37,20 @@ def test_data_metrics_by_hand():
     assert m["response_length/mean"] == pytest.approx(1.5)
     assert m["response_length/clip_ratio"] == pytest.approx(0.5)  # one of two hit max_response_length=2
     assert m["prompt_length/mean"] == pytest.approx(2.5)
+    assert m["prompt_length/clip_ratio"] == pytest.approx(0.5)  # one prompt of 3 tokens, at the limit 3
+    assert m["response/aborted_ratio"] == 0.0
     # returns over real tokens [1, 1, 0]: var = 2/9; residuals [0.5, 0, 0]: var = 1/18
     assert m["critic/vf_explained_var"] == pytest.approx(1 - (1 / 18) / (2 / 9 + 1e-5), rel=1e-6)
+
+
+def test_empty_responses_count_as_aborted_and_rejected_tokens_leave_the_lengths_alone():
+    b = tiny_batch()
+    b.attention_mask[1, 3:] = 0  # the second response is empty
+    b.response_mask = torch.tensor([[1.0, 0.0], [0.0, 0.0]])  # a rejected token is not a shorter response
+    m = data_metrics(b, max_prompt_length=4, max_response_length=2, dp_group=None)
+    assert m["response/aborted_ratio"] == pytest.approx(0.5)
+    assert m["response_length/mean"] == pytest.approx(1.0)  # lengths 2 and 0
+    assert m["prompt_length/clip_ratio"] == 0.0
 
 
 def _shard(b: RolloutBatch, rows: slice) -> RolloutBatch:
@@ -58,7 +70,7 @@ def _metrics_worker(rank: int, init_file: str, out_dir: str) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    m = data_metrics(_shard(tiny_batch(), slice(rank, rank + 1)), 2, dist.new_group([0, 1]))
+    m = data_metrics(_shard(tiny_batch(), slice(rank, rank + 1)), 3, 2, dist.new_group([0, 1]))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(m, f)
     dist.destroy_process_group()
@@ -68,7 +80,7 @@ def test_data_metrics_over_data_parallel_ranks(tmp_path):
     """Each of two ranks holds one sequence; the metrics equal those of one process holding both."""
     run_forked_ranks(_metrics_worker, tmp_path)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-    whole = data_metrics(tiny_batch(), max_response_length=2, dp_group=None)
+    whole = data_metrics(tiny_batch(), max_prompt_length=3, max_response_length=2, dp_group=None)
     for m in ranks:
         assert m.keys() == whole.keys()
         for k, v in whole.items():
@@ -120,11 +132,12 @@ def test_jsonl_sink(tmp_path):
 def test_console_prints_a_line_per_step_and_the_block_every_n(capsys):
     lg = MetricsLogger(["console"], "/nonexistent-unused", "p", "e", {}, enabled=False)
     lg.enabled, lg.block_freq = True, 2  # console only: no directory is needed
-    m = {"critic/score/mean": 0.5, "actor/pg_loss": 0.25, "timing_s/step": 1.5, "val/test_score/x": 0.75}
+    m = {"critic/score/mean": 0.5, "actor/pg_loss": 0.25, "timing_s/step": 1.5}
+    m["val-core/x/reward/mean@1"] = 0.75
     for step in (1, 2, 3):
         lg.log(step, m, last=step == 3)
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == "step 1  score=0.5  pg_loss=0.25  step_s=1.5  val/test_score/x=0.75"
+    assert out[0] == "step 1  score=0.5  pg_loss=0.25  step_s=1.5  val-core/x/reward/mean@1=0.75"
     assert out[1] == "step 2" and out[2].startswith("  actor")  # the grouped block at step 2
     assert "step 3" in out and out[-1].startswith("  ")  # and at the last step
 

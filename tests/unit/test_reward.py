@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import math
 import sys
 from pathlib import Path
 
@@ -42,25 +43,91 @@ def tok():
 # ---------------------------------------------------------------- extraction
 
 
+# (response, ground truth, strict score, flexible score), verl's rule: the answer as written, compared
+# with the ground truth string exactly; 1 right, 0 wrong or nothing extracted.
+GSM8K_CASES = [
+    ("She has 3 + 4 = 7 apples.\n#### 7", "7", 1, 1),
+    ("#### 1,234", "1234", 1, 0),  # strict drops ","; flexible keeps "1,234"
+    ("#### 1,234", "1,234", 0, 1),
+    ("#### $12", "12", 0, 1),  # "$" right after "#### " is no answer for strict
+    ("#### 72.", "72", 0, 0),  # the "." belongs to the match: "72." != "72"
+    ("#### 72.", "72.", 1, 1),
+    ("#### -5", "-5", 1, 1),
+    ("#### - 5", "-5", 0, 0),  # strict: no match ("- 5"); flexible: last run "5"
+    ("#### - 5", "5", 0, 1),
+    ("#### 3.5", "3.5", 1, 1),
+    ("#### 3.50", "3.5", 0, 0),
+    ("first #### 1 then #### 2", "2", 1, 1),  # the last "####"
+    ("first #### 1 then #### 2", "1", 0, 0),
+    ("#### 5 dollars", "5", 1, 1),
+    ("#### 5\n#### .", "5", 0, 1),  # a digit-less last "####" counts for strict ("." != "5")
+    ("#### 5\n#### .", ".", 1, 0),  # flexible skips the lone "." and takes "5"
+    ("so the answer is 42", "42", 0, 1),
+    ("so the answer is 42.", "42", 0, 0),  # flexible keeps the "."
+    ("no digits here", "0", 0, 0),
+    ("####42", "42", 0, 1),  # strict needs the space after ####
+    ("#### 42", " 42 ", 0, 0),  # the ground truth is not normalised
+    ("", "1", 0, 0),
+    ("The answer: #### 18", "18", 1, 1),
+    ("#### 18 apples, 3 left", "18", 1, 0),  # flexible takes the last number, "3"
+    ("#### 18 apples, 3 left", "3", 0, 1),
+    ("#### 1000000", "1000000", 1, 1),
+    ("#### 1,000,000", "1000000", 1, 0),
+    ("#### 0", "0", 1, 1),
+    ("#### 007", "7", 0, 0),
+    ("####  7", "7", 0, 1),  # two spaces: strict needs exactly "#### " then the number
+    ("#### 7\n", "7", 1, 1),
+    ("#### 7 #### 8 #### 9", "9", 1, 1),
+    ("#### 9.\nThat is all.", "9.", 1, 1),  # flexible skips the sentence's final "." and takes "9."
+    ("12 apples", "12", 0, 1),
+    ("-3 degrees", "-3", 0, 1),
+    ("x=1, y=2", "2", 0, 1),
+    ("1,5", "15", 0, 0),
+    ("#### 1.5e3", "1.5", 1, 0),  # flexible: last run "3"
+    ("#### 2/3", "2", 1, 0),
+    ("costs $30", "30", 0, 1),
+    ("#### 30%", "30", 1, 1),
+    ("#### -0.5", "-0.5", 1, 1),
+]
+
+
+def test_gsm8k_cases_are_enough():
+    assert len(GSM8K_CASES) >= 40
+
+
+@pytest.mark.parametrize(("text", "truth", "strict", "flexible"), GSM8K_CASES)
+def test_gsm8k_scores_as_verl(text, truth, strict, flexible):
+    assert compute_score_gsm8k(text, truth) == strict
+    assert compute_score_gsm8k(text, truth, method="flexible") == flexible
+
+
+def test_gsm8k_ground_truth_of_another_type_never_matches():
+    assert compute_score_gsm8k("#### 72", 72) == 0  # an int ground truth: verl compares strings
+    assert compute_score_gsm8k("#### 72", 72, lenient=True) == 1
+
+
 @pytest.mark.parametrize(
-    ("text", "strict", "flexible"),
+    ("text", "truth"),
     [
-        ("She has 3 + 4 = 7 apples.\n#### 7", "7", "7"),
-        ("Total is $1,234.\n#### 1,234", "1234", "1234"),
-        ("#### $1,234", "1234", "1234"),
-        ("The change is -5 degrees\n#### -5", "-5", "-5"),
-        ("#### 3.5", "3.5", "3.5"),
-        ("#### 72.", "72", "72"),
-        ("first #### 1 then #### 2", "2", "2"),
-        ("so the answer is 42", None, "42"),
-        ("no digits here...", None, None),
-        ("####42", None, "42"),  # strict needs the space after ####
-        ("", None, None),
+        ("#### $12", "12"),
+        ("#### 72.", "72"),
+        ("#### 1,234", "1,234"),
+        ("#### 72", " 72 "),
+        ("#### 5\n#### .", "5"),
     ],
 )
-def test_extract_solution(text, strict, flexible):
-    assert extract_solution(text, "strict") == strict
-    assert extract_solution(text, "flexible") == flexible
+def test_lenient_option_accepts_what_verl_refuses(text, truth):
+    assert compute_score_gsm8k(text, truth) == 0
+    assert compute_score_gsm8k(text, truth, lenient=True) == 1
+
+
+def test_extract_solution_returns_the_answer_as_written():
+    assert extract_solution("#### 1,234", "strict") == "1234"
+    assert extract_solution("#### 1,234", "flexible") == "1,234"
+    assert extract_solution("#### .", "strict") == "."
+    assert extract_solution("...", "flexible") == "..."  # not a lone "."
+    assert extract_solution(". .", "flexible") == "."  # only lone dots: the first one (verl's loop)
+    assert extract_solution("no digits", "flexible") is None
 
 
 def test_extract_only_looks_at_last_300_chars():
@@ -78,7 +145,7 @@ def test_extract_bad_method():
 
 
 def test_compute_score_gsm8k():
-    assert compute_score_gsm8k("work\n#### 1,234", "1234") == 1.0
+    assert compute_score_gsm8k("work\n#### 1,234", "1234") == 1.0  # the preprocessed ground truth
     assert compute_score_gsm8k("work\n#### 1235", "1234") == 0.0
     assert compute_score_gsm8k("work\n#### 1235", "1234", format_score=0.1) == 0.1
     assert compute_score_gsm8k("the answer is 1234", "1234", format_score=0.1) == 0.0
@@ -133,6 +200,14 @@ def test_make_row_without_marker():
         gsm8k_preprocess.make_row({"question": "q", "answer": "42"}, 3, "test")
 
 
+def test_preprocess_takes_the_first_numeric_final_answer():
+    assert gsm8k_preprocess.extract_ground_truth("so 5 + 0 = 5\n#### 5 dollars") == "5"
+    assert gsm8k_preprocess.extract_ground_truth("#### 1,234\n#### 99") == "1234"  # the first one
+    assert gsm8k_preprocess.extract_ground_truth("#### -7") == "-7"
+    with pytest.raises(ValueError, match="#### <number>"):
+        gsm8k_preprocess.extract_ground_truth("#### seven")
+
+
 def test_preprocess_cli_local_jsonl(tmp_path):
     import json
 
@@ -180,14 +255,19 @@ def test_reward_manager_with_custom_function(tmp_path, tok):
     path = tmp_path / "my_reward.py"
     path.write_text(
         "def compute_score(data_source, solution_str, ground_truth, extra_info=None, bonus=0.0):\n"
-        "    return {'score': float(solution_str.split()[0] == ground_truth) + bonus, 'acc': 1.0}\n"
+        "    out = {'score': float(solution_str.split()[0] == ground_truth) + bonus, 'acc': 1.0}\n"
+        "    if solution_str.startswith('4'):\n"
+        "        out['wrong_digit'] = 1\n"
+        "    return out\n"
     )
     fn = load_custom_reward_function(str(path), "compute_score")
     rm = RewardManager(tok, compute_score=fn, reward_kwargs={"bonus": 0.5})
     ids = [tok.convert_tokens_to_ids(["3", "</s>"]), tok.convert_tokens_to_ids(["4"])]
-    scores, info = rm(ids, ["x", "x"], ["3", "3"], [None, None])
-    assert scores.tolist() == [1.5, 0.5]
-    assert info["reward/acc/mean"] == 1.0 and info["reward/num_errors"] == 0
+    out = rm(ids, ["x", "x"], ["3", "3"], [None, None])
+    assert out.scores.tolist() == [1.5, 0.5] and out.num_errors == 0
+    # the extra keys come back per sample; a key a sample did not return is NaN there
+    assert out.extras["acc"].tolist() == [1.0, 1.0]
+    assert math.isnan(out.extras["wrong_digit"][0]) and out.extras["wrong_digit"][1] == 1.0
 
 
 # ---------------------------------------------------------------- RewardManager
@@ -200,10 +280,10 @@ def _ids(tok, words: str) -> list[int]:
 def test_reward_manager_default_scores(tok):
     rm = RewardManager(tok)
     responses = [_ids(tok, "7 </s>"), _ids(tok, "2 </s> <pad>"), _ids(tok, "<s> 5")]
-    scores, info = rm(responses, [TOY_DATA_SOURCE] * 3, ["7", "7", "5"], [{}, {}, {}])
-    assert scores.dtype == torch.float32 and scores.shape == (3,)
-    assert scores.tolist() == [1.0, 0.0, 1.0]
-    assert info["reward/num_errors"] == 0 and info["reward/mean"] == pytest.approx(2 / 3)
+    out = rm(responses, [TOY_DATA_SOURCE] * 3, ["7", "7", "5"], [{}, {}, {}])
+    assert out.scores.dtype == torch.float32 and out.scores.shape == (3,)
+    assert out.scores.tolist() == [1.0, 0.0, 1.0]
+    assert out.num_errors == 0 and out.extras == {}
 
 
 def test_reward_manager_one_failure_is_logged_and_counted(tok, caplog):
@@ -215,9 +295,9 @@ def test_reward_manager_one_failure_is_logged_and_counted(tok, caplog):
     rm = RewardManager(tok, compute_score=flaky)
     responses = [_ids(tok, "1"), _ids(tok, "copy 9 9 ="), _ids(tok, "3")]
     with caplog.at_level(logging.ERROR, logger="megatron_rl.reward"):
-        scores, info = rm(responses, ["a", "src/b", "a"], ["1", "boom", "3"], [None, None, None])
-    assert scores.tolist() == [1.0, 0.0, 1.0]
-    assert info["reward/num_errors"] == 1
+        out = rm(responses, ["a", "src/b", "a"], ["1", "boom", "3"], [None, None, None])
+    assert out.scores.tolist() == [1.0, 0.0, 1.0]
+    assert out.num_errors == 1
     errors = [r for r in caplog.records if r.name == "megatron_rl.reward"]
     assert len(errors) == 1
     msg = errors[0].getMessage()
@@ -228,10 +308,10 @@ def test_reward_manager_non_finite_score_is_an_error(tok):
     def nan_once(data_source, solution_str, ground_truth, extra_info=None):
         return float("nan") if ground_truth == "x" else 0.5
 
-    scores, info = RewardManager(tok, compute_score=nan_once)(
+    out = RewardManager(tok, compute_score=nan_once)(
         [_ids(tok, "1"), _ids(tok, "2")], ["a", "a"], ["x", "y"], [None, None]
     )
-    assert scores.tolist() == [0.0, 0.5] and info["reward/num_errors"] == 1
+    assert out.scores.tolist() == [0.0, 0.5] and out.num_errors == 1
 
 
 def test_reward_manager_all_failures_raise(tok):
@@ -249,3 +329,48 @@ def test_reward_manager_unknown_data_source_raises(tok):
         RewardManager(tok)([_ids(tok, "1")], ["unknown/src"], ["1"], [None])
     assert isinstance(excinfo.value.__cause__, NotImplementedError)
     assert "custom_reward_function.path" in str(excinfo.value)
+
+
+# ---------------------------------------------------------------- hung or exiting reward functions
+
+
+def test_a_hung_reward_function_stops_at_its_timeout_naming_it(tok):
+    import threading
+    import time
+
+    from megatron_rl.reward import RewardFunctionError
+
+    release = threading.Event()
+
+    def hangs(data_source, solution_str, ground_truth, extra_info=None):
+        if ground_truth == "2":
+            release.wait(60)
+        return 1.0
+
+    rm = RewardManager(tok, compute_score=hangs, timeout_s=0.5)
+    t0 = time.monotonic()
+    with pytest.raises(RewardFunctionError) as excinfo:
+        rm([_ids(tok, "1"), _ids(tok, "2")], ["a", "src/slow"], ["1", "2"], [None, None])
+    assert time.monotonic() - t0 < 5
+    msg = str(excinfo.value)
+    assert (
+        "hangs" in msg
+        and "sample 1" in msg
+        and "src/slow" in msg
+        and "custom_reward_function.timeout_s" in msg
+    )
+    release.set()
+    # the manager recovers: a new worker serves the next batch
+    assert rm([_ids(tok, "1")], ["a"], ["1"], [None]).scores.tolist() == [1.0]
+
+
+def test_a_reward_function_that_exits_is_named(tok):
+    from megatron_rl.reward import RewardFunctionError
+
+    def quits(data_source, solution_str, ground_truth, extra_info=None):
+        sys.exit(3)
+
+    with pytest.raises(
+        RewardFunctionError, match=r"quits exited the process \(SystemExit\(3\)\) on sample 0"
+    ):
+        RewardManager(tok, compute_score=quits)([_ids(tok, "1")], ["a"], ["1"], [None])

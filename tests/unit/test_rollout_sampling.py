@@ -87,3 +87,36 @@ def test_oom_message_names_numbers_and_keys():
         "actor_rollout_ref.rollout.max_num_batched_tokens",
     ):
         assert s in msg, s
+
+
+def test_stop_ids_are_the_generation_config_eos_then_the_tokenizer_eos(tmp_path):
+    import json
+
+    from megatron_rl.rollout.base import stop_token_ids
+    from megatron_rl.toy import build_toy_tokenizer
+
+    tok = build_toy_tokenizer()
+    model = tmp_path / "model"
+    model.mkdir()
+    # A chat model whose turn ends with a token other than the tokenizer's EOS.
+    end_of_turn = tok.eos_token_id + 3
+    (model / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [end_of_turn, end_of_turn + 1]})
+    )
+    assert stop_token_ids(tok, [str(model)]) == [end_of_turn, end_of_turn + 1, tok.eos_token_id]
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": tok.eos_token_id}))
+    assert stop_token_ids(tok, [str(model)]) == [tok.eos_token_id]  # no repeats
+    # A directory without the file (a Megatron checkpoint) defers to the next one (the tokenizer's).
+    megatron_dir = tmp_path / "mcore"
+    megatron_dir.mkdir()
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": end_of_turn}))
+    assert stop_token_ids(tok, [str(megatron_dir), str(model)]) == [end_of_turn, tok.eos_token_id]
+    assert stop_token_ids(tok, [str(megatron_dir)]) == [tok.eos_token_id]
+
+
+def test_generation_stops_at_the_generation_config_eos_not_only_the_tokenizer_eos():
+    end_of_turn, tokenizer_eos = 7, 2
+    g = cut_response([5, 7, 9, 2], [0.1, 0.2, 0.3, 0.4], {end_of_turn, tokenizer_eos})
+    assert g.token_ids == [5, 7] and g.finish_reason == "stop"
+    g = cut_response([5, 7, 9, 2], [0.1, 0.2, 0.3, 0.4], {tokenizer_eos})  # negative control
+    assert g.token_ids == [5, 7, 9, 2]

@@ -112,8 +112,8 @@ def test_reward_through_manager_on_token_ids(tok):
     rm = RewardManager(tok)
     right = tok.convert_tokens_to_ids(["9", "</s>"])
     wrong = tok.convert_tokens_to_ids(["=", "9", "</s>"])
-    scores, _ = rm([right, wrong], [TOY_DATA_SOURCE] * 2, ["9", "9"], [None, None])
-    assert scores.tolist() == [1.0, 0.0]
+    out = rm([right, wrong], [TOY_DATA_SOURCE] * 2, ["9", "9"], [None, None])
+    assert out.scores.tolist() == [1.0, 0.0]
 
 
 def test_chance_level_is_one_tenth(toy_files, tok):

@@ -72,6 +72,8 @@ def global_batch(vocab: int, seed: int = 0) -> tuple[RolloutBatch, dict[str, tor
         "value_noise": torch.randn(b, R, generator=g) * 0.5,
         "return_noise": torch.randn(b, R, generator=g),
         "signs": torch.tensor([1.0, -1.0]).repeat(b // 2)[torch.randperm(b, generator=g)],
+        # rollout importance weights (the mismatch correction), in the range truncation leaves
+        "is_weights": (0.5 + 1.5 * torch.rand(b, R, generator=g)) * mask,
     }
     # Tokens the policy now prefers strongly (ratio e^1.5 > clip_ratio_c) with negative advantages:
     # dual-clip is active on them.
@@ -230,6 +232,7 @@ def run_pair(ps, a, actor_dir: str, critic_dir: str, out_dir: str) -> None:
     batch.old_log_probs = (lp + ex["old_noise"]) * mask
     batch.ref_log_probs = (lp + ex["ref_noise"]) * mask
     batch.advantages = ex["advantages"]
+    batch.rollout_is_weights = ex["is_weights"]
     actor_cfg = ActorConfig(
         ppo_mini_batch_size=MINI_PROMPTS,
         ppo_micro_batch_size_per_gpu=a.micro,
@@ -237,11 +240,13 @@ def run_pair(ps, a, actor_dir: str, critic_dir: str, out_dir: str) -> None:
         clip_ratio=0.2,
         clip_ratio_high=0.28,
         clip_ratio_c=3.0,
-        loss_agg_mode="token-mean",
+        # per-sequence token sums over a constant (Dr. GRPO): the denominator counts sequences over DP
+        loss_agg_mode="seq-mean-token-sum-norm",
+        loss_scale_factor=float(R),
         entropy_coeff=0.01,
         use_kl_loss=True,
         kl_loss_coef=0.1,
-        kl_loss_type="low_var_kl",
+        kl_loss_type="low_var_kl+",
         optim=OptimConfig(
             lr=2e-3,
             min_lr=2e-4,
@@ -294,7 +299,7 @@ def run_pair(ps, a, actor_dir: str, critic_dir: str, out_dir: str) -> None:
     # ---- direction: an on-policy update with per-sequence advantages +-1 ----
     lp_now = compute_log_probs(actor, ps, batch, LOGPROB_MICRO, TEMPERATURE)
     adv = ex["signs"][:, None] * mask
-    batch.old_log_probs, batch.advantages = lp_now, adv
+    batch.old_log_probs, batch.advantages, batch.rollout_is_weights = lp_now, adv, None
     dir_cfg = ActorConfig(
         ppo_mini_batch_size=N_PROMPTS,
         ppo_micro_batch_size_per_gpu=a.micro,

@@ -1,0 +1,126 @@
+"""How a rank ends: never outliving its launcher, and stopping cleanly when asked to.
+
+* :func:`die_with_parent` (called first thing in every rank): the kernel sends the rank SIGKILL when
+  its parent (torchrun's agent) dies, so ``kill -9`` of torchrun, or of a node's launcher, leaves no
+  rank behind holding GPU memory or the checkpoint directory's lock.
+* :class:`PreemptionWatch` (installed by ``Trainer.fit`` for the training loop): SIGTERM, SIGINT and
+  SIGUSR2 only set a flag; after each step every rank asks :meth:`PreemptionWatch.requested`, which
+  agrees over the world (an all-reduce), so all ranks save the same step together and leave with
+  :class:`Preempted` (exit status 128 + the signal number: 143 for SIGTERM, 140 for SIGUSR2, 130 for
+  SIGINT). A second SIGINT more than :data:`SECOND_INT_AFTER_S` after the first interrupts at once
+  (KeyboardInterrupt); one closer to the first is the same Ctrl-C seen twice (the terminal sends it
+  to the whole process group, and torchrun forwards its copy too).
+
+The signal flow of a launch is: Slurm or the user -> ``launch/torchrun.sh`` (forwards once) -> torchrun
+(forwards to its ranks, waits ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds, then SIGKILL) -> the ranks.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import time
+from types import FrameType
+from typing import Any
+
+PR_SET_PDEATHSIG = 1
+"""prctl option (linux/prctl.h): the signal this process gets when its parent thread exits."""
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
+SECOND_INT_AFTER_S = 2.0
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> bool:
+    """Linux: ask the kernel to send ``sig`` to this process when its parent exits (whatever kills the
+    parent, SIGKILL included). Returns False where that is unavailable (not Linux, no libc)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != parent:  # the parent died before prctl took effect: nobody will signal us
+        os.kill(os.getpid(), sig)
+    return True
+
+
+class Preempted(SystemExit):
+    """Raised on every rank after the checkpoint of a stop request is saved; the process exits with
+    ``code`` (128 + the signal number) after the usual cleanup (``finally`` blocks run)."""
+
+
+class PreemptionWatch:
+    """Turns SIGTERM / SIGINT / SIGUSR2 into a flag that the training loop polls between steps."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        """The first stop signal received on this rank (or, after :meth:`requested`, on any rank)."""
+        self._first_int: float | None = None
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> PreemptionWatch:
+        """Handle the stop signals from now on (main thread only; Python's rule for signal handlers)."""
+        for s in SIGNALS:
+            self._previous[s] = signal.signal(s, self._handler)
+        return self
+
+    def uninstall(self) -> None:
+        """Put back the handlers that were there before :meth:`install`."""
+        for s, h in self._previous.items():
+            signal.signal(s, h if h is not None else signal.SIG_DFL)
+        self._previous.clear()
+
+    def __enter__(self) -> PreemptionWatch:
+        return self.install()
+
+    def __exit__(self, *exc: object) -> None:
+        self.uninstall()
+
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
+        now = time.monotonic()
+        if signum == signal.SIGINT:
+            if self._first_int is not None and now - self._first_int > SECOND_INT_AFTER_S:
+                raise KeyboardInterrupt
+            if self._first_int is None:
+                self._first_int = now
+        if self.signum is not None:
+            return
+        self.signum = signum
+        if os.environ.get("RANK", "0") == "0":
+            # os.write, not print: a handler may run in the middle of another print (reentrant I/O).
+            note = (
+                f"megatron-rl: received {signal.Signals(signum).name}; finishing this step, then saving "
+                "a checkpoint and exiting (a second Ctrl-C stops at once)\n"
+            )
+            try:
+                os.write(sys.stderr.fileno(), note.encode())
+            except (OSError, ValueError):
+                pass
+
+    def requested(self, group: Any = None, device: Any = None) -> bool:
+        """Collective over ``group`` (default: the world): True on every rank if any rank received a
+        stop signal. Without a process group, this rank's flag."""
+        import torch
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return self.signum is not None
+        t = torch.tensor([self.signum or 0], dtype=torch.int32, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        got = int(t.item())
+        if got and self.signum is None:
+            self.signum = got  # another rank's signal: name it in the log line
+        return got > 0
+
+    @property
+    def signal_name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum else "no signal"
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the signal number: what a shell reports for a process that the signal ended."""
+        return 128 + (self.signum or signal.SIGTERM)

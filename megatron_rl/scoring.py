@@ -1,0 +1,221 @@
+"""Rewards on a rollout batch, DAPO's group filter, and validation scores under verl's names.
+
+reward_scores(batch)        the reward function (rules, a custom function or a reward server) on
+                            the first rank of each model replica, plus
+                            overlong shaping; scores [B] and the reward's extra keys broadcast to
+                            the replica's TP/PP peers (a non-deterministic reward function must not
+                            give the shards of one model different losses); extras land in
+                            batch.meta[i].reward_extras
+place_scores(batch, s)      scores on each response's last real token -> batch.token_level_scores
+reward_metrics(batch)       reward/num_errors, reward/<extra key>/mean over the data-parallel group
+filter_values(batch, m)     the per-sequence value algorithm.filter_groups.metric names
+ValidationScores            per data source and variable: val-core/<source>/<var>/mean@N (the core
+                            variable: "acc" when the reward function returns it, else "reward"),
+                            every other variable and std@N under val-aux/
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.algos.dapo import overlong_penalty
+from megatron_rl.batch import RolloutBatch
+from megatron_rl.http_reward import prompt_ids_of
+
+if TYPE_CHECKING:
+    from megatron_rl.config import Config
+    from megatron_rl.http_reward import HttpRewardManager
+    from megatron_rl.parallel import ParallelState
+    from megatron_rl.reward import RewardManager
+
+
+def _on_leader(ps: ParallelState) -> bool:
+    return ps.tp_rank == 0 and ps.pp_rank == 0
+
+
+def reward_scores(
+    reward_fn: RewardManager | HttpRewardManager, batch: RolloutBatch, ps: ParallelState, cfg: Config
+) -> tuple[torch.Tensor, int]:
+    """Per-sequence scores [B] on ``ps.device`` (overlong shaping included) and the number of reward
+    errors on this replica; sets ``meta[i].reward_extras`` on every rank of the replica."""
+    ob, max_len = cfg.reward_model.overlong_buffer, cfg.data.max_response_length
+    if getattr(reward_fn, "collective", False):  # a reward model: every rank runs its forward
+        scores = reward_fn(batch).float().cpu()
+        extras: dict[str, torch.Tensor] = {}
+        if ob.enable:
+            lengths = batch.response_mask.sum(-1).long().cpu()
+            penalty = overlong_penalty(lengths, max_len, ob.len, ob.penalty_factor)
+            scores = scores + penalty
+            if ob.log:
+                extras = {"overlong_reward": penalty, "overlong": (penalty < 0).float()}
+        for i, mt in enumerate(batch.meta):
+            mt.reward_extras = {k: float(v[i]) for k, v in extras.items()}
+        return scores.to(ps.device), 0
+    keys: list[str] = []
+    packed = None
+    if _on_leader(ps):
+        lengths = batch.response_mask.sum(-1).long().cpu()
+        responses = batch.responses.cpu()
+        kwargs = {}
+        if getattr(reward_fn, "needs_prompts", False):  # a reward server receives the prompt text too
+            kwargs["prompt_ids"] = prompt_ids_of(
+                batch.prompts, batch.attention_mask[:, : batch.prompts.shape[1]]
+            )
+        out = reward_fn(
+            [responses[i, :n].tolist() for i, n in enumerate(lengths.tolist())],
+            [mt.data_source for mt in batch.meta],
+            [mt.ground_truth for mt in batch.meta],
+            [mt.extra_info for mt in batch.meta],
+            **kwargs,
+        )
+        scores, extras = out.scores, dict(out.extras)
+        if ob.enable:
+            penalty = overlong_penalty(lengths, max_len, ob.len, ob.penalty_factor)
+            scores = scores + penalty
+            if ob.log:
+                extras["overlong_reward"] = penalty
+                extras["overlong"] = (penalty < 0).float()
+        keys = sorted(extras)
+        # [B + 1, 1 + K]: scores and the extras per row; the error count in the last row.
+        packed = torch.zeros(len(batch) + 1, 1 + len(keys))
+        packed[:-1, 0] = scores
+        for j, k in enumerate(keys):
+            packed[:-1, 1 + j] = extras[k]
+        packed[-1, 0] = out.num_errors
+    if ps.tp_size * ps.pp_size > 1:
+        src = dist.get_global_rank(ps.mp_group, 0)
+        box = [keys]
+        dist.broadcast_object_list(box, src=src, group=ps.mp_group)
+        keys = box[0]
+        if packed is None:
+            packed = torch.zeros(len(batch) + 1, 1 + len(keys))
+        packed = packed.to(ps.device)
+        dist.broadcast(packed, src=src, group=ps.mp_group)
+    packed = packed.cpu()
+    for i, mt in enumerate(batch.meta):
+        mt.reward_extras = {
+            k: float(packed[i, 1 + j]) for j, k in enumerate(keys) if not math.isnan(packed[i, 1 + j])
+        }
+    return packed[:-1, 0].to(ps.device), int(packed[-1, 0].item())
+
+
+def place_scores(batch: RolloutBatch, scores: torch.Tensor) -> None:
+    """Each score on its response's last real token: batch.token_level_scores [B, R]."""
+    lengths = batch.response_mask.sum(-1).long()
+    token_scores = torch.zeros_like(batch.response_mask)
+    last = (lengths - 1).clamp(min=0)
+    token_scores[torch.arange(len(batch), device=last.device), last] = scores * (lengths > 0)
+    batch.token_level_scores = token_scores
+
+
+def _union_keys(local: set[str], group) -> list[str]:
+    """The union over ``group`` of each rank's keys (every rank must log the same metric names)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return sorted(local)
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, sorted(local), group=group)
+    return sorted({k for ks in gathered for k in ks})
+
+
+def reward_metrics(batch: RolloutBatch, num_errors: int, ps: ParallelState) -> dict[str, float]:
+    """``reward/num_errors`` (summed over DP) and ``reward/<key>/mean`` of the reward's extra keys."""
+    keys = _union_keys({k for mt in batch.meta for k in mt.reward_extras}, ps.dp_group)
+    # [errors, (sum, count) per key]
+    stats = torch.zeros(1 + 2 * len(keys), dtype=torch.float64)
+    stats[0] = num_errors
+    for mt in batch.meta:
+        for j, k in enumerate(keys):
+            if k in mt.reward_extras:
+                stats[1 + 2 * j] += mt.reward_extras[k]
+                stats[2 + 2 * j] += 1
+    stats = stats.to(ps.device)
+    dist.all_reduce(stats, group=ps.dp_group)
+    stats = stats.tolist()
+    out = {"reward/num_errors": stats[0]}
+    for j, k in enumerate(keys):
+        out[f"reward/{k}/mean"] = stats[1 + 2 * j] / max(stats[2 + 2 * j], 1.0)
+    return out
+
+
+def filter_values(batch: RolloutBatch, metric: str | None) -> torch.Tensor:
+    """[B] values whose spread within a prompt group decides whether DAPO keeps the group.
+
+    seq_reward / score: the sequence score (shaping included); seq_final_reward: the token rewards'
+    sum; acc (the default) or any other name: that key of the reward function's result, where "acc"
+    falls back to the score for reward functions that return a number.
+    """
+    metric = metric or "acc"
+    if metric in ("seq_reward", "score"):
+        return batch.token_level_scores.sum(-1).cpu()
+    if metric == "seq_final_reward":
+        rewards = (
+            batch.token_level_rewards if batch.token_level_rewards is not None else batch.token_level_scores
+        )
+        return rewards.sum(-1).cpu()
+    values = []
+    for i, mt in enumerate(batch.meta):
+        if metric in mt.reward_extras:
+            values.append(mt.reward_extras[metric])
+        elif metric == "acc":
+            values.append(float(batch.token_level_scores[i].sum()))
+        else:
+            raise ValueError(
+                f"algorithm.filter_groups.metric={metric!r}: the reward function returned no such key for "
+                f"data_source={mt.data_source!r} (keys: {sorted(mt.reward_extras)}); use acc, score, "
+                "seq_reward, seq_final_reward or a key the reward function returns."
+            )
+    return torch.tensor(values, dtype=torch.float64)
+
+
+class ValidationScores:
+    """Accumulates validation samples; ``metrics()`` reduces over DP under verl's names.
+
+    For n samples per prompt: mean@n is the mean over prompts of each prompt's mean (equal to the
+    mean over samples), std@n (n > 1) the mean over prompts of each prompt's population std.
+    """
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        # (source, var) -> [sum of per-prompt means, sum of per-prompt stds, prompts]
+        self.sums: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
+
+    def add(self, batch: RolloutBatch, scores: torch.Tensor, real_rows: int) -> None:
+        """Rows 0..real_rows-1 of ``batch`` (n adjacent samples per prompt) with their scores [B]."""
+        scores = scores.cpu().tolist()
+        for start in range(0, real_rows, self.n):
+            rows = range(start, start + self.n)
+            source = batch.meta[start].data_source
+            variables: dict[str, list[float]] = {"reward": [scores[i] for i in rows]}
+            for i in rows:
+                for k, v in batch.meta[i].reward_extras.items():
+                    variables.setdefault(k, []).append(v)
+            for var, values in variables.items():
+                t = torch.tensor(values, dtype=torch.float64)
+                acc = self.sums[source, var]
+                acc[0] += t.mean().item()
+                acc[1] += t.std(correction=0).item() if len(values) > 1 else 0.0
+                acc[2] += 1
+
+    def metrics(self, ps: ParallelState) -> dict[str, float]:
+        keys = _union_keys({f"{s}\t{v}" for s, v in self.sums}, ps.dp_group)
+        if not keys:
+            return {}
+        stats = torch.tensor(
+            [self.sums.get(tuple(k.split("\t")), [0.0, 0.0, 0.0]) for k in keys], dtype=torch.float64
+        ).to(ps.device)
+        dist.all_reduce(stats, group=ps.dp_group)
+        pairs = [tuple(k.split("\t")) for k in keys]
+        has_acc = {s for s, v in pairs if v == "acc"}
+        out: dict[str, float] = {}
+        for (source, var), (mean_sum, std_sum, prompts) in zip(pairs, stats.tolist(), strict=True):
+            core = var == ("acc" if source in has_acc else "reward")
+            prompts = max(prompts, 1.0)
+            out[f"{'val-core' if core else 'val-aux'}/{source}/{var}/mean@{self.n}"] = mean_sum / prompts
+            if self.n > 1:
+                out[f"val-aux/{source}/{var}/std@{self.n}"] = std_sum / prompts
+        return out
