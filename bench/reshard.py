@@ -26,7 +26,7 @@ import torch.distributed as dist
 def qwen_args():
     from transformers import Qwen2Config
 
-    from megatron_rl.models.hf import model_args_from_hf_config
+    from megatron_rl.model_args import model_args_from_hf_config
     from megatron_rl.models.random_hf import QWEN25_1_5B
 
     hf = Qwen2Config(**QWEN25_1_5B, pad_token_id=0, bos_token_id=1, eos_token_id=2).to_dict()
@@ -77,7 +77,7 @@ def main() -> None:
     from megatron_rl.config import RolloutConfig
     from megatron_rl.models.builder import build_model
     from megatron_rl.parallel import destroy_parallel, init_parallel
-    from megatron_rl.rollout.base import SamplingParams, create_engine
+    from megatron_rl.rollout import SamplingParams, create_engine
     from megatron_rl.rollout.reshard import iter_hf_buckets, plan_buckets, sync_weights
 
     ps = init_parallel(2, 1, device="cuda")

@@ -15,8 +15,8 @@ import re
 
 import torch
 
-from megatron_rl.models.hf import ModelArgs
-from megatron_rl.weights.megatron_ckpt import TensorSource
+from megatron_rl.model_args import ModelArgs
+from megatron_rl.weights.shards import TensorSource
 from megatron_rl.weights.tables import hf_shapes
 
 

@@ -26,7 +26,7 @@ from ckpt_tools.staging import shown_out
 
 
 def _dtype(name: str):
-    from megatron_rl.models.builder import DTYPES
+    from megatron_rl.model_args import DTYPES
 
     return DTYPES[name]
 
@@ -63,9 +63,9 @@ def _parallel(tp: int, pp: int, needed: bool = True) -> Iterator:
 
 
 def _side_dirs(path: str) -> list[str]:
-    from megatron_rl.weights import megatron_ckpt as mc
+    from megatron_rl.weights.ckpt_format import locate_megatron_checkpoint
 
-    loc = mc.locate_megatron_checkpoint(path)
+    loc = locate_megatron_checkpoint(path)
     dirs = [path] if loc is None else [loc.ckpt_dir, loc.root]
     return [*dirs, os.path.dirname(os.path.abspath(dirs[-1]))]
 
@@ -87,12 +87,13 @@ def _check_layout(path: str, tp: int, pp: int) -> None:
 
 
 def _legacy(path: str):
-    from megatron_rl.weights import megatron_ckpt as mc
+    from megatron_rl.weights.ckpt_format import LEGACY_FILE, locate_megatron_checkpoint
+    from megatron_rl.weights.legacy import LegacyCheckpoint
 
-    loc = mc.locate_megatron_checkpoint(path)
+    loc = locate_megatron_checkpoint(path)
     if loc is None or loc.format != "legacy":
-        raise SystemExit(f"{path} is not a legacy Megatron-LM checkpoint (mp_rank_*/{mc.LEGACY_FILE})")
-    return mc.LegacyCheckpoint(loc.ckpt_dir)
+        raise SystemExit(f"{path} is not a legacy Megatron-LM checkpoint (mp_rank_*/{LEGACY_FILE})")
+    return LegacyCheckpoint(loc.ckpt_dir)
 
 
 def hf_to_mcore(a: argparse.Namespace) -> int:
@@ -101,10 +102,10 @@ def hf_to_mcore(a: argparse.Namespace) -> int:
     rc = relaunch_if_needed(a.tp * a.pp, a.argv)
     if rc is not None:
         return rc
+    from megatron_rl.model_args import load_model_args
     from megatron_rl.models.builder import build_model, fill_from_reader
-    from megatron_rl.models.hf import load_model_args
+    from megatron_rl.weights.ckpt_write import save_torch_dist
     from megatron_rl.weights.hf_io import HFReader, copy_side_files
-    from megatron_rl.weights.megatron_ckpt import save_torch_dist
 
     with _parallel(a.tp, a.pp) as ps:
         args = load_model_args(a.hf)
@@ -154,16 +155,17 @@ def legacy_to_dist(a: argparse.Namespace) -> int:
         return rc
     from megatron_rl.models.builder import build_model, fill_from_reader
     from megatron_rl.models.loading import load_model_args_any
-    from megatron_rl.weights import megatron_ckpt as mc
+    from megatron_rl.weights.ckpt_write import save_torch_dist
     from megatron_rl.weights.hf_io import copy_side_files
+    from megatron_rl.weights.legacy import LegacyReader
 
     ckpt = _legacy(a.legacy)
     with _parallel(tp, pp) as ps:
         args = load_model_args_any(a.legacy)
         dtype = next(iter(ckpt.model(0, 0).values())).dtype
         model = build_model(args, ps, dtype=dtype, sdpa=False)
-        fill_from_reader(model, ps, mc.LegacyReader(ckpt, args), progress=ps.rank == 0)
-        mc.save_torch_dist(model, ps, a.out, extra={"source": os.path.abspath(a.legacy)})
+        fill_from_reader(model, ps, LegacyReader(ckpt, args), progress=ps.rank == 0)
+        save_torch_dist(model, ps, a.out, extra={"source": os.path.abspath(a.legacy)})
         if ps.rank == 0:
             copied = copy_side_files(_side_dirs(a.legacy), a.out)
             _say(
@@ -182,21 +184,24 @@ def reshard(a: argparse.Namespace) -> int:
         return rc
     from megatron_rl.models.builder import build_model
     from megatron_rl.models.loading import load_model_args_any
-    from megatron_rl.weights import megatron_ckpt as mc
+    from megatron_rl.weights.ckpt_format import locate_megatron_checkpoint, read_our_metadata
+    from megatron_rl.weights.ckpt_write import save_torch_dist
     from megatron_rl.weights.hf_io import copy_side_files
+    from megatron_rl.weights.safe_load import check_torch_dist
+    from megatron_rl.weights.torch_dist import load_torch_dist
 
     with _parallel(a.tp, a.pp) as ps:
-        loc = mc.locate_megatron_checkpoint(a.ckpt)
+        loc = locate_megatron_checkpoint(a.ckpt)
         if loc is None or loc.format != "torch_dist":
             raise SystemExit(f"{a.ckpt} is not a torch_dist checkpoint")
         args = load_model_args_any(a.ckpt)
-        ours = mc.read_our_metadata(loc) or {}
-        meta, _ = mc.check_torch_dist(loc.ckpt_dir)
+        ours = read_our_metadata(loc) or {}
+        meta, _ = check_torch_dist(loc.ckpt_dir)
         saved = meta.state_dict_metadata["embedding.word_embeddings.weight"].properties.dtype
         dtype = _dtype(ours["dtype"]) if ours.get("dtype") in ("float32", "bfloat16", "float16") else saved
         model = build_model(args, ps, role=ours.get("role", "actor"), dtype=dtype, sdpa=False)
-        mc.load_torch_dist(model, ps, a.ckpt)
-        mc.save_torch_dist(model, ps, a.out, extra={"source": os.path.abspath(a.ckpt)})
+        load_torch_dist(model, ps, a.ckpt)
+        save_torch_dist(model, ps, a.out, extra={"source": os.path.abspath(a.ckpt)})
         if ps.rank == 0:
             copy_side_files(_side_dirs(a.ckpt), a.out)
             _say(ps, f"wrote torch_dist checkpoint {shown_out(a)} at TP={a.tp} PP={a.pp}")
@@ -210,8 +215,8 @@ def mcore_to_legacy(a: argparse.Namespace) -> int:
     require_single_process("mcore-to-legacy")
     _check_layout(a.ckpt, a.tp, a.pp)
     from megatron_rl.models.loading import detect_format, load_model_args_any, open_reader
+    from megatron_rl.weights.ckpt_write import save_legacy
     from megatron_rl.weights.hf_io import copy_side_files
-    from megatron_rl.weights.megatron_ckpt import save_legacy
 
     fmt = detect_format(a.ckpt)
     with _parallel(1, 1, needed=fmt == "torch_dist"):

@@ -17,6 +17,7 @@ rollout_is_weights (mismatch correction) ([B, R]). Per-sequence host data
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,6 +92,40 @@ class RolloutBatch:
             response_mask=response_mask.float(),
             meta=meta,
         )
+
+    @classmethod
+    def from_generations(
+        cls, items: list, generations: list, pad_id: int, max_response_length: int, uid_prefix: str
+    ) -> RolloutBatch:
+        """Prompts (data.PromptItem) and their engine generations (n per prompt) -> [B*n] rows: a prompt's
+        samples are adjacent and share the uid ``uid_prefix + item.index`` (the GRPO/RLOO group). When the
+        engine returned log-probs, ``rollout_log_probs`` holds them (NaN where one is missing)."""
+        from megatron_rl.data import collate_left_pad
+
+        prompts, metas, responses, logprobs = [], [], [], []
+        for it, samples in zip(items, generations, strict=True):
+            for g in samples:
+                prompts.append(it)
+                responses.append(g.token_ids[:max_response_length])
+                logprobs.append(g.logprobs)
+                meta = SeqMeta(f"{uid_prefix}{it.index}", it.data_source, it.ground_truth, it.extra_info)
+                meta.messages = it.messages
+                metas.append(meta)
+        prompt_ids, prompt_mask = collate_left_pad(prompts, pad_id)
+        width = max(1, max(len(r) for r in responses))
+        resp = torch.full((len(responses), width), pad_id, dtype=torch.long)
+        resp_mask = torch.zeros(len(responses), width)
+        for i, r in enumerate(responses):
+            resp[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+            resp_mask[i, : len(r)] = 1.0
+        batch = cls.from_tokens(prompt_ids, prompt_mask, resp, resp_mask, metas)
+        if any(lp is not None for lp in logprobs):
+            lp = torch.full((len(responses), width), math.nan)
+            for i, (r, got) in enumerate(zip(responses, logprobs, strict=True)):
+                got = (got or [])[: len(r)]
+                lp[i, : len(got)] = torch.tensor(got, dtype=torch.float32)
+            batch.rollout_log_probs = lp
+        return batch
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]

@@ -1,4 +1,5 @@
-"""Trainer checkpoints: everything needed to continue a run bit for bit.
+"""Trainer checkpoints: everything needed to continue a run (bit for bit with the transformers engine,
+whose sampling is seeded per step; SGLang's is not outside its deterministic mode).
 
 Layout of ``trainer.default_local_dir``::
 
@@ -32,24 +33,28 @@ sees.
 from __future__ import annotations
 
 import contextlib
-import datetime
-import errno
-import fcntl
 import json
 import logging
 import os
 import random
 import re
 import shutil
-import socket
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_rl.config import ConfigError
-from megatron_rl.launch_checks import LaunchError
+from megatron_rl.ckpt_files import (
+    DirLock,
+    chmod_tree,
+    is_disk_full,
+    open_private,
+    parse_permissions,
+    remove_leftovers,
+    write_atomic,
+)
+from megatron_rl.errors import COLLATERAL, CheckpointError
 from megatron_rl.parallel import ParallelState
 from megatron_rl.weights.hf_io import copy_side_files
 
@@ -57,18 +62,7 @@ log = logging.getLogger(__name__)
 
 LATEST = "latest_checkpointed_iteration.txt"
 ORDER_FILE = "checkpoint_order.txt"
-LOCK_FILE = "run.lock"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
-_LEFTOVER = re.compile(r"^\.global_step_\d+\.(partial|deleting)$")
-PERMISSIONS_KEY = "trainer.checkpoint_permissions"
-
-
-class CheckpointError(LaunchError):
-    """A problem with the checkpoint directory (tracker, lock, disk); the message is one line naming the
-    file and the fix, printed by the launcher's ``explain_failures`` without a traceback."""
-
-    def __init__(self, message: str, same_on_all_ranks: bool = True) -> None:
-        super().__init__(message, same_on_all_ranks)
 
 
 def rng_state() -> dict[str, Any]:
@@ -106,164 +100,12 @@ def _shard_file(path: str, ps: ParallelState) -> str:
     return os.path.join(path, f"mp_rank_{ps.tp_rank:02d}_{ps.pp_rank:03d}.pt")
 
 
-# --------------------------------------------------------------------------------------------------
-# Permissions, atomic small files, disk-full detection
-# --------------------------------------------------------------------------------------------------
-
-
-def parse_permissions(value: str | int | None) -> tuple[int, int]:
-    """``trainer.checkpoint_permissions`` -> (file mode, directory mode). Directories get the search
-    bit wherever the file mode has the read bit (0600 -> 0700, 0640 -> 0750, 0644 -> 0755)."""
-    text = "0600" if value is None else str(value).strip()
-    if not re.fullmatch(r"0?[0-7]{3}", text):
-        raise ConfigError(
-            f"{PERMISSIONS_KEY}={value!r} is not an octal file mode: give it as a quoted string (unquoted, "
-            "YAML reads 0600 as the number 384) such as "
-            '"0600" (owner only, the default) or "0640" (the group may read).'
-        )
-    mode = int(text, 8)
-    if mode & 0o600 != 0o600 or mode & 0o111:
-        unquoted = "" if text.startswith("0") else " (if you wrote 0NNN unquoted, YAML read it as a number)"
-        raise ConfigError(
-            f"{PERMISSIONS_KEY}={text}{unquoted}: a checkpoint file mode must let the owner read and write "
-            '(6 in the first digit) and set no execute bits (directories get them): e.g. "0600" or "0640".'
-        )
-    return mode, mode | ((mode & 0o444) >> 2)
-
-
-def _chmod_tree(path: str, file_mode: int, dir_mode: int) -> None:
-    """Set every file under ``path`` to ``file_mode`` and every directory to ``dir_mode`` (an explicit
-    chmod: modes given to open/mkdir are cut by the umask)."""
-    os.chmod(path, dir_mode)
-    for top, dirs, files in os.walk(path):
-        for d in dirs:
-            os.chmod(os.path.join(top, d), dir_mode)
-        for f in files:
-            os.chmod(os.path.join(top, f), file_mode)
-
-
-def _write_atomic(path: str, text: str, file_mode: int) -> None:
-    """Write ``text`` to ``path`` through a temporary file and one rename: a reader sees the old or the
-    new content, never a torn one."""
-    tmp = path + ".tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, file_mode)
-    try:
-        os.fchmod(fd, file_mode)
-        with os.fdopen(fd, "w") as f:
-            fd = -1
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-    finally:
-        if fd >= 0:
-            os.close(fd)
-    os.replace(tmp, path)
-
-
-def _open_private(path: str, file_mode: int, binary: bool = True):
-    """A new file for writing, created with ``file_mode`` (set explicitly, past the umask). Writing
-    through a Python file object makes a full disk raise OSError(ENOSPC) instead of torch's
-    message-less zip-writer error."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, file_mode)
-    os.fchmod(fd, file_mode)
-    return os.fdopen(fd, "wb" if binary else "w")
-
-
-def _is_disk_full(exc: BaseException | None, path: str) -> bool:
-    """True for ENOSPC anywhere in the exception's chain (or in torch DCP's per-rank failures), or
-    when the filesystem of ``path`` is left with under 1 MiB (writers that drop the errno)."""
-    seen: list[BaseException] = []
-    todo = [exc] if exc is not None else []
-    while todo:
-        e = todo.pop()
-        if e is None or any(e is s for s in seen):
-            continue
-        seen.append(e)
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        if "No space left on device" in str(e) or "ENOSPC" in str(e):
-            return True
-        todo += [e.__cause__, e.__context__]
-        for failure in (getattr(e, "failures", None) or {}).values():  # DCP's CheckpointException
-            todo.append(failure[0] if isinstance(failure, tuple) else failure)
-    with contextlib.suppress(OSError):
-        return shutil.disk_usage(path).free < 1 << 20
-    return False
-
-
 def _any_rank(flag: bool) -> bool:
     """True on every rank if ``flag`` is True on any (gloo on CPU, or the default group's device)."""
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
-
-
-# --------------------------------------------------------------------------------------------------
-# The run lock
-# --------------------------------------------------------------------------------------------------
-
-# Locks this process holds, by real path -> [fd, users]: flock locks belong to an open file, so a
-# second open in the same process would conflict with the first; a second manager shares the first's.
-_HELD: dict[str, list[int]] = {}
-
-
-class DirLock:
-    """An exclusive ``flock`` on ``root/run.lock``, held until :meth:`release` or the process exits.
-
-    The kernel drops the lock when the holder dies (also by SIGKILL or a crashed node on a local
-    filesystem), so a dead run never leaves a stale lock; the file itself stays and is reused. The
-    file says who holds it: ``host=... pid=... started=...``.
-    """
-
-    def __init__(self, root: str, file_mode: int = 0o600) -> None:
-        self.path = os.path.join(root, LOCK_FILE)
-        self.file_mode = file_mode
-        self._key: str | None = None
-
-    def acquire(self) -> None:
-        """Take the lock or raise :class:`CheckpointError` naming the holder."""
-        key = os.path.realpath(self.path)
-        if key in _HELD:
-            _HELD[key][1] += 1
-            self._key = key
-            return
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, self.file_mode)  # not inherited across exec
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                # e.g. a Lustre mount without -o flock: run unlocked rather than not at all
-                os.close(fd)
-                log.warning(
-                    "cannot lock %s (%s): running without the one-run-per-directory lock", self.path, e
-                )
-                return
-            holder = (
-                os.pread(fd, 512, 0).decode(errors="replace").strip()
-                or "a process that has not written its name yet"
-            )
-            os.close(fd)
-            raise CheckpointError(
-                f"{os.path.dirname(self.path)} is in use by another run ({holder}; lock file {self.path}): "
-                "wait for that run to end or stop it, or give this run another trainer.default_local_dir."
-            ) from None
-        started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-        os.fchmod(fd, self.file_mode)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"host={socket.gethostname()} pid={os.getpid()} started={started}\n".encode(), 0)
-        _HELD[key] = [fd, 1]
-        self._key = key
-
-    def release(self) -> None:
-        if self._key is None or self._key not in _HELD:
-            return
-        held = _HELD[self._key]
-        held[1] -= 1
-        if held[1] == 0:
-            del _HELD[self._key]
-            os.close(held[0])  # closing the last descriptor drops the flock
-        self._key = None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -311,7 +153,7 @@ class CheckpointManager:
                 self._make_root()
                 self.lock = DirLock(self.root, self.file_mode)
                 self.lock.acquire()
-                self._remove_leftovers()
+                remove_leftovers(self.root)
             except CheckpointError as e:
                 error = str(e)
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -331,16 +173,6 @@ class CheckpointManager:
         if not os.path.isdir(self.root):
             os.makedirs(self.root, exist_ok=True)
             os.chmod(self.root, self.dir_mode)  # ours: private like the checkpoints in it
-
-    def _remove_leftovers(self) -> None:
-        for name in sorted(os.listdir(self.root)):
-            if _LEFTOVER.match(name):
-                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
-                log.warning(
-                    "removed %s: a save or prune that an earlier run did not finish (no rank of this run "
-                    "wrote it; the directory is locked by this run)",
-                    os.path.join(self.root, name),
-                )
 
     # ---------------------------------------------------------------------------------- finding
 
@@ -416,7 +248,7 @@ class CheckpointManager:
         partial directory is removed, the tracker and earlier checkpoints are left as they were, and
         a full disk is reported in one line naming ENOSPC and the path.
         """
-        from megatron_rl.weights.megatron_ckpt import save_torch_dist
+        from megatron_rl.weights.ckpt_write import save_torch_dist
 
         ps = self.ps
         final = self.step_dir(step)
@@ -440,10 +272,10 @@ class CheckpointManager:
             for name, opt in optimizers.items():
                 save_optimizer(opt, ps, os.path.join(partial, f"{name}_optim"))
             if ps.dp_rank == 0:
-                with _open_private(_shard_file(partial, ps), self.file_mode) as f:
+                with open_private(_shard_file(partial, ps), self.file_mode) as f:
                     torch.save({**shards, "rng": rng_state()}, f)
             if ps.rank == 0:
-                with _open_private(os.path.join(partial, "trainer_state.json"), self.file_mode, False) as f:
+                with open_private(os.path.join(partial, "trainer_state.json"), self.file_mode, False) as f:
                     json.dump({**trainer_state, "global_step": step, "layout": _layout(ps)}, f, indent=1)
         except Exception as e:  # any rank's failure must reach every rank, or they wait at the barrier
             error = e
@@ -459,7 +291,7 @@ class CheckpointManager:
 
     def _save_failed(self, error: BaseException | None, partial: str, final: str) -> BaseException:
         """Clean up after a failed save (rank 0) and return what this rank raises."""
-        full = _is_disk_full(error, self.root) if error is not None else False
+        full = is_disk_full(error, self.root) if error is not None else False
         if self.ps.rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
         previous = self.latest() or "none yet"
@@ -471,28 +303,26 @@ class CheckpointManager:
                 same_on_all_ranks=False,
             )
         if error is None:
-            from megatron_rl.launch_checks import _COLLATERAL
-
             return CheckpointError(
-                f"saving {final} failed on another rank ({_COLLATERAL}); the partial save was removed.",
+                f"saving {final} failed on another rank ({COLLATERAL}); the partial save was removed.",
                 same_on_all_ranks=False,
             )
         return error
 
     def _publish(self, partial: str, final: str, step: int) -> None:
         """Rank 0, after every rank wrote: permissions, one rename, tracker, order file, pruning."""
-        _chmod_tree(partial, self.file_mode, self.dir_mode)
+        chmod_tree(partial, self.file_mode, self.dir_mode)
         if os.path.isdir(final):  # the same step saved again (a resumed run): the new one wins
             old = os.path.join(self.root, f".global_step_{step}.deleting")
             shutil.rmtree(old, ignore_errors=True)
             os.rename(final, old)
             shutil.rmtree(old, ignore_errors=True)
         os.rename(partial, final)
-        _write_atomic(os.path.join(self.root, LATEST), f"{step}\n", self.file_mode)
+        write_atomic(os.path.join(self.root, LATEST), f"{step}\n", self.file_mode)
         name = os.path.basename(final)
         order = [d for d in self._publication_order() if d != name] + [name]
         order = self._prune(order, keep={name})
-        _write_atomic(os.path.join(self.root, ORDER_FILE), "".join(f"{d}\n" for d in order), self.file_mode)
+        write_atomic(os.path.join(self.root, ORDER_FILE), "".join(f"{d}\n" for d in order), self.file_mode)
 
     def _publication_order(self) -> list[str]:
         """Checkpoint directory names, oldest publication first: those not in the order file (written
@@ -542,7 +372,7 @@ class CheckpointManager:
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         """Fill ``models`` and ``optimizers`` and return (this rank's shards, trainer_state); RNG states
         are restored too."""
-        from megatron_rl.weights.megatron_ckpt import load_torch_dist
+        from megatron_rl.weights.torch_dist import load_torch_dist
 
         state_file = os.path.join(path, "trainer_state.json")
         if not os.path.isfile(state_file):
@@ -596,7 +426,7 @@ def load_optimizer(opt: Any, path: str) -> None:
     """Fill ``opt`` from :func:`save_optimizer`'s directory, at any data-parallel size. Collective."""
     from megatron.core import dist_checkpointing
 
-    from megatron_rl.weights.megatron_ckpt import safe_globals
+    from megatron_rl.weights.safe_load import safe_globals
 
     state = opt.sharded_state_dict(opt.model.sharded_state_dict(), is_loading=True)
     with torch.serialization.safe_globals(safe_globals()):

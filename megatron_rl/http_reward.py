@@ -52,7 +52,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from megatron_rl.launch_checks import LaunchError
+from megatron_rl.errors import LaunchError
 
 if TYPE_CHECKING:
     import torch

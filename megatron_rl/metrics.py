@@ -304,3 +304,47 @@ def progress_bar(total: int, initial: int, enabled: bool):
         file=sys.stderr,
         dynamic_ncols=True,
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# The run record, beside the checkpoints (rank 0)
+# --------------------------------------------------------------------------------------------------
+
+
+def write_config_record(cfg, fresh: bool) -> None:
+    """The resolved config of this run in trainer.default_local_dir/config.yaml. A fresh run in a
+    directory that holds an earlier run's record sets that aside (config.1.yaml, summary.1.json, ...)."""
+    from omegaconf import OmegaConf
+
+    from megatron_rl.config import to_dict
+
+    out = cfg.trainer.default_local_dir
+    os.makedirs(out, exist_ok=True)
+    if fresh:
+        for name in ("config.yaml", "summary.json"):
+            set_aside(os.path.join(out, name))
+    OmegaConf.save(OmegaConf.create(to_dict(cfg)), os.path.join(out, "config.yaml"))
+
+
+def write_summary(cfg, global_step: int, last: dict[str, float], checkpoint: str | None, jsonl: str) -> None:
+    """Final scores and where everything is: printed, and summary.json beside the checkpoints."""
+    t = cfg.trainer
+    scores = {k: v for k, v in last.items() if k.startswith(("val", "critic/score/mean"))}
+    logged = "jsonl" in t.logger
+    summary = {
+        "global_step": global_step,
+        "final": scores,
+        "checkpoint": checkpoint,
+        "config": os.path.join(t.default_local_dir, "config.yaml"),
+        "metrics": jsonl if logged else None,
+        "plot": f"python -m megatron_rl.plot {t.log_dir}" if logged else None,
+    }
+    with open(os.path.join(t.default_local_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    lines = [f"megatron-rl: finished at step {global_step}"]
+    lines += [f"  {k} = {v:.4g}" for k, v in sorted(scores.items())]
+    lines.append(f"  checkpoint: {checkpoint or 'none saved'}")
+    lines.append(f"  config:     {summary['config']}")
+    if summary["metrics"]:
+        lines.append(f"  metrics:    {summary['metrics']}   plot: {summary['plot']}")
+    print("\n".join(lines), flush=True)

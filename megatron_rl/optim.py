@@ -35,6 +35,7 @@ from torch import nn
 
 from megatron_rl import cpu_bridge
 from megatron_rl.config import ConfigError, MegatronConfig, OptimConfig
+from megatron_rl.errors import LaunchError
 from megatron_rl.parallel import ParallelState
 
 BUCKET_NUMEL = 1 << 25  # 32M elements per DDP bucket (megatron's default scales with DP; fixed here)
@@ -364,3 +365,46 @@ def _main_to_model_pairs(sub) -> list[tuple[torch.Tensor, torch.Tensor]]:
     mains = [m for group in sub.fp32_from_float16_groups for m in group]
     params = [p for group in sub.float16_groups for p in group]
     return list(zip(mains, params, strict=True))
+
+
+class NonFiniteError(LaunchError):
+    """The run stopped after trainer.max_nonfinite_steps steps with non-finite updates (one line)."""
+
+    same_on_all_ranks = True  # the gradient norms are reduced: every rank counts the same
+
+
+class NonFiniteGuard:
+    """Counts PPO steps in a row with a skipped update (a non-finite loss or gradient norm: the optimizer
+    skipped those steps, so the weights stay finite). Each such step is logged; ``limit`` of them in a row
+    (trainer.max_nonfinite_steps, 0 = never) stop the run before that step's save, keeping the last
+    checkpoint as it was."""
+
+    def __init__(self, limit: int, log=None) -> None:
+        self.limit, self.log, self.streak = limit, log, 0
+
+    def check(self, metrics: dict[str, float], step: int, latest_checkpoint) -> None:
+        skipped = {
+            phase: int(metrics.get(f"{role}/nonfinite_grad_steps", 0))
+            for phase, role in (("update_actor", "actor"), ("update_critic", "critic"))
+        }
+        if not any(skipped.values()):
+            self.streak = 0
+            return
+        self.streak += 1
+        where = ", ".join(f"{phase}: {n}" for phase, n in skipped.items() if n)
+        if self.log is not None:
+            self.log.warning(
+                "step %d: optimizer steps skipped for a non-finite loss or gradient norm (%s); %d step(s) "
+                "in a row",
+                step,
+                where,
+                self.streak,
+            )
+        if self.limit > 0 and self.streak >= self.limit:
+            latest = latest_checkpoint()
+            raise NonFiniteError(
+                f"{self.streak} steps in a row (the last: step {step}, {where}) had a non-finite loss or "
+                f"gradient norm, so the run stopped (trainer.max_nonfinite_steps={self.limit}); the last "
+                f"checkpoint is {latest or 'none (nothing was saved)'}. Lower "
+                "actor_rollout_ref.actor.optim.lr / critic.optim.lr or set *.optim.clip_grad, then resume."
+            )

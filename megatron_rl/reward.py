@@ -16,7 +16,7 @@ source in validation) and may drive DAPO's group filter (algorithm.filter_groups
 Built in (``default_compute_score`` dispatches on ``data_source``):
     "openai/gsm8k", "gsm8k"   -> compute_score_gsm8k (verl's strict "#### <number>" rule; reward_kwargs
                                  method=flexible, lenient=True, format_score, score)
-    toy.TOY_DATA_SOURCE       -> toy.toy_compute_score (the CPU demo's task)
+    demo.toy.TOY_DATA_SOURCE  -> demo.toy.toy_compute_score (the CPU demo's task)
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-from megatron_rl.launch_checks import LaunchError
-from megatron_rl.toy import TOY_DATA_SOURCE, toy_compute_score
+from megatron_rl.demo.toy import TOY_DATA_SOURCE, toy_compute_score
+from megatron_rl.errors import LaunchError
 
 logger = logging.getLogger(__name__)
 

@@ -34,6 +34,31 @@ if TYPE_CHECKING:
     from megatron_rl.reward import RewardManager
 
 
+def make_reward_fn(cfg: Config, tokenizer, ps: ParallelState | None = None, reward_model=None):
+    """Where rewards come from: the reward model (``reward_model``, built by roles.build_models), a reward
+    server (reward_model.http.url), or the rules / custom_reward_function."""
+    from megatron_rl.reward import RewardManager, load_custom_reward_function
+
+    rm, crf = cfg.reward_model, cfg.custom_reward_function
+    if reward_model is not None:
+        from transformers import AutoTokenizer
+
+        from megatron_rl.reward_model import ModelReward, reward_model_tokenizer
+
+        actor_tok = tokenizer
+        if rm.model.input_tokenizer:
+            remote = cfg.actor_rollout_ref.model.trust_remote_code
+            actor_tok = AutoTokenizer.from_pretrained(rm.model.input_tokenizer, trust_remote_code=remote)
+        rm_tok = reward_model_tokenizer(rm.model.path, actor_tok, rm.model.trust_remote_code)
+        return ModelReward(reward_model, ps, rm.micro_batch_size_per_gpu, actor_tok, rm_tok, rm.max_length)
+    if rm.http.url:
+        from megatron_rl.http_reward import HttpRewardManager
+
+        return HttpRewardManager(tokenizer, rm.http)
+    compute_score = load_custom_reward_function(crf.path, crf.name) if crf.path else None
+    return RewardManager(tokenizer, compute_score, crf.reward_kwargs, crf.timeout_s)
+
+
 def _on_leader(ps: ParallelState) -> bool:
     return ps.tp_rank == 0 and ps.pp_rank == 0
 

@@ -23,7 +23,8 @@ def main(argv: list[str] | None = None) -> None:
         die_with_parent()
 
     from megatron_rl.config import load_config
-    from megatron_rl.launch_checks import explain_failures, preflight
+    from megatron_rl.explain import explain_failures
+    from megatron_rl.preflight import preflight
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))

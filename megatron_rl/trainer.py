@@ -12,41 +12,41 @@
 
 The engine holds GPU memory only while it generates (colocated hybrid engine): it is resumed before
 generation and released right after; with the offload keys on, the training state is in host memory
-during that time, so the two never hold the GPU at once. Sampling is seeded by (seed, step), so a
-resumed run repeats the same rollouts.
+during that time, so the two never hold the GPU at once. Sampling is seeded by (seed, step): with the
+transformers engine a resumed run repeats the same rollouts; SGLang honours per-request seeds only in its
+deterministic-inference mode (not enabled here), so there a resumed run draws new samples from the same
+policy.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import json
 import logging
-import math
 import os
 import time
 
 import torch
 import torch.distributed as dist
 
-from megatron_rl.batch import RolloutBatch, SeqMeta
+from megatron_rl.batch import RolloutBatch
 from megatron_rl.config import Config, ConfigError, to_dict
-from megatron_rl.launch_checks import LaunchError
-from megatron_rl.metrics import MetricsLogger, Timer, data_metrics, progress_bar, set_aside
+from megatron_rl.metrics import (
+    MetricsLogger,
+    Timer,
+    data_metrics,
+    progress_bar,
+    write_config_record,
+    write_summary,
+)
+from megatron_rl.mismatch import correct_mismatch, reject
 from megatron_rl.offload import HostParking
+from megatron_rl.optim import NonFiniteGuard
 from megatron_rl.parallel import ParallelState
+from megatron_rl.perf import measure_peak_flops, perf_metrics
+from megatron_rl.roles import build_models, park_for_generation
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class Models:
-    actor: torch.nn.Module
-    actor_optim: object
-    ref: torch.nn.Module | None
-    critic: torch.nn.Module | None
-    critic_optim: object | None
-    reward: torch.nn.Module | None = None  # reward_model.enable
 
 
 class Trainer:
@@ -57,10 +57,11 @@ class Trainer:
         from megatron_rl.algos.rollout_corr import parse_rs
         from megatron_rl.checkpoint import CheckpointManager
         from megatron_rl.data import PromptDataset, ResumableDistributedSampler
-        from megatron_rl.models.hf import check_sliding_window
+        from megatron_rl.model_args import check_sliding_window
         from megatron_rl.models.loading import load_model_args_any
-        from megatron_rl.reward import RULE_DATA_SOURCES, RewardManager, load_custom_reward_function
+        from megatron_rl.reward import RULE_DATA_SOURCES
         from megatron_rl.rollout.base import stop_token_ids
+        from megatron_rl.scoring import make_reward_fn
 
         self.cfg, self.ps = cfg, ps
         arr = cfg.actor_rollout_ref
@@ -118,18 +119,9 @@ class Trainer:
             )
         self.total_steps = cfg.trainer.total_training_steps or steps_per_epoch * cfg.trainer.total_epochs
 
-        compute_score = None
-        if cfg.custom_reward_function.path:
-            compute_score = load_custom_reward_function(
-                cfg.custom_reward_function.path, cfg.custom_reward_function.name
-            )
-        crf = cfg.custom_reward_function
-        if cfg.reward_model.http.url:
-            from megatron_rl.http_reward import HttpRewardManager
-
-            self.reward_fn = HttpRewardManager(self.tokenizer, cfg.reward_model.http)
-        else:
-            self.reward_fn = RewardManager(self.tokenizer, compute_score, crf.reward_kwargs, crf.timeout_s)
+        # The rules, a custom function (imported now: a broken file fails before any model is built) or
+        # a reward server; a reward model replaces it once the models exist.
+        self.reward_fn = make_reward_fn(cfg, self.tokenizer)
         corr = cfg.algorithm.rollout_correction
         self.rejection = parse_rs(corr.rollout_rs, corr.rollout_rs_threshold) if corr.rollout_rs else None
         # The engine's log-probs of the sampled tokens: for the mismatch metrics and corrections.
@@ -165,18 +157,9 @@ class Trainer:
             )
         if cfg.actor_rollout_ref.rollout.free_cache_engine:
             self.engine.release_memory()
-        self.models = self._build_models()
+        self.models = build_models(cfg, ps, self.model_args, self.total_steps)
         if self.models.reward is not None:
-            from megatron_rl.reward_model import ModelReward, reward_model_tokenizer
-
-            rm = cfg.reward_model
-            actor_tok = self.tokenizer
-            if rm.model.input_tokenizer:
-                actor_tok = AutoTokenizer.from_pretrained(rm.model.input_tokenizer, trust_remote_code=True)
-            rm_tok = reward_model_tokenizer(rm.model.path, actor_tok, rm.model.trust_remote_code)
-            self.reward_fn = ModelReward(
-                self.models.reward, ps, rm.micro_batch_size_per_gpu, actor_tok, rm_tok, rm.max_length
-            )
+            self.reward_fn = make_reward_fn(cfg, self.tokenizer, ps, self.models.reward)
         self.parking = HostParking(ps.device)
         self.timer = Timer(ps.device)
         self.logger = MetricsLogger(
@@ -189,79 +172,11 @@ class Trainer:
             block_freq=cfg.trainer.console_block_freq,
         )
         self.global_step = 0
-        self.nonfinite_streak = 0  # PPO steps in a row with a skipped (non-finite) update
+        self.nonfinite = NonFiniteGuard(cfg.trainer.max_nonfinite_steps, log if ps.rank == 0 else None)
         self.weights_stale = True  # the engine starts without the actor's weights
-        self.peak_flops = _measure_peak_flops(ps.device)
+        self.peak_flops = measure_peak_flops(ps.device)
 
     # ------------------------------------------------------------------------------------------ setup
-
-    def _build_models(self) -> Models:
-        """Actor (+ optimizer), reference (only when a KL term needs it), critic (+ optimizer).
-
-        Each role uses its own ``megatron`` section for dtype and attention; the parallel layout is
-        shared (validated). LR schedules span the optimizer steps each model will actually take.
-        """
-        from megatron_rl.models.builder import DTYPES, TrainingOptions, build_model
-        from megatron_rl.models.loading import load_weights
-        from megatron_rl.optim import ModelOptimizer
-
-        cfg, ps, arr = self.cfg, self.ps, self.cfg.actor_rollout_ref
-
-        def model(role: str, path: str, mcfg, recompute: bool = False) -> torch.nn.Module:
-            dtype = torch.float32 if ps.device.type == "cpu" else DTYPES[mcfg.params_dtype]
-            options = TrainingOptions(
-                sequence_parallel=mcfg.sequence_parallel,
-                recompute_granularity=mcfg.recompute_granularity if recompute else None,
-                recompute_method=mcfg.recompute_method,
-                recompute_num_layers=mcfg.recompute_num_layers,
-            )
-            m = build_model(
-                self.model_args, ps, role=role, dtype=dtype, sdpa=mcfg.use_sdpa_attention, options=options
-            )
-            load_weights(m, path, ps)
-            return m
-
-        def optim_steps(epochs: int, mini_batch: int, ppo_steps: int) -> int:
-            return ppo_steps * epochs * (cfg.data.train_batch_size // mini_batch)
-
-        actor = model("actor", arr.model.path, arr.actor.megatron, arr.model.enable_gradient_checkpointing)
-        # The actor does not step during trainer.critic_warmup.
-        actor_steps = optim_steps(
-            arr.actor.ppo_epochs, arr.actor.ppo_mini_batch_size, self.total_steps - cfg.trainer.critic_warmup
-        )
-        actor_optim = ModelOptimizer(
-            actor, arr.actor.optim, arr.actor.megatron, ps, actor_steps, key="actor_rollout_ref.actor.optim"
-        )
-        need_ref = cfg.algorithm.use_kl_in_reward or arr.actor.use_kl_loss
-        ref = model("actor", arr.model.path, arr.ref.megatron).eval() if need_ref else None
-        critic = critic_optim = None
-        if cfg.critic.enable:
-            critic = model(
-                "critic",
-                cfg.critic.model.path,
-                cfg.critic.megatron,
-                cfg.critic.model.enable_gradient_checkpointing,
-            )
-            critic_steps = optim_steps(
-                cfg.critic.ppo_epochs, cfg.critic.ppo_mini_batch_size, self.total_steps
-            )
-            critic_optim = ModelOptimizer(
-                critic, cfg.critic.optim, cfg.critic.megatron, ps, critic_steps, key="critic.optim"
-            )
-        reward = None
-        if cfg.reward_model.enable:
-            from megatron_rl.models.loading import load_model_args_any
-
-            rm = cfg.reward_model
-            options = TrainingOptions(sequence_parallel=rm.megatron.sequence_parallel)
-            dtype = torch.float32 if ps.device.type == "cpu" else DTYPES[rm.megatron.params_dtype]
-            args = load_model_args_any(rm.model.path)
-            reward = build_model(
-                args, ps, role="reward", dtype=dtype, sdpa=rm.megatron.use_sdpa_attention, options=options
-            )
-            load_weights(reward, rm.model.path, ps)
-            reward.eval()
-        return Models(actor, actor_optim, ref, critic, critic_optim, reward)
 
     def _build_engine(self):
         from megatron_rl.rollout import create_engine
@@ -297,7 +212,8 @@ class Trainer:
                 )
             return last
         self.logger.begin(self.global_step)
-        self._write_config_record()
+        if self.ps.rank == 0:
+            write_config_record(self.cfg, fresh=self.global_step == 0)
         if self.val_data is not None and cfg.val_before_train and self.global_step == 0:
             self.logger.log(0, self.validate())
         bar = progress_bar(
@@ -335,49 +251,11 @@ class Trainer:
                     raise Preempted(watch.exit_code)
         bar.close()
         self.logger.close()
-        self._write_summary(last)
+        if self.ps.rank == 0:
+            write_summary(self.cfg, self.global_step, last, self.ckpt.latest(), self.logger.jsonl_path)
         return last
 
     # ------------------------------------------------------------------------------------------ run record
-
-    def _write_config_record(self) -> None:
-        """The resolved config of this run, beside its checkpoints (rank 0). A fresh run in a directory
-        that holds an earlier run's record sets that aside (config.1.yaml, summary.1.json, ...)."""
-        if self.ps.rank != 0:
-            return
-        from omegaconf import OmegaConf
-
-        out = self.cfg.trainer.default_local_dir
-        os.makedirs(out, exist_ok=True)
-        if self.global_step == 0:
-            for name in ("config.yaml", "summary.json"):
-                set_aside(os.path.join(out, name))
-        OmegaConf.save(OmegaConf.create(to_dict(self.cfg)), os.path.join(out, "config.yaml"))
-
-    def _write_summary(self, last: dict[str, float]) -> None:
-        """Final scores and where everything is: printed, and summary.json beside the checkpoints."""
-        if self.ps.rank != 0:
-            return
-        t = self.cfg.trainer
-        scores = {k: v for k, v in last.items() if k.startswith(("val", "critic/score/mean"))}
-        latest = self.ckpt.latest()
-        summary = {
-            "global_step": self.global_step,
-            "final": scores,
-            "checkpoint": latest,
-            "config": os.path.join(t.default_local_dir, "config.yaml"),
-            "metrics": self.logger.jsonl_path if "jsonl" in t.logger else None,
-            "plot": f"python -m megatron_rl.plot {t.log_dir}" if "jsonl" in t.logger else None,
-        }
-        with open(os.path.join(t.default_local_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=1)
-        lines = [f"megatron-rl: finished at step {self.global_step}"]
-        lines += [f"  {k} = {v:.4g}" for k, v in sorted(scores.items())]
-        lines.append(f"  checkpoint: {latest or 'none saved'}")
-        lines.append(f"  config:     {summary['config']}")
-        if summary["metrics"]:
-            lines.append(f"  metrics:    {summary['metrics']}   plot: {summary['plot']}")
-        print("\n".join(lines), flush=True)
 
     def step(self, prompt_indices: list[int], more=None) -> dict[str, float]:
         """One PPO step on this rank's prompts; ``more()`` gives the next prompts when DAPO's group filter
@@ -401,7 +279,7 @@ class Trainer:
             )
         if batch.rollout_log_probs is not None:
             with timer("rollout_corr"):
-                metrics.update(self.correct_mismatch(batch))
+                metrics.update(correct_mismatch(batch, cfg.algorithm.rollout_correction, ps.dp_group))
         if m.ref is not None:
             with timer("ref"):
                 batch.ref_log_probs = ppo.compute_log_probs(
@@ -419,7 +297,7 @@ class Trainer:
         with timer("adv"):
             metrics.update(self.compute_advantages(batch))
             if self.rejection is not None:
-                metrics.update(self.reject(batch))
+                metrics.update(reject(batch, self.rejection, ps.dp_group))
 
         n, seed = arr.rollout.n, self.global_step  # seed: mini-batch shuffling (actor/critic .shuffle)
         if m.critic is not None:
@@ -440,14 +318,18 @@ class Trainer:
                 metrics["actor/kl_coef"] = arr.actor.kl_loss_coef
 
         with timer("metrics"):
-            self._guard_nonfinite(metrics)
+            self.nonfinite.check(metrics, self.global_step, self.ckpt.latest)
             metrics.update(
                 data_metrics(batch, cfg.data.max_prompt_length, cfg.data.max_response_length, ps.dp_group)
             )
         metrics.update(self.timer.pop())
         metrics["timing_s/step"] = time.perf_counter() - t_step
         metrics["perf/time_per_step"] = metrics["timing_s/step"]
-        metrics.update(self._perf_metrics(batch, metrics))
+        metrics.update(
+            perf_metrics(
+                self.cfg, self.ps, self.models, self.model_args, batch, metrics, self.peak_flops, self.timer
+            )
+        )
         metrics["training/global_step"] = self.global_step
         metrics["training/epoch"] = (self.global_step - 1) // len(self.sampler)
         return metrics
@@ -467,7 +349,7 @@ class Trainer:
         free = rollout.free_cache_engine
 
         with timer("offload"):
-            self._park_training_state()
+            park_for_generation(self.models, self.cfg, self.parking)
         if free:
             with timer("engine"):  # the engine's memory comes back (and training's cache goes)
                 if ps.device.type == "cuda":
@@ -513,101 +395,15 @@ class Trainer:
         with timer("offload"):
             self.parking.reload()
         with timer("batch"):
-            return self._assemble(items, gens, params)
-
-    def _assemble(self, items, gens, params) -> RolloutBatch:
-        """Generations -> the [B*n] rollout batch on the device."""
-        from megatron_rl.data import collate_left_pad
-
-        cfg, ps = self.cfg, self.ps
-
-        # [B*n] rows: prompt i's samples are adjacent and share a uid (the GRPO/RLOO group).
-        prompts, metas, responses = [], [], []
-        for it, samples in zip(items, gens, strict=True):
-            uid = f"{self.global_step}-{it.index}"
-            for g in samples:
-                prompts.append(it)
-                responses.append(g.token_ids[: cfg.data.max_response_length])
-                metas.append(
-                    SeqMeta(
-                        uid=uid,
-                        data_source=it.data_source,
-                        ground_truth=it.ground_truth,
-                        extra_info=it.extra_info,
-                        messages=it.messages,
-                    )
-                )
-        prompt_ids, prompt_mask = collate_left_pad(prompts, self.pad_id)
-        width = max(1, max(len(r) for r in responses))
-        resp = torch.full((len(responses), width), self.pad_id, dtype=torch.long)
-        resp_mask = torch.zeros(len(responses), width)
-        for i, r in enumerate(responses):
-            resp[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-            resp_mask[i, : len(r)] = 1.0
-        batch = RolloutBatch.from_tokens(prompt_ids, prompt_mask, resp, resp_mask, metas)
-        if params.return_logprobs:
-            # NaN where the engine gave no log-prob (the trainer's own value is used there)
-            lp = torch.full((len(responses), width), math.nan)
-            engine_lps = [g.logprobs or [] for samples in gens for g in samples]
-            for i, (r, got) in enumerate(zip(responses, engine_lps, strict=True)):
-                got = got[: len(r)]
-                lp[i, : len(got)] = torch.tensor(got, dtype=torch.float32)
-            batch.rollout_log_probs = lp
-        return batch.to(ps.device)
-
-    def _park_training_state(self) -> None:
-        """Before generation: park what the *.megatron.*_offload keys name (see megatron_rl.offload)."""
-        m, arr, park = self.models, self.cfg.actor_rollout_ref, self.parking.park
-        trained = [("actor", m.actor, m.actor_optim, arr.actor.megatron)]
-        if m.critic is not None:
-            trained.append(("critic", m.critic, m.critic_optim, self.cfg.critic.megatron))
-        for name, model, optim, mcfg in trained:
-            if mcfg.optimizer_offload:
-                park(optim.state_tensors())
-            if mcfg.grad_offload:
-                park(optim.grad_tensors(), keep_values=False)
-            if mcfg.param_offload and name != "actor":  # the actor's after the weight sync
-                park(model.parameters())
-        if m.ref is not None and arr.ref.megatron.param_offload:
-            park(m.ref.parameters())
-        if m.reward is not None and self.cfg.reward_model.megatron.param_offload:
-            park(m.reward.parameters())
+            batch = RolloutBatch.from_generations(
+                items, gens, self.pad_id, cfg.data.max_response_length, f"{self.global_step}-"
+            )
+            return batch.to(ps.device)
 
     def _rewards_not_by_rule(self) -> bool:
         """Rewards come from a custom function, a reward server or a reward model, not the rules."""
         cfg = self.cfg
         return bool(cfg.custom_reward_function.path or cfg.reward_model.http.url or cfg.reward_model.enable)
-
-    def _guard_nonfinite(self, metrics: dict[str, float]) -> None:
-        """Skipped updates (non-finite loss or gradient norm) are logged; trainer.max_nonfinite_steps PPO
-        steps in a row with one stop the run before anything is saved (the last checkpoint stays good)."""
-        skipped = {
-            phase: int(metrics.get(f"{role}/nonfinite_grad_steps", 0))
-            for phase, role in (("update_actor", "actor"), ("update_critic", "critic"))
-        }
-        if not any(skipped.values()):
-            self.nonfinite_streak = 0
-            return
-        self.nonfinite_streak += 1
-        where = ", ".join(f"{phase}: {n}" for phase, n in skipped.items() if n)
-        if self.ps.rank == 0:
-            log.warning(
-                "step %d: optimizer steps skipped for a non-finite loss or gradient norm (%s); %d step(s) "
-                "in a row",
-                self.global_step,
-                where,
-                self.nonfinite_streak,
-            )
-        limit = self.cfg.trainer.max_nonfinite_steps
-        if limit > 0 and self.nonfinite_streak >= limit:
-            latest = self.ckpt.latest()
-            raise NonFiniteError(
-                f"{self.nonfinite_streak} steps in a row (the last: step {self.global_step}, {where}) had a "
-                "non-finite loss or gradient norm, so the run stopped "
-                f"(trainer.max_nonfinite_steps={limit}); "
-                f"the last checkpoint is {latest or 'none (nothing was saved)'}. Lower "
-                "actor_rollout_ref.actor.optim.lr / critic.optim.lr or set *.optim.clip_grad, then resume."
-            )
 
     def scored_rollout(self, prompt_indices: list[int], more, metrics: dict[str, float]) -> RolloutBatch:
         """Rollout and rewards; with algorithm.filter_groups, groups whose samples all score the same are
@@ -665,48 +461,6 @@ class Trainer:
             metrics["train/num_dropped_groups"] = t[0].item()
             metrics["train/dropped_group_ratio"] = (t[0] / t[1].clamp(min=1)).item()
         return batch
-
-    def correct_mismatch(self, batch: RolloutBatch) -> dict[str, float]:
-        """Mismatch metrics of the engine's log-probs against the trainer's (old_log_probs), and the
-        truncated importance weights (algorithm.rollout_correction.rollout_is) -> batch.rollout_is_weights."""
-        from megatron_rl.algos import rollout_corr
-
-        corr, group = self.cfg.algorithm.rollout_correction, self.ps.dp_group
-        # Where the engine gave no log-prob, its value is taken to be the trainer's (ratio 1).
-        rollout_lp = torch.where(
-            batch.rollout_log_probs.isnan(), batch.old_log_probs, batch.rollout_log_probs
-        )
-        batch.rollout_log_probs = rollout_lp
-        mask = batch.response_mask
-        metrics = rollout_corr.mismatch_metrics(batch.old_log_probs, rollout_lp, mask, group)
-        if corr.rollout_is is not None:
-            batch.rollout_is_weights, is_metrics = rollout_corr.importance_weights(
-                batch.old_log_probs,
-                rollout_lp,
-                mask,
-                corr.rollout_is,
-                corr.rollout_is_threshold,
-                corr.rollout_is_batch_normalize,
-                group,
-            )
-            metrics.update(is_metrics)
-        return metrics
-
-    def reject(self, batch: RolloutBatch) -> dict[str, float]:
-        """algorithm.rollout_correction.rollout_rs: rejected tokens (or sequences) leave the response mask
-        and their advantages are zeroed; group statistics were taken before, over every sample."""
-        from megatron_rl.algos.rollout_corr import rejection_mask
-
-        keep, metrics = rejection_mask(
-            batch.old_log_probs,
-            batch.rollout_log_probs,
-            batch.response_mask,
-            self.rejection,
-            self.ps.dp_group,
-        )
-        batch.response_mask = keep
-        batch.advantages = batch.advantages * keep
-        return metrics
 
     def compute_advantages(self, batch: RolloutBatch) -> dict[str, float]:
         from megatron_rl.algos import advantages as adv
@@ -771,48 +525,6 @@ class Trainer:
         out.update(self.timer.pop())
         return out
 
-    def _perf_metrics(self, batch: RolloutBatch, metrics: dict[str, float]) -> dict[str, float]:
-        ps = self.ps
-        seq_lens = batch.attention_mask.sum(-1).double()
-        sums = torch.stack([seq_lens.sum(), batch.response_mask.sum().double(), seq_lens.square().sum()])
-        dist.all_reduce(sums, group=ps.dp_group)
-        total, responses, squares = sums.tolist()
-        out = {
-            "perf/total_num_tokens": total,
-            "perf/throughput": total / max(metrics["timing_s/step"], 1e-9) / ps.world_size,
-        }
-        # verl's per-token times: generation per response token, the other phases per token processed
-        for phase in ("gen", "ref", "values", "adv", "update_critic", "update_actor"):
-            if f"timing_s/{phase}" in metrics:
-                per = responses if phase == "gen" else total
-                out[f"timing_per_token_ms/{phase}"] = metrics[f"timing_s/{phase}"] * 1000 / max(per, 1.0)
-        trained = [("actor", self.model_args, self.cfg.actor_rollout_ref.actor.ppo_epochs, True)]
-        if self.models.critic is not None:
-            trained.append(("critic", self.models.critic.args, self.cfg.critic.ppo_epochs, False))
-        for role, args, epochs, lm_head in trained:
-            upd = metrics.get(f"timing_s/update_{role}")
-            if upd and self.peak_flops:
-                flops = _train_flops(args, total, responses, squares, lm_head)
-                flops *= epochs / ps.world_size  # per GPU
-                out[f"perf/mfu/{role}"] = flops / upd / self.peak_flops
-        # fp32 main weights and Adam's moments held on this rank (sharded over DP by the distributed
-        # optimizer), wherever they are parked
-        opts = [o for o in (self.models.actor_optim, self.models.critic_optim) if o is not None]
-        out["perf/optimizer_state_gb"] = sum(o.state_bytes() for o in opts) / 2**30
-        if ps.device.type == "cuda":
-            out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(ps.device) / 2**30
-            out["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved(ps.device) / 2**30
-            # The engine allocates outside torch's caching allocator: device-level use is the true peak.
-            out["perf/max_device_memory_used_gb"] = self.timer.max_device_used / 2**30
-            out["perf/peak_tflops"] = self.peak_flops / 1e12
-        else:
-            import resource
-
-            out["perf/max_memory_allocated_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-        return out
-
-    # ------------------------------------------------------------------------------------------ checkpoints
-
     def _checkpointed(self) -> tuple[dict[str, torch.nn.Module], dict[str, object]]:
         """(trained models by name, their optimizers by the same name)."""
         m = self.models
@@ -872,44 +584,7 @@ class Trainer:
             )
 
 
-class NonFiniteError(LaunchError):
-    """The run stopped after trainer.max_nonfinite_steps steps with non-finite updates (one line)."""
-
-    same_on_all_ranks = True  # the gradient norms are reduced: every rank counts the same
-
-
 def _dtype(name: str, ps: ParallelState) -> torch.dtype:
-    from megatron_rl.models.builder import DTYPES
+    from megatron_rl.model_args import DTYPES
 
     return torch.float32 if ps.device.type == "cpu" else DTYPES[name]
-
-
-def _train_flops(
-    args, tokens: float, response_tokens: float, sum_sq_lens: float, lm_head: bool = True
-) -> float:
-    """Model FLOPs of one forward + backward over a batch: 6 per weight per token for the transformer
-    body, the LM head on response tokens only (the only positions it runs on; the critic's scalar head
-    is negligible), and causal attention scores (QK^T and AV over n^2 / 2 pairs per sequence of n
-    tokens, times 3 for the backward)."""
-    head = args.vocab_size * args.hidden_size  # the embedding lookup itself costs no FLOPs
-    body = args.num_params() - head * (1 if args.tie_embeddings else 2)
-    attention = 6 * args.num_layers * args.num_heads * args.head_dim * sum_sq_lens
-    return 6 * body * tokens + (6 * head * response_tokens if lm_head else 0) + attention
-
-
-def _measure_peak_flops(device: torch.device) -> float | None:
-    """bf16 matmul throughput of this GPU (the MFU denominator); None on CPU."""
-    if device.type != "cuda":
-        return None
-    n = 8192
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    iters = 20
-    for _ in range(iters):
-        a @ b
-    torch.cuda.synchronize(device)
-    return 2 * n**3 * iters / (time.perf_counter() - t0)

@@ -18,12 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_rl import cpu_bridge
-from megatron_rl.models.hf import ModelArgs
+from megatron_rl.model_args import ModelArgs
 from megatron_rl.parallel import ParallelState
 from megatron_rl.weights.hf_io import HFReader, assemble_shard
 from megatron_rl.weights.tables import TABLES, global_layer_name, iter_stage_layouts
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class SDPAttention(nn.Module):

@@ -11,8 +11,8 @@ Data flow of ``load_weights`` per format:
 
 * hf: each rank reads its own safetensors slices (``builder.load_hf_weights``);
 * torch_dist: megatron-core's dist_checkpointing reads the overlap of the saved global tensors with
-  this rank's shard (``megatron_ckpt.load_torch_dist``);
-* legacy: a :class:`~megatron_rl.weights.megatron_ckpt.LegacyReader` merges the saved TP shards of
+  this rank's shard (``weights.torch_dist.load_torch_dist``);
+* legacy: a :class:`~megatron_rl.weights.legacy.LegacyReader` merges the saved TP shards of
   each parameter into HF tensors (one layer at a time) and ``assemble_shard`` cuts this rank's shard,
   the same path as an HF directory.
 """
@@ -24,9 +24,21 @@ import os
 
 import torch
 
-from megatron_rl.models.hf import ModelArgs, load_model_args, model_args_from_hf_config
+from megatron_rl.model_args import ModelArgs, load_model_args, model_args_from_hf_config
 from megatron_rl.parallel import ParallelState
-from megatron_rl.weights import megatron_ckpt as mc
+from megatron_rl.weights.ckpt_format import (
+    LEGACY_FILE,
+    METADATA_FILE,
+    TRACKER_FILE,
+    CheckpointLocation,
+    locate_megatron_checkpoint,
+    read_our_metadata,
+)
+from megatron_rl.weights.legacy import LegacyCheckpoint, LegacyReader
+from megatron_rl.weights.megatron_args import model_args_from_megatron_args
+from megatron_rl.weights.safe_load import check_torch_dist
+from megatron_rl.weights.shards import TensorSource
+from megatron_rl.weights.torch_dist import TorchDistReader, load_torch_dist
 
 
 def _is_hf_dir(path: str) -> bool:
@@ -41,7 +53,7 @@ def detect_format(path: str) -> str:
     """``"hf"``, ``"torch_dist"`` or ``"legacy"``; a clear error listing what was looked for otherwise."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"Model path {path!r} is not a directory")
-    loc = mc.locate_megatron_checkpoint(path)
+    loc = locate_megatron_checkpoint(path)
     if loc is not None:
         return loc.format
     if _is_hf_dir(path):
@@ -56,12 +68,12 @@ def detect_format(path: str) -> str:
     raise FileNotFoundError(
         f"Cannot tell the checkpoint format of {path}. Looked for: an HF model "
         "(config.json + *.safetensors); a torch_dist checkpoint (metadata.json with 'sharded_backend'); "
-        f"a legacy Megatron-LM checkpoint (mp_rank_*/{mc.LEGACY_FILE} directories); a Megatron-LM save "
-        f"directory ({mc.TRACKER_FILE} naming iter_XXXXXXX). Found: {sorted(os.listdir(path))[:20]}"
+        f"a legacy Megatron-LM checkpoint (mp_rank_*/{LEGACY_FILE} directories); a Megatron-LM save "
+        f"directory ({TRACKER_FILE} naming iter_XXXXXXX). Found: {sorted(os.listdir(path))[:20]}"
     )
 
 
-def _config_candidates(loc: mc.CheckpointLocation) -> list[str]:
+def _config_candidates(loc: CheckpointLocation) -> list[str]:
     dirs = [loc.ckpt_dir, loc.root, os.path.dirname(os.path.abspath(loc.root))]
     return [os.path.join(d, "config.json") for d in dict.fromkeys(os.path.abspath(d) for d in dirs)]
 
@@ -76,8 +88,8 @@ def load_model_args_any(path: str) -> ModelArgs:
     fmt = detect_format(path)
     if fmt == "hf":
         return load_model_args(path)
-    loc = mc.locate_megatron_checkpoint(path)
-    ours = mc.read_our_metadata(loc)
+    loc = locate_megatron_checkpoint(path)
+    ours = read_our_metadata(loc)
     if ours is not None:
         return model_args_from_hf_config(ours["hf_config"])
     configs = _config_candidates(loc)
@@ -86,22 +98,22 @@ def load_model_args_any(path: str) -> ModelArgs:
             with open(cfg) as f:
                 return model_args_from_hf_config(json.load(f))
     if fmt == "legacy":
-        ckpt = mc.LegacyCheckpoint(loc.ckpt_dir)
+        ckpt = LegacyCheckpoint(loc.ckpt_dir)
         ns, where = ckpt.args, ckpt.file(0, 0)
     else:
-        _, common = mc.check_torch_dist(loc.ckpt_dir)
+        _, common = check_torch_dist(loc.ckpt_dir)
         ns = common.get("args") if isinstance(common, dict) else None
         where = os.path.join(loc.ckpt_dir, "common.pt")
     if ns is not None:
-        return mc.model_args_from_megatron_args(ns, where)
+        return model_args_from_megatron_args(ns, where)
     raise FileNotFoundError(
-        f"Cannot determine the architecture of the {fmt} checkpoint at {path}: it has no {mc.METADATA_FILE}, "
+        f"Cannot determine the architecture of the {fmt} checkpoint at {path}: it has no {METADATA_FILE}, "
         f"no saved Megatron-LM args in {where}, and there is no HF config.json at any of {configs}. "
         f"Add the model's HF config.json to {os.path.abspath(loc.root)} (or its parent directory)."
     )
 
 
-def open_reader(path: str, args: ModelArgs) -> mc.TensorSource:
+def open_reader(path: str, args: ModelArgs) -> TensorSource:
     """An ``HFReader``-like view (``read``/``get``/``keys``) of the HF tensors stored at ``path``.
 
     torch_dist needs torch.distributed initialised (a world of one is enough).
@@ -111,10 +123,10 @@ def open_reader(path: str, args: ModelArgs) -> mc.TensorSource:
     fmt = detect_format(path)
     if fmt == "hf":
         return HFReader(path)
-    loc = mc.locate_megatron_checkpoint(path)
+    loc = locate_megatron_checkpoint(path)
     if fmt == "legacy":
-        return mc.LegacyReader(mc.LegacyCheckpoint(loc.ckpt_dir), args)
-    return mc.TorchDistReader(path, args)
+        return LegacyReader(LegacyCheckpoint(loc.ckpt_dir), args)
+    return TorchDistReader(path, args)
 
 
 def load_weights(model: torch.nn.Module, path: str, ps: ParallelState, progress: bool = False) -> str:
@@ -130,7 +142,7 @@ def load_weights(model: torch.nn.Module, path: str, ps: ParallelState, progress:
     fmt = detect_format(path)
     if fmt == "torch_dist" and model.role in ("actor", "reward"):
         # Both heads are saved as output_layer.weight ([V, H] vs [1, H]): refuse the mix-up by role.
-        saved = (mc.read_our_metadata(mc.locate_megatron_checkpoint(path)) or {}).get("role", "actor")
+        saved = (read_our_metadata(locate_megatron_checkpoint(path)) or {}).get("role", "actor")
         if (saved == "reward") != (model.role == "reward"):
             raise ValueError(
                 f"{path} is a {saved} checkpoint, whose output_layer is not a {model.role} model's head; "
@@ -140,8 +152,8 @@ def load_weights(model: torch.nn.Module, path: str, ps: ParallelState, progress:
     if fmt == "hf":
         load_hf_weights(model, path, ps)
     elif fmt == "torch_dist":
-        mc.load_torch_dist(model, ps, path)
+        load_torch_dist(model, ps, path)
     else:
-        loc = mc.locate_megatron_checkpoint(path)
-        fill_from_reader(model, ps, mc.LegacyReader(mc.LegacyCheckpoint(loc.ckpt_dir), model.args), progress)
+        loc = locate_megatron_checkpoint(path)
+        fill_from_reader(model, ps, LegacyReader(LegacyCheckpoint(loc.ckpt_dir), model.args), progress)
     return fmt

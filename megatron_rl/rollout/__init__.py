@@ -1,9 +1,40 @@
 """Rollout: the engine protocol (base.py), the reshard stream (reshard.py), and two engines:
 SGLang in-process on GPU (sglang_engine.py) and transformers on CPU or GPU (hf_engine.py).
 
-Importing this package is cheap; the engines import SGLang/transformers when they are built.
+:func:`create_engine` is the one place that names the engines: base.py defines what an engine is
+and imports none of them; each engine imports base.py; this package imports an engine's module only
+when that engine is built (SGLang/transformers are imported there, so importing this package is cheap).
 """
 
-from megatron_rl.rollout.base import Generation, RolloutEngine, RolloutOOMError, SamplingParams, create_engine
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from megatron_rl.model_args import DTYPES
+from megatron_rl.rollout.base import Generation, RolloutEngine, RolloutOOMError, SamplingParams
+
+if TYPE_CHECKING:
+    from megatron_rl.config import RolloutConfig
+    from megatron_rl.model_args import ModelArgs
+    from megatron_rl.parallel import ParallelState
 
 __all__ = ["Generation", "RolloutEngine", "RolloutOOMError", "SamplingParams", "create_engine"]
+
+
+def create_engine(
+    cfg: RolloutConfig, model_path: str, args: ModelArgs, ps: ParallelState, seed: int
+) -> RolloutEngine:
+    """The engine named by ``actor_rollout_ref.rollout.name`` (collective: every rank calls it)."""
+    if cfg.dtype not in DTYPES:
+        raise ValueError(f"actor_rollout_ref.rollout.dtype={cfg.dtype!r}: choose one of {sorted(DTYPES)}")
+    if cfg.name == "hf":
+        from megatron_rl.rollout.hf_engine import HFEngine
+
+        return HFEngine(args, ps, dtype=DTYPES[cfg.dtype], seed=seed)
+    if cfg.name == "sglang":
+        from megatron_rl.rollout.sglang_engine import SGLangEngine
+
+        return SGLangEngine(cfg, args, ps, seed=seed, model_path=model_path)
+    raise ValueError(
+        f"actor_rollout_ref.rollout.name={cfg.name!r}: choose 'sglang' (GPU) or 'hf' (transformers)"
+    )

@@ -34,8 +34,6 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from megatron_rl.config import RolloutConfig
-    from megatron_rl.models.hf import ModelArgs
     from megatron_rl.parallel import ParallelState
 
 
@@ -267,24 +265,3 @@ def collective_generate(
             "TP/PP peers of one data-parallel replica must pass identical prompts to generate()"
         )
     return result
-
-
-def create_engine(
-    cfg: RolloutConfig, model_path: str, args: ModelArgs, ps: ParallelState, seed: int
-) -> RolloutEngine:
-    """The engine named by ``actor_rollout_ref.rollout.name`` (collective: every rank calls it)."""
-    from megatron_rl.models.builder import DTYPES
-
-    if cfg.dtype not in DTYPES:
-        raise ValueError(f"actor_rollout_ref.rollout.dtype={cfg.dtype!r}: choose one of {sorted(DTYPES)}")
-    if cfg.name == "hf":
-        from megatron_rl.rollout.hf_engine import HFEngine
-
-        return HFEngine(args, ps, dtype=DTYPES[cfg.dtype], seed=seed)
-    if cfg.name == "sglang":
-        from megatron_rl.rollout.sglang_engine import SGLangEngine
-
-        return SGLangEngine(cfg, args, ps, seed=seed, model_path=model_path)
-    raise ValueError(
-        f"actor_rollout_ref.rollout.name={cfg.name!r}: choose 'sglang' (GPU) or 'hf' (transformers)"
-    )

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 
 import torch
 
-from megatron_rl.models.hf import ModelArgs
+from megatron_rl.model_args import ModelArgs
 from megatron_rl.parallel import ParallelState
 from megatron_rl.rollout.base import (
     Bucket,
@@ -116,6 +116,7 @@ class HFEngine:
         self._mp_group = gloo_twin(ps, ps.mp_group)
         self.pad_id = int(args.hf_config.get("pad_token_id") or 0)
         self._synced = False
+        self._unseeded_calls = 0  # requests without a seed draw from (engine seed, call number)
 
     # -- weights ---------------------------------------------------------------------------------
 
@@ -164,7 +165,10 @@ class HFEngine:
 
     @torch.no_grad()
     def _generate_local(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
-        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        seed = params.seed
+        if seed is None:
+            seed = self.seed * _SEED_STRIDE + self._unseeded_calls
+            self._unseeded_calls += 1
         gen = torch.Generator(device=self.device).manual_seed(seed + _SEED_STRIDE * self.ps.dp_rank)
         rows = [p for p in prompts for _ in range(params.n)]
         outs: list[Generation] = []

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_rl.models.hf import ModelArgs
+from megatron_rl.model_args import ModelArgs
 from megatron_rl.parallel import ParallelState
 from megatron_rl.weights import tables
 from megatron_rl.weights.hf_io import hf_names, scatter_shard

@@ -40,8 +40,7 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_rl.models.builder import DTYPES
-from megatron_rl.models.hf import ModelArgs
+from megatron_rl.model_args import DTYPES, ModelArgs
 from megatron_rl.parallel import ParallelState
 from megatron_rl.rollout.base import (
     Bucket,

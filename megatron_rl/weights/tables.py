@@ -26,7 +26,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from megatron_rl.models.hf import ModelArgs
+from megatron_rl.model_args import ModelArgs
 
 
 @dataclass(frozen=True)

@@ -45,10 +45,12 @@ def hf_qwen2(tmp_path_factory):
 
 
 def test_layouts(hf_llama, tmp_path, torchrun):
-    from megatron_rl.models.hf import load_model_args
+    from megatron_rl.model_args import load_model_args
     from megatron_rl.models.loading import detect_format, load_model_args_any, open_reader
-    from megatron_rl.weights import megatron_ckpt as mc
+    from megatron_rl.weights.ckpt_format import METADATA_FILE
+    from megatron_rl.weights.ckpt_write import save_legacy
     from megatron_rl.weights.hf_io import HFReader
+    from megatron_rl.weights.legacy import LegacyCheckpoint
 
     out = str(tmp_path / "r.json")
     torchrun("ckpt_layouts.py", 4, ["--hf", hf_llama, "--work", str(tmp_path), "--out", out])
@@ -67,9 +69,9 @@ def test_layouts(hf_llama, tmp_path, torchrun):
     args = load_model_args(hf_llama)
     assert detect_format(legacy) == "legacy" and detect_format(td) == "torch_dist"
     assert load_model_args_any(td) == args  # from megatron_rl.json
-    meta = json.load(open(os.path.join(td, mc.METADATA_FILE)))
+    meta = json.load(open(os.path.join(td, METADATA_FILE)))
     assert (meta["role"], meta["tp"], meta["pp"]) == ("actor", 2, 1)
-    assert json.load(open(os.path.join(str(tmp_path / "td_critic"), mc.METADATA_FILE)))["role"] == "critic"
+    assert json.load(open(os.path.join(str(tmp_path / "td_critic"), METADATA_FILE)))["role"] == "critic"
 
     # Megatron's own TP2 x PP2 shards, merged by LegacyReader, are the HF tensors exactly ...
     reader, ref = open_reader(legacy, args), HFReader(hf_llama)
@@ -77,9 +79,9 @@ def test_layouts(hf_llama, tmp_path, torchrun):
         assert torch.equal(reader.get(name), ref.get(name)), name
     # ... and save_legacy writes exactly what megatron wrote (same names, shapes, values).
     ours = str(tmp_path / "ours")
-    mc.save_legacy(ref, args, ours, tp=2, pp=2, iteration=7, vocab_divisible_by=1)
-    theirs_ck = mc.LegacyCheckpoint(os.path.join(legacy, "iter_0000007"))
-    ours_ck = mc.LegacyCheckpoint(os.path.join(ours, "iter_0000007"))
+    save_legacy(ref, args, ours, tp=2, pp=2, iteration=7, vocab_divisible_by=1)
+    theirs_ck = LegacyCheckpoint(os.path.join(legacy, "iter_0000007"))
+    ours_ck = LegacyCheckpoint(os.path.join(ours, "iter_0000007"))
     for t in range(2):
         for p in range(2):
             a, b = theirs_ck.model(t, p), ours_ck.model(t, p)
@@ -115,17 +117,19 @@ def assert_same_hf(a: str, b: str) -> None:
 def test_cli_round_trips(hf_qwen2, tmp_path, torchrun):
     from transformers import AutoModelForCausalLM
 
-    from megatron_rl.models.hf import load_model_args
-    from megatron_rl.weights import megatron_ckpt as mc
+    from megatron_rl.model_args import load_model_args
+    from megatron_rl.weights.ckpt_format import LEGACY_FILE, METADATA_FILE
+    from megatron_rl.weights.ckpt_write import save_legacy
     from megatron_rl.weights.hf_io import HFReader
+    from megatron_rl.weights.safe_load import safe_torch_load
 
     # legacy TP2 x PP2 (Megatron-LM vocab padding), and a copy with one TP shard of one fc1 holding
     # [up; gate] instead of [gate; up] (the classic layout bug)
     legacy, bad = str(tmp_path / "legacy"), str(tmp_path / "legacy_bad")
-    mc.save_legacy(HFReader(hf_qwen2), load_model_args(hf_qwen2), legacy, tp=2, pp=2)
+    save_legacy(HFReader(hf_qwen2), load_model_args(hf_qwen2), legacy, tp=2, pp=2)
     shutil.copytree(legacy, bad)
-    f = os.path.join(bad, "iter_0000001", "mp_rank_01_001", mc.LEGACY_FILE)
-    state = mc.safe_torch_load(f)
+    f = os.path.join(bad, "iter_0000001", "mp_rank_01_001", LEGACY_FILE)
+    state = safe_torch_load(f)
     w = state["model"]["decoder.layers.0.mlp.linear_fc1.weight"]
     state["model"]["decoder.layers.0.mlp.linear_fc1.weight"] = torch.cat(w.chunk(2)[::-1]).clone()
     torch.save(state, f)
@@ -143,7 +147,7 @@ def test_cli_round_trips(hf_qwen2, tmp_path, torchrun):
         "verify_from_legacy_tp2": 0,
     }, stdout
     assert stdout.count(": OK") == 2, stdout
-    assert json.load(open(os.path.join(str(tmp_path / "mcore_pp2"), mc.METADATA_FILE)))["pp"] == 2
+    assert json.load(open(os.path.join(str(tmp_path / "mcore_pp2"), METADATA_FILE)))["pp"] == 2
 
     # torch_dist (saved at TP2) -> HF: every tensor and the config identical, tokenizer files carried
     h2 = str(tmp_path / "hf2")

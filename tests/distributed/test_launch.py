@@ -15,7 +15,9 @@ import sys
 
 import pytest
 
+from megatron_rl import explain as ex
 from megatron_rl import launch_checks as lc
+from megatron_rl import ports
 from tests.conftest import ROOT
 
 SCRIPT = os.path.join(ROOT, "launch", "torchrun.sh")
@@ -59,7 +61,7 @@ def test_busy_port_fails_in_one_line_before_torchrun(tmp_path):
     assert p.returncode == 1, p.stdout + p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1, p.stderr
-    assert lines[0].startswith(f"{lc.PREFIX}rendezvous port {port} is already in use on node 0"), lines[0]
+    assert lines[0].startswith(f"{ex.PREFIX}rendezvous port {port} is already in use on node 0"), lines[0]
     assert "torch.distributed.run" not in (tmp_path / "node0.log").read_text()  # torchrun never started
 
 
@@ -158,7 +160,7 @@ def test_two_nodes_rendezvous_and_train_tp2_across_them(tmp_path, demo):
         f"data.val_files=[{demo['test']}]",
         f"actor_rollout_ref.model.path={demo['model']}",
     ]
-    env = _env(NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(lc.free_port()), LOG_DIR=str(logs))
+    env = _env(NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports.free_port()), LOG_DIR=str(logs))
     env["RDZV_ID"] = f"two-nodes-{env['MASTER_PORT']}"
     nodes = [
         subprocess.Popen(

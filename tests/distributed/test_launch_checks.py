@@ -1,4 +1,5 @@
-"""launch_checks: pre-flight checks and one-line explanations, on real exceptions and real logs.
+"""Pre-flight checks and one-line explanations (preflight, explain, launch_checks), on real
+exceptions and real logs.
 
 The gloo timeout, the lost peer and the init timeout are produced by real process groups
 (workers/launch_failures.py); NCCL's watchdog abort cannot happen on CPU, so its explanation is
@@ -14,7 +15,10 @@ import sys
 
 import pytest
 
+from megatron_rl import errors, ports
+from megatron_rl import explain as ex
 from megatron_rl import launch_checks as lc
+from megatron_rl import preflight as pf
 from megatron_rl.config import ConfigError, load_config
 from tests.conftest import ROOT, read_json
 
@@ -90,24 +94,24 @@ def test_nccl_watchdog_abort_explained_from_the_log():
     import torch.distributed as dist
 
     line = NCCL_WATCHDOG_LOG.splitlines()[0]
-    assert lc.explain(dist.DistBackendError(line.split("] ", 1)[1])).startswith(
+    assert ex.explain(dist.DistBackendError(line.split("] ", 1)[1])).startswith(
         "rank 0 timed out in allreduce"
     )
-    assert lc.explain_text("Timeout(ms)=1800000 ran for 1800100 ms") is None  # needs the watchdog wording
-    assert "after 30 min" in lc.explain_text(line.replace("Timeout(ms)=8000", "Timeout(ms)=1800000"))
+    assert ex.explain_text("Timeout(ms)=1800000 ran for 1800100 ms") is None  # needs the watchdog wording
+    assert "after 30 min" in ex.explain_text(line.replace("Timeout(ms)=8000", "Timeout(ms)=1800000"))
 
 
 def test_config_and_layout_errors(monkeypatch, tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(DEMO_CFG, ["trainer.totl_training_steps=2"])
-    assert _one_line(lc.explain(e.value)).startswith(
+    assert _one_line(ex.explain(e.value)).startswith(
         "config error: Unknown config key 'trainer.totl_training_steps'"
     )
 
     cfg = load_config(DEMO_CFG, [])
-    with pytest.raises(lc.LaunchError) as e:
-        lc.preflight(cfg, 3, env={"LOCAL_WORLD_SIZE": "1", "RANK": "0"})
-    msg = _one_line(lc.explain(e.value))
+    with pytest.raises(errors.LaunchError) as e:
+        pf.preflight(cfg, 3, env={"LOCAL_WORLD_SIZE": "1", "RANK": "0"})
+    msg = _one_line(ex.explain(e.value))
     assert msg.startswith(
         "world size 3 (3 node(s) x 1 process(es) per node) does not fit the parallel layout TP=2"
     ), msg
@@ -115,18 +119,18 @@ def test_config_and_layout_errors(monkeypatch, tmp_path):
     # A fitting layout passes the launch checks, the model path must exist, then config.validate
     # runs (which rejects the batch).
     with pytest.raises(ConfigError, match=r"actor_rollout_ref\.model\.path=/nonexistent: no such directory"):
-        lc.preflight(load_config(DEMO_CFG, ["actor_rollout_ref.model.path=/nonexistent"]), 2, env={})
+        pf.preflight(load_config(DEMO_CFG, ["actor_rollout_ref.model.path=/nonexistent"]), 2, env={})
     empty = f"actor_rollout_ref.model.path={tmp_path}"  # a directory, but no model in it
     with pytest.raises(ConfigError, match=rf"model\.path={tmp_path}: Cannot tell the checkpoint format"):
-        lc.preflight(load_config(DEMO_CFG, [empty]), 2, env={"LOCAL_WORLD_SIZE": "2"})
+        pf.preflight(load_config(DEMO_CFG, [empty]), 2, env={"LOCAL_WORLD_SIZE": "2"})
     from megatron_rl.demo import prepare
 
     model = f"actor_rollout_ref.model.path={prepare(str(tmp_path / 'demo'))['model']}"
     with pytest.raises(ConfigError, match="data.train_batch_size"):
-        lc.preflight(
+        pf.preflight(
             load_config(DEMO_CFG, [model, "data.train_batch_size=63"]), 2, env={"LOCAL_WORLD_SIZE": "2"}
         )
-    lc.preflight(load_config(DEMO_CFG, [model]), 2, env={"LOCAL_WORLD_SIZE": "2"})
+    pf.preflight(load_config(DEMO_CFG, [model]), 2, env={"LOCAL_WORLD_SIZE": "2"})
 
 
 def test_missing_gpu():
@@ -138,11 +142,11 @@ def test_missing_gpu():
 
     with pytest.raises(RuntimeError) as e:
         resolve_device("cuda")
-    msg = _one_line(lc.explain(e.value))
+    msg = _one_line(ex.explain(e.value))
     assert "trainer.device=cuda but no GPU is visible" in msg and "trainer.device=cpu" in msg, msg
-    with pytest.raises(lc.LaunchError) as e:
-        lc.preflight(load_config(DEMO_CFG, ["trainer.device=cuda"]), 2, env={"RANK": "1"})
-    assert _one_line(lc.explain(e.value)).startswith("rank 1 on "), e.value
+    with pytest.raises(errors.LaunchError) as e:
+        pf.preflight(load_config(DEMO_CFG, ["trainer.device=cuda"]), 2, env={"RANK": "1"})
+    assert _one_line(ex.explain(e.value)).startswith("rank 1 on "), e.value
 
 
 def test_gpu_oom_names_phase_sizes_and_keys():
@@ -158,10 +162,10 @@ def test_gpu_oom_names_phase_sizes_and_keys():
     timer = Timer(torch.device("cpu"))
     with pytest.raises(torch.OutOfMemoryError) as e, timer("update_critic"), timer("inner"):
         raise torch.OutOfMemoryError(text)
-    msg = _one_line(lc.explain(e.value))
+    msg = _one_line(ex.explain(e.value))
     assert "ran out of GPU memory in phase inner (wanted 2.32 GiB, 1.07 GiB free of 139.81 GiB)" in msg
     assert "ppo_micro_batch_size_per_gpu" in msg and "optimizer_offload" in msg, msg
-    assert "in phase" not in _one_line(lc.explain(torch.OutOfMemoryError("CUDA out of memory.")))
+    assert "in phase" not in _one_line(ex.explain(torch.OutOfMemoryError("CUDA out of memory.")))
 
 
 def test_port_checks():
@@ -169,7 +173,7 @@ def test_port_checks():
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
-        msg = _one_line(lc.check_port("127.0.0.1", port))
+        msg = _one_line(ports.check_port("127.0.0.1", port))
         assert msg.startswith(f"rendezvous port {port} is already in use on node 0"), msg
         assert "MASTER_PORT=" in msg
         # The same port reported by torch's own bind failure (static rendezvous / is_host=1).
@@ -179,41 +183,42 @@ def test_port_checks():
             "in use"
         )
         assert _one_line(lc.explain_log(torch_line)).startswith(f"rendezvous port {port} is already in use")
-    assert lc.check_port("127.0.0.1", lc.free_port()) is None
+    assert ports.check_port("127.0.0.1", ports.free_port()) is None
     # TEST-NET-3 (RFC 5737) is nobody's address: node 0 must not claim it (bind fails locally, no traffic).
-    assert "is not an address of this machine" in _one_line(lc.check_port("203.0.113.7", lc.free_port()))
+    not_ours = ports.check_port("203.0.113.7", ports.free_port())
+    assert "is not an address of this machine" in _one_line(not_ours)
 
 
 def test_explain_failures_prints_one_line_and_exits_1(capsys, monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", os.devnull)
-    with pytest.raises(SystemExit) as e, lc.explain_failures():
+    with pytest.raises(SystemExit) as e, ex.explain_failures():
         load_config(DEMO_CFG, ["trainer.bogus=1"])
     assert e.value.code == 1
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith(
-        lc.PREFIX + "config error: Unknown config key 'trainer.bogus'"
+        ex.PREFIX + "config error: Unknown config key 'trainer.bogus'"
     ), err
     # Identical on every rank: printed by local rank 0 only.
     monkeypatch.setenv("LOCAL_RANK", "1")
-    with pytest.raises(SystemExit), lc.explain_failures():
+    with pytest.raises(SystemExit), ex.explain_failures():
         load_config(DEMO_CFG, ["trainer.bogus=1"])
     assert capsys.readouterr().err == ""
     # Unknown errors keep their traceback.
-    with pytest.raises(KeyError), lc.explain_failures():
+    with pytest.raises(KeyError), ex.explain_failures():
         raise KeyError("not a launch problem")
 
 
 def test_torchelastic_error_file_carries_the_line(tmp_path, monkeypatch):
     path = tmp_path / "error.json"
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
-    with pytest.raises(SystemExit), lc.explain_failures():
-        raise lc.LaunchError("rank 3: something actionable.")
+    with pytest.raises(SystemExit), ex.explain_failures():
+        raise errors.LaunchError("rank 3: something actionable.")
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
     # torchrun's own reader of the file: its failure summary shows our line.
     failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(path))
-    assert failure.message["message"] == lc.PREFIX + "rank 3: something actionable."
+    assert failure.message["message"] == ex.PREFIX + "rank 3: something actionable."
 
 
 def test_explain_log_prefers_the_first_cause():
@@ -229,6 +234,18 @@ def test_explain_log_prefers_the_first_cause():
     )
     assert "collateral" in lc.explain_log(collateral)
     assert lc.explain_log(collateral + timeout).startswith("a rank timed out in a collective after 30 min")
-    assert lc.explain_log(collateral + lc.PREFIX + "config error: bad key\n") == "config error: bad key"
+    assert lc.explain_log(collateral + ex.PREFIX + "config error: bad key\n") == "config error: bad key"
     agent = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
     assert lc.explain_log(agent) is None
+
+
+def test_nnodes_and_gpus_per_node_must_match_the_launch(tmp_path):
+    from megatron_rl.demo import prepare
+
+    model = f"actor_rollout_ref.model.path={prepare(str(tmp_path / 'demo'))['model']}"
+    env = {"LOCAL_WORLD_SIZE": "2"}
+    pf.preflight(load_config(DEMO_CFG, [model, "trainer.nnodes=1", "trainer.n_gpus_per_node=2"]), 2, env=env)
+    with pytest.raises(errors.LaunchError, match=r"n_gpus_per_node=8 but this job was launched with 2"):
+        pf.preflight(load_config(DEMO_CFG, [model, "trainer.n_gpus_per_node=8"]), 2, env=env)
+    with pytest.raises(errors.LaunchError, match=r"trainer\.nnodes=2 but this job was launched with 1"):
+        pf.preflight(load_config(DEMO_CFG, [model, "trainer.nnodes=2"]), 2, env=env)

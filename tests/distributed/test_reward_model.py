@@ -84,8 +84,8 @@ def test_torch_dist_round_trip(runs, arch):
 
 
 def test_load_errors_name_the_path(tmp_path):
+    from megatron_rl.model_args import load_model_args
     from megatron_rl.models.builder import check_score_head
-    from megatron_rl.models.hf import load_model_args
     from megatron_rl.models.random_hf import save_random_hf_model
     from megatron_rl.weights.hf_io import HFReader
 

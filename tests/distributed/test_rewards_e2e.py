@@ -22,8 +22,8 @@ def demo(tmp_path_factory):
 
 def _reward_model(demo, path: str) -> str:
     """A tiny random Llama reward model whose tokenizer is the toy one with another chat template."""
+    from megatron_rl.demo.toy import build_toy_tokenizer
     from megatron_rl.models.random_hf import save_random_hf_model
-    from megatron_rl.toy import build_toy_tokenizer
 
     tok = build_toy_tokenizer()
     # The same vocabulary, a different rendering: the reward model reads "<s> q = a </s>" per turn.
@@ -60,8 +60,8 @@ def test_reward_model_scores_flow_into_training(demo, tmp_path):
 
 def test_reward_model_re_renders_the_conversation_in_its_own_template(demo, tmp_path):
     from megatron_rl.batch import RolloutBatch, SeqMeta
+    from megatron_rl.demo.toy import build_toy_tokenizer
     from megatron_rl.reward_model import ModelReward, reward_model_tokenizer
-    from megatron_rl.toy import build_toy_tokenizer
 
     actor_tok = build_toy_tokenizer()
     rm_path = _reward_model(demo, str(tmp_path / "rm"))

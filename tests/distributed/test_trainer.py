@@ -294,10 +294,7 @@ def test_dapo_filter_mismatch_correction_and_verl_names(demo, tmp_path, torchrun
 def test_group_filter_that_never_fills_the_batch_stops_in_one_line(demo, tmp_path):
     """Every group scores the same (a constant reward): the filter drops them all and the run stops at
     algorithm.filter_groups.max_num_gen_batches with one line naming the key."""
-    reward = tmp_path / "constant.py"
-    reward.write_text(
-        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n"
-    )
+    reward = _constant_reward(tmp_path, 1.0)
     out = str(tmp_path / "run")
     kw = {
         "trainer.total_training_steps": 2,
@@ -314,6 +311,14 @@ def test_group_filter_that_never_fills_the_batch_stops_in_one_line(demo, tmp_pat
     assert "megatron-rl error: config error: " in lines[0]  # the rank's own line, not a traceback
 
 
+def _constant_reward(tmp_path, value: float):
+    """A reward file whose function scores every response ``value``."""
+    path = tmp_path / "constant_reward.py"
+    signature = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):"
+    path.write_text(f"{signature}\n    return {value!r}\n")
+    return path
+
+
 def _run_train(demo, out, kw, timeout=300):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
@@ -326,10 +331,7 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(demo, tmp_path):
     """A reward of 3e38 makes the critic's squared error overflow (and the advantages with it): every
     update is non-finite. Each is skipped and logged; the second step in a row stops the run in one
     line, before that step's save, naming the last checkpoint (step 1)."""
-    reward = tmp_path / "huge.py"
-    reward.write_text(
-        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 3e38\n"
-    )
+    reward = _constant_reward(tmp_path, 3e38)
     out = str(tmp_path / "run")
     kw = {
         "trainer.total_training_steps": 4,

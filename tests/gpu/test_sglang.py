@@ -61,11 +61,11 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     from megatron_rl.config import RolloutConfig
+    from megatron_rl.model_args import load_model_args
     from megatron_rl.models.builder import build_model, load_hf_weights
-    from megatron_rl.models.hf import load_model_args
     from megatron_rl.models.random_hf import save_random_hf_model
     from megatron_rl.parallel import destroy_parallel, init_parallel
-    from megatron_rl.rollout.base import SamplingParams, create_engine
+    from megatron_rl.rollout import SamplingParams, create_engine
 
     root = tmp_path_factory.mktemp("models")
     a = save_random_hf_model(str(root / "a"), "llama", seed=1, **DIMS)

@@ -40,7 +40,7 @@ def test_verb_help(verb, capsys):
 
 def test_mcore_to_legacy_from_hf(tmp_path):
     """HF -> legacy TP2 x PP2 through the command line; read back exactly."""
-    from megatron_rl.models.hf import load_model_args
+    from megatron_rl.model_args import load_model_args
     from megatron_rl.models.loading import open_reader
     from megatron_rl.models.random_hf import save_random_hf_model
 
@@ -61,9 +61,9 @@ def test_mcore_to_hf_from_megatron_lm_args(tmp_path):
     from the args, vocabulary kept padded) that transformers loads and that computes the same logits."""
     from transformers import AutoModelForCausalLM
 
-    from megatron_rl.models.hf import load_model_args
+    from megatron_rl.model_args import load_model_args
     from megatron_rl.models.random_hf import save_random_hf_model
-    from megatron_rl.weights.megatron_ckpt import save_legacy
+    from megatron_rl.weights.ckpt_write import save_legacy
 
     hf = save_random_hf_model(str(tmp_path / "hf"), "qwen3")
     legacy, out = str(tmp_path / "run" / "legacy"), str(tmp_path / "run" / "hf_out")
@@ -80,7 +80,7 @@ def test_mcore_to_hf_from_megatron_lm_args(tmp_path):
 def test_out_is_refused_when_not_empty_and_replaced_whole_with_overwrite(tmp_path, capsys):
     """A non-empty --out needs --overwrite (one line naming both); with it, the old contents are gone
     (no TP2 x PP2 shard of the first conversion stays beside the TP1 ones) and no staging is left."""
-    from megatron_rl.models.hf import load_model_args
+    from megatron_rl.model_args import load_model_args
     from megatron_rl.models.loading import open_reader
     from megatron_rl.models.random_hf import save_random_hf_model
 

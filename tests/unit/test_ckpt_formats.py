@@ -10,10 +10,13 @@ from io import BytesIO
 import pytest
 import torch
 
-from megatron_rl.models.hf import load_model_args
+from megatron_rl.model_args import load_model_args
 from megatron_rl.models.loading import detect_format, load_model_args_any, open_reader
-from megatron_rl.weights import megatron_ckpt as mc
+from megatron_rl.weights.ckpt_format import LEGACY_FILE, METADATA_FILE, TE_NORM_NAMES, TRACKER_FILE
+from megatron_rl.weights.ckpt_write import save_legacy
 from megatron_rl.weights.hf_io import HFReader
+from megatron_rl.weights.megatron_args import megatron_args_from_model_args, model_args_from_megatron_args
+from megatron_rl.weights.safe_load import safe_torch_load
 
 ARCHS = {"llama": False, "qwen2": True, "qwen3": False, "phi3": False}  # arch -> tied embeddings
 
@@ -43,13 +46,13 @@ def test_legacy_round_trip_is_bit_exact(hf_dirs, tmp_path, arch):
     hf = hf_dirs[arch]
     args = load_model_args(hf)
     out = str(tmp_path / "ckpt")
-    mc.save_legacy(HFReader(hf), args, out, tp=2, pp=2, iteration=3)
+    save_legacy(HFReader(hf), args, out, tp=2, pp=2, iteration=3)
 
     assert detect_format(out) == "legacy"
     it = os.path.join(out, "iter_0000003")
     assert sorted(os.listdir(it)) == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
-    first = mc.safe_torch_load(os.path.join(it, "mp_rank_00_000", mc.LEGACY_FILE))
-    last = mc.safe_torch_load(os.path.join(it, "mp_rank_01_001", mc.LEGACY_FILE))
+    first = safe_torch_load(os.path.join(it, "mp_rank_00_000", LEGACY_FILE))
+    last = safe_torch_load(os.path.join(it, "mp_rank_01_001", LEGACY_FILE))
     # Megatron-LM layout: local layer indices on every stage, vocabulary padded, args inside.
     assert {k.split(".")[2] for k in last["model"] if k.startswith("decoder.layers.")} == {"0", "1"}
     assert first["model"]["embedding.word_embeddings.weight"].shape[0] == 128  # 256 rows over 2 ranks
@@ -73,7 +76,7 @@ def test_config_beside_takes_precedence_and_missing_metadata_error(hf_dirs, tmp_
     args = load_model_args(hf)
     root = tmp_path / "run"
     out = str(root / "ckpt")
-    mc.save_legacy(HFReader(hf), args, out, tp=1, pp=2, with_args=False)
+    save_legacy(HFReader(hf), args, out, tp=1, pp=2, with_args=False)
     assert detect_format(out) == "legacy"
     with pytest.raises(FileNotFoundError) as e:
         load_model_args_any(out)
@@ -93,7 +96,7 @@ def test_detect_format_errors(hf_dirs, tmp_path):
     empty.mkdir()
     with pytest.raises(FileNotFoundError) as e:
         detect_format(str(empty))
-    for looked_for in ("config.json", "safetensors", "metadata.json", "mp_rank_", mc.TRACKER_FILE):
+    for looked_for in ("config.json", "safetensors", "metadata.json", "mp_rank_", TRACKER_FILE):
         assert looked_for in str(e.value)
     with pytest.raises(FileNotFoundError, match="not a directory"):
         detect_format(str(tmp_path / "nope"))
@@ -107,7 +110,7 @@ def test_detect_format_errors(hf_dirs, tmp_path):
 
     stale = tmp_path / "stale"
     stale.mkdir()
-    (stale / mc.TRACKER_FILE).write_text("42")
+    (stale / TRACKER_FILE).write_text("42")
     with pytest.raises(FileNotFoundError, match="iter_0000042"):
         detect_format(str(stale))
 
@@ -115,11 +118,11 @@ def test_detect_format_errors(hf_dirs, tmp_path):
 def test_megatron_args_mapping(hf_dirs):
     for arch in ("llama", "qwen2", "qwen3"):
         args = load_model_args(hf_dirs[arch])
-        ns = mc.megatron_args_from_model_args(args, 2, 1, 128, torch.bfloat16)
-        back = mc.model_args_from_megatron_args(ns, "test")
+        ns = megatron_args_from_model_args(args, 2, 1, 128, torch.bfloat16)
+        back = model_args_from_megatron_args(ns, "test")
         assert dims(back) == dims(args), arch
         assert back.vocab_size == 128 and back.hf_config["dtype"] == "bfloat16"
-    ns = mc.megatron_args_from_model_args(load_model_args(hf_dirs["llama"]), 1, 1, 128, torch.float32)
+    ns = megatron_args_from_model_args(load_model_args(hf_dirs["llama"]), 1, 1, 128, torch.float32)
     for change, word in (
         ({"position_embedding_type": "learned_absolute"}, "position_embedding_type"),
         ({"num_experts": 8}, "num_experts"),
@@ -129,7 +132,7 @@ def test_megatron_args_mapping(hf_dirs):
     ):
         bad = argparse.Namespace(**{**vars(ns), **change})
         with pytest.raises(ValueError, match=word):
-            mc.model_args_from_megatron_args(bad, "ckpt/mp_rank_00/model_optim_rng.pt")
+            model_args_from_megatron_args(bad, "ckpt/mp_rank_00/model_optim_rng.pt")
 
 
 def test_legacy_transformer_engine_names_and_mismatch(hf_dirs, tmp_path):
@@ -138,13 +141,13 @@ def test_legacy_transformer_engine_names_and_mismatch(hf_dirs, tmp_path):
     hf = hf_dirs["qwen3"]
     args = load_model_args(hf)
     out = str(tmp_path / "te")
-    mc.save_legacy(HFReader(hf), args, out, tp=2, pp=1)
+    save_legacy(HFReader(hf), args, out, tp=2, pp=1)
     for t in range(2):
-        f = os.path.join(out, "iter_0000001", f"mp_rank_{t:02d}", mc.LEGACY_FILE)
-        state = mc.safe_torch_load(f)
+        f = os.path.join(out, "iter_0000001", f"mp_rank_{t:02d}", LEGACY_FILE)
+        state = safe_torch_load(f)
         renamed = {}
         for k, v in state["model"].items():
-            for local, te in mc.TE_NORM_NAMES.items():
+            for local, te in TE_NORM_NAMES.items():
                 k = k.replace(local, te)
             renamed[k] = v
             if k.endswith("linear_qkv.weight"):
@@ -169,10 +172,10 @@ def test_uneven_pipeline_stages(hf_dirs, tmp_path):
     hf = hf_dirs["llama"]
     args = load_model_args(hf)
     out = str(tmp_path / "uneven")
-    mc.save_legacy(HFReader(hf), args, out, tp=1, pp=2)
+    save_legacy(HFReader(hf), args, out, tp=1, pp=2)
     it = os.path.join(out, "iter_0000001")
-    s0 = mc.safe_torch_load(os.path.join(it, "mp_rank_00_000", mc.LEGACY_FILE))
-    s1 = mc.safe_torch_load(os.path.join(it, "mp_rank_00_001", mc.LEGACY_FILE))
+    s0 = safe_torch_load(os.path.join(it, "mp_rank_00_000", LEGACY_FILE))
+    s1 = safe_torch_load(os.path.join(it, "mp_rank_00_001", LEGACY_FILE))
     # move global layer 2 (stage 1, local 0) to stage 0 as local 2; stage 1 keeps global 3 as local 0
     for k in [k for k in s1["model"] if k.startswith("decoder.layers.")]:
         v = s1["model"].pop(k)
@@ -182,8 +185,8 @@ def test_uneven_pipeline_stages(hf_dirs, tmp_path):
             s0["model"][f"decoder.layers.2.{rest}"] = v
         else:
             s1["model"][f"decoder.layers.0.{rest}"] = v
-    torch.save(s0, os.path.join(it, "mp_rank_00_000", mc.LEGACY_FILE))
-    torch.save(s1, os.path.join(it, "mp_rank_00_001", mc.LEGACY_FILE))
+    torch.save(s0, os.path.join(it, "mp_rank_00_000", LEGACY_FILE))
+    torch.save(s1, os.path.join(it, "mp_rank_00_001", LEGACY_FILE))
     reader = open_reader(out, args)
     assert reader.offsets == [0, 3, 4]
     ref = HFReader(hf)
@@ -200,7 +203,7 @@ def test_our_metadata_names_the_architecture(hf_dirs, tmp_path):
     )
     with open(os.path.join(hf_dirs["qwen2"], "config.json")) as f:
         cfg = json.load(f)
-    (d / mc.METADATA_FILE).write_text(json.dumps({"role": "actor", "hf_config": cfg}))
+    (d / METADATA_FILE).write_text(json.dumps({"role": "actor", "hf_config": cfg}))
     assert detect_format(str(d)) == "torch_dist"
     assert load_model_args_any(str(d)) == load_model_args(hf_dirs["qwen2"])
 

@@ -22,8 +22,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_rl import launch_checks as lc
-from megatron_rl.checkpoint import LATEST, ORDER_FILE, CheckpointError, CheckpointManager
+from megatron_rl import explain as ex
+from megatron_rl.checkpoint import LATEST, ORDER_FILE, CheckpointManager
+from megatron_rl.errors import CheckpointError
 from tests.conftest import ROOT
 
 
@@ -109,7 +110,7 @@ def test_files_and_directories_are_private_by_default(tmp_path):
 
 @pytest.mark.parametrize("value", ["0644x", "0400", "0755", "384"])
 def test_bad_permissions_are_a_one_line_config_error(value):
-    from megatron_rl.checkpoint import parse_permissions
+    from megatron_rl.ckpt_files import parse_permissions
     from megatron_rl.config import ConfigError
 
     with pytest.raises(ConfigError, match="trainer.checkpoint_permissions") as e:
@@ -138,7 +139,7 @@ def test_unusable_tracker_stops_resume_in_one_line(tmp_path, content, expect):
     manager = _manager(root)
     with pytest.raises(CheckpointError) as e:
         manager.resume_path()
-    msg = lc.explain(e.value)  # what the launcher prints (explain_failures): the message, one line
+    msg = ex.explain(e.value)  # what the launcher prints (explain_failures): the message, one line
     assert msg == str(e.value) and "\n" not in msg
     assert str(root / LATEST) in msg and expect.format(root=root) in msg, msg
     assert "trainer.resume_from_path" in msg and "trainer.resume_mode=disable" in msg
@@ -163,7 +164,7 @@ def test_second_run_on_the_directory_fails_naming_the_holder(tmp_path):
     root = tmp_path / "run"
     root.mkdir()
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from megatron_rl.checkpoint import DirLock; "
+        [sys.executable, "-c", "import sys, time; from megatron_rl.ckpt_files import DirLock; "
          "DirLock(sys.argv[1]).acquire(); print('locked', flush=True); time.sleep(120)", str(root)],
         env=_env(), cwd=ROOT, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -171,7 +172,7 @@ def test_second_run_on_the_directory_fails_naming_the_holder(tmp_path):
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(CheckpointError) as e:
             _manager(root).claim()
-        msg = lc.explain(e.value)
+        msg = ex.explain(e.value)
         assert msg is not None and "\n" not in msg
         assert f"{root} is in use by another run" in msg and f"pid={holder.pid}" in msg and "started=" in msg
         assert "host=" in msg and "trainer.default_local_dir" in msg
@@ -232,7 +233,7 @@ def test_full_disk_fails_the_save_in_one_line_and_keeps_earlier_checkpoints(tmp_
     assert p.returncode == 1, p.stdout + p.stderr
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1, p.stderr
-    assert lines[0].startswith(lc.PREFIX + "no space left on device (ENOSPC) while saving "), lines[0]
+    assert lines[0].startswith(ex.PREFIX + "no space left on device (ENOSPC) while saving "), lines[0]
     assert f"{disk}/run/global_step_2" in lines[0] and "trainer.default_local_dir" in lines[0]
     assert sorted((report / "ls").read_text().split()) == sorted(
         [LATEST, ORDER_FILE, "global_step_1", "run.lock"]
@@ -260,13 +261,14 @@ def _worker(argv: list[str]) -> None:
     import torch
 
     from megatron_rl import checkpoint
-    from megatron_rl.launch_checks import explain_failures, free_port
+    from megatron_rl.explain import explain_failures
     from megatron_rl.parallel import init_parallel
+    from megatron_rl.ports import free_port
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     logging.basicConfig(level=logging.INFO)
     if a.fake_enospc:  # the boundary: the file a save writes its shard into
-        real_open = checkpoint._open_private
+        real_open = checkpoint.open_private
 
         class _FullFile:
             def __init__(self, f):
@@ -287,7 +289,7 @@ def _worker(argv: list[str]) -> None:
             def __exit__(self, *e):
                 self.f.close()
 
-        checkpoint._open_private = lambda *args, **kw: _FullFile(real_open(*args, **kw))
+        checkpoint.open_private = lambda *args, **kw: _FullFile(real_open(*args, **kw))
     with explain_failures():
         ps = init_parallel(1, 1, device="cpu")
         for i, run in enumerate(a.run):

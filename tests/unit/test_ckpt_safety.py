@@ -13,10 +13,18 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_rl.models.hf import load_model_args
+from megatron_rl.model_args import load_model_args
 from megatron_rl.models.loading import detect_format, load_model_args_any, open_reader
-from megatron_rl.weights import megatron_ckpt as mc
+from megatron_rl.weights.ckpt_format import LEGACY_FILE
+from megatron_rl.weights.ckpt_write import save_legacy
 from megatron_rl.weights.hf_io import HFReader
+from megatron_rl.weights.safe_load import (
+    SAFE_GLOBALS_ENV,
+    UnsafeCheckpointError,
+    check_torch_dist,
+    read_dcp_metadata,
+    safe_torch_load,
+)
 
 
 class Payload:
@@ -50,19 +58,19 @@ def test_malicious_legacy_checkpoint_is_refused(hf, tmp_path):
     marker = tmp_path / "pwned"
     out = str(tmp_path / "ckpt")
     args = load_model_args(hf)
-    mc.save_legacy(HFReader(hf), args, out, tp=1, pp=1)
-    f = os.path.join(out, "iter_0000001", "mp_rank_00", mc.LEGACY_FILE)
-    state = mc.safe_torch_load(f)
+    save_legacy(HFReader(hf), args, out, tp=1, pp=1)
+    f = os.path.join(out, "iter_0000001", "mp_rank_00", LEGACY_FILE)
+    state = safe_torch_load(f)
     state["optimizer"] = {"state": {0: Payload(str(marker))}}
     torch.save(state, f)
 
     assert detect_format(out) == "legacy"
-    with pytest.raises(mc.UnsafeCheckpointError) as e:
+    with pytest.raises(UnsafeCheckpointError) as e:
         load_model_args_any(out)  # reads the saved args from this file
     msg = str(e.value)
     assert f in msg and "system" in msg and "not allowed" in msg and "Re-save" in msg
-    assert mc.SAFE_GLOBALS_ENV not in msg, "the refusal must not advertise the opt-in"
-    with pytest.raises(mc.UnsafeCheckpointError):
+    assert SAFE_GLOBALS_ENV not in msg, "the refusal must not advertise the opt-in"
+    with pytest.raises(UnsafeCheckpointError):
         open_reader(out, args)  # loading the weights with a config.json at hand opens the same file
     assert not marker.exists(), "the payload ran"
 
@@ -77,16 +85,16 @@ def test_malicious_torch_dist_pickles_are_refused(tmp_path):
     # DCP reads .metadata with plain pickle.load; megatron-core reads common.pt with torch.load.
     (d / ".metadata").write_bytes(pickle.dumps(Payload(str(marker))))
     assert detect_format(str(d)) == "torch_dist"
-    with pytest.raises(mc.UnsafeCheckpointError, match=r"\.metadata.*system"):
-        mc.read_dcp_metadata(str(d))
-    with pytest.raises(mc.UnsafeCheckpointError):
+    with pytest.raises(UnsafeCheckpointError, match=r"\.metadata.*system"):
+        read_dcp_metadata(str(d))
+    with pytest.raises(UnsafeCheckpointError):
         load_model_args_any(str(d))  # no metadata / config.json: would read args from common.pt
 
     (d / ".metadata").unlink()
     torch.save({"args": Payload(str(marker))}, d / "common.pt")
     (d / ".metadata").write_bytes(pickle.dumps({"plain": [1, 2]}))  # benign, so common.pt is reached
-    with pytest.raises(mc.UnsafeCheckpointError, match=r"common\.pt"):
-        mc.check_torch_dist(str(d))
+    with pytest.raises(UnsafeCheckpointError, match=r"common\.pt"):
+        check_torch_dist(str(d))
     assert not marker.exists(), "the payload ran"
 
 
@@ -107,16 +115,16 @@ def test_what_megatron_lm_saves_is_allowed(tmp_path, monkeypatch):
         params_dtype=torch.bfloat16,
     )
     torch.save({"args": ns, "np": np.random.get_state(), "te": BytesIO(b"x"), "w": torch.ones(2)}, f)
-    out = mc.safe_torch_load(f)
+    out = safe_torch_load(f)
     assert out["args"].attention_backend == AttnBackend.auto and out["args"].lr == 3e-4
 
     # anything else needs an explicit opt-in by name
     f2 = str(tmp_path / "custom.pt")
     torch.save({"state": CustomState(3)}, f2)
-    with pytest.raises(mc.UnsafeCheckpointError, match="CustomState"):
-        mc.safe_torch_load(f2)
-    monkeypatch.setenv(mc.SAFE_GLOBALS_ENV, f"{__name__}.CustomState")
-    assert mc.safe_torch_load(f2)["state"].step == 3
+    with pytest.raises(UnsafeCheckpointError, match="CustomState"):
+        safe_torch_load(f2)
+    monkeypatch.setenv(SAFE_GLOBALS_ENV, f"{__name__}.CustomState")
+    assert safe_torch_load(f2)["state"].step == 3
 
 
 @pytest.mark.parametrize(
@@ -139,13 +147,13 @@ def test_opt_in_accepts_plain_classes_only(tmp_path, monkeypatch, entry, why):
     marker = tmp_path / "pwned"
     f = str(tmp_path / "evil.pt")
     torch.save({"x": Payload(str(marker))}, f)
-    monkeypatch.setenv(mc.SAFE_GLOBALS_ENV, entry)
+    monkeypatch.setenv(SAFE_GLOBALS_ENV, entry)
     with pytest.raises(ValueError, match=why) as e:
-        mc.safe_torch_load(f)
-    assert mc.SAFE_GLOBALS_ENV in str(e.value) and "\n" not in str(e.value)
+        safe_torch_load(f)
+    assert SAFE_GLOBALS_ENV in str(e.value) and "\n" not in str(e.value)
     assert not marker.exists(), "the payload ran"
     # without the opt-in the same file is refused as unsafe, naming os.system / posix.system
-    monkeypatch.delenv(mc.SAFE_GLOBALS_ENV)
-    with pytest.raises(mc.UnsafeCheckpointError, match="system.*not allowed"):
-        mc.safe_torch_load(f)
+    monkeypatch.delenv(SAFE_GLOBALS_ENV)
+    with pytest.raises(UnsafeCheckpointError, match="system.*not allowed"):
+        safe_torch_load(f)
     assert not marker.exists(), "the payload ran"

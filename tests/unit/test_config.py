@@ -251,11 +251,11 @@ def test_shipped_configs_validate(name, world, dims):
 
 
 def _numeric_keys():
-    from megatron_rl.config import Config, _known_keys
+    from megatron_rl.config import Config, known_keys
 
     return [
         k
-        for k, t in _known_keys(Config).items()
+        for k, t in known_keys(Config).items()
         if ("int" in str(t) or "float" in str(t)) and "list" not in str(t)
     ]
 

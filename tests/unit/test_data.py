@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_rl.data import PromptDataset, PromptItem, ResumableDistributedSampler, collate_left_pad
-from megatron_rl.toy import build_toy_tokenizer
+from megatron_rl.demo.toy import build_toy_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_rl.models.hf import check_sliding_window, load_model_args, model_args_from_hf_config
+from megatron_rl.model_args import check_sliding_window, load_model_args, model_args_from_hf_config
 from megatron_rl.models.random_hf import save_random_hf_model
 from tests.conftest import ROOT
 
@@ -198,7 +198,7 @@ def test_llama3_export_keeps_rope_scaling(tmp_path):
 def test_llama3_scaling_survives_the_legacy_megatron_args(factor):
     """mcore-to-legacy writes Megatron-LM's use_rope_scaling/rope_scaling_factor; reading them back
     gives the same llama3 scaling (a checkpoint without config.json beside it)."""
-    from megatron_rl.weights.megatron_ckpt import megatron_args_from_model_args, model_args_from_megatron_args
+    from megatron_rl.weights.megatron_args import megatron_args_from_model_args, model_args_from_megatron_args
 
     args = model_args_from_hf_config(hf_config(rope_scaling={**LLAMA3, "factor": factor}))
     ns = megatron_args_from_model_args(args, 1, 1, args.vocab_size, torch.float32)

@@ -71,8 +71,8 @@ def hf_dir(tmp_path_factory):
 
 def tiny(ps, hf_dir, dtype=torch.float32):
     """A 1-layer Llama (megatron GPTModel) with O(1) random weights, and a plain fp32 copy of it."""
+    from megatron_rl.model_args import load_model_args
     from megatron_rl.models.builder import build_model, load_hf_weights
-    from megatron_rl.models.hf import load_model_args
 
     args = load_model_args(hf_dir)
     models = [build_model(args, ps, "actor", dtype=d) for d in (dtype, torch.float32)]
@@ -254,8 +254,8 @@ def test_small_bf16_updates_reach_the_model_only_with_stochastic_rounding(ps, hf
 def test_activation_recompute_gives_the_same_gradients(ps, hf_dir, options, recomputed):
     """Oracle: the same model without recompute. The recomputed module runs twice per backward (the
     check that recompute is on at all)."""
+    from megatron_rl.model_args import load_model_args
     from megatron_rl.models.builder import TrainingOptions, build_model, load_hf_weights
-    from megatron_rl.models.hf import load_model_args
 
     args = load_model_args(hf_dir)
     grads, calls = [], []

@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from megatron_rl.demo.toy import TOY_DATA_SOURCE, build_toy_tokenizer
 from megatron_rl.reward import (
     RewardManager,
     compute_score_gsm8k,
@@ -19,7 +20,6 @@ from megatron_rl.reward import (
     extract_solution,
     load_custom_reward_function,
 )
-from megatron_rl.toy import TOY_DATA_SOURCE, build_toy_tokenizer
 
 
 def _load_preprocess_script():

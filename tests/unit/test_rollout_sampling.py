@@ -92,8 +92,8 @@ def test_oom_message_names_numbers_and_keys():
 def test_stop_ids_are_the_generation_config_eos_then_the_tokenizer_eos(tmp_path):
     import json
 
+    from megatron_rl.demo.toy import build_toy_tokenizer
     from megatron_rl.rollout.base import stop_token_ids
-    from megatron_rl.toy import build_toy_tokenizer
 
     tok = build_toy_tokenizer()
     model = tmp_path / "model"

@@ -8,8 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from megatron_rl.data import PromptDataset
-from megatron_rl.reward import RewardManager, default_compute_score
-from megatron_rl.toy import (
+from megatron_rl.demo.toy import (
     TOY_DATA_SOURCE,
     TOY_DIGITS,
     TOY_MAX_DIGITS,
@@ -18,6 +17,7 @@ from megatron_rl.toy import (
     make_toy_dataset,
     toy_compute_score,
 )
+from megatron_rl.reward import RewardManager, default_compute_score
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from megatron_rl.config import Config, ConfigError, _known_keys, load_config, validate
+from megatron_rl.config import Config, ConfigError, known_keys, load_config, validate
 from megatron_rl.verl_compat import compat_table, rule_for, verl_key_list
 from tests.conftest import ROOT
 
@@ -41,16 +41,16 @@ QWEN_05B = {"num_attention_heads": 14, "num_key_value_heads": 2, "num_layers": 2
 
 
 def test_every_verl_key_is_classified():
-    known = set(_known_keys(Config))
+    known = set(known_keys(Config))
     missing = [k for k in list(verl_key_list()) if k not in known and rule_for(k) is None]
     assert not missing, missing
 
 
 def test_docs_table_is_current():
     with open(os.path.join(ROOT, "docs", "verl_compat.md")) as f:
-        assert f.read().rstrip("\n") == compat_table(list(verl_key_list()), set(_known_keys(Config))).rstrip(
+        assert f.read().rstrip("\n") == compat_table(list(verl_key_list()), set(known_keys(Config))).rstrip(
             "\n"
-        ), "regenerate: python -m megatron_rl.verl_compat > docs/verl_compat.md"
+        ), "regenerate: python -m megatron_rl.verl_docs > docs/verl_compat.md"
 
 
 def test_verl_quickstart_validates():

@@ -30,12 +30,13 @@ def main():
     import torch
     import torch.distributed as dist
 
+    from megatron_rl.model_args import load_model_args
     from megatron_rl.models.builder import build_model, load_hf_weights
     from megatron_rl.models.forward import broadcast_from_last_stage, gather_tp, run_pipeline
-    from megatron_rl.models.hf import load_model_args
     from megatron_rl.models.loading import load_model_args_any, load_weights
     from megatron_rl.parallel import destroy_parallel, init_parallel
-    from megatron_rl.weights.megatron_ckpt import megatron_args_from_model_args, save_torch_dist
+    from megatron_rl.weights.ckpt_write import save_torch_dist
+    from megatron_rl.weights.megatron_args import megatron_args_from_model_args
 
     @dataclass
     class MB:

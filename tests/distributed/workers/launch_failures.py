@@ -1,4 +1,4 @@
-"""Real distributed failures, each passed through launch_checks.explain (test_launch_checks.py).
+"""Real distributed failures, each passed through explain.explain (test_launch_checks.py).
 
 Under torchrun with 2 ranks (gloo):
   1. a 2 s group where rank 1 never joins rank 0's broadcast  -> gloo's recv timeout on rank 0;
@@ -19,7 +19,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from megatron_rl.launch_checks import explain, free_port
+from megatron_rl.explain import explain
+from megatron_rl.ports import free_port
 
 
 def record(e: BaseException) -> dict:

@@ -11,9 +11,9 @@ import os
 
 import torch
 
+from megatron_rl.model_args import load_model_args
 from megatron_rl.models.builder import build_model, load_hf_weights
 from megatron_rl.models.forward import gather_tp, run_pipeline
-from megatron_rl.models.hf import load_model_args
 from megatron_rl.parallel import destroy_parallel, init_parallel
 from megatron_rl.weights import tables
 from megatron_rl.weights.tables import ParamLayout, Piece

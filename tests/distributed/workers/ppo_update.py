@@ -26,14 +26,13 @@ import torch.distributed as dist
 
 from megatron_rl.batch import RolloutBatch, SeqMeta
 from megatron_rl.config import ActorConfig, CriticConfig, MegatronConfig, OptimConfig
+from megatron_rl.model_args import DTYPES, load_model_args
 from megatron_rl.models.builder import (
-    DTYPES,
     TrainingOptions,
     build_model,
     load_hf_weights,
     named_global_params,
 )
-from megatron_rl.models.hf import load_model_args
 from megatron_rl.optim import LRSchedule, ModelOptimizer
 from megatron_rl.parallel import destroy_parallel, init_parallel
 from megatron_rl.ppo import compute_log_probs, compute_values, update_actor, update_critic

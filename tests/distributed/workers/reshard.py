@@ -21,11 +21,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.config import RolloutConfig
+from megatron_rl.model_args import load_model_args
 from megatron_rl.models.builder import build_model, load_hf_weights
 from megatron_rl.models.forward import broadcast_from_last_stage, gather_tp, run_pipeline
-from megatron_rl.models.hf import load_model_args
 from megatron_rl.parallel import destroy_parallel, init_parallel
-from megatron_rl.rollout.base import SamplingParams, create_engine
+from megatron_rl.rollout import SamplingParams, create_engine
 from megatron_rl.rollout.reshard import sync_weights
 from megatron_rl.weights import tables
 from megatron_rl.weights.tables import ParamLayout

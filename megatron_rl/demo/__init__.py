@@ -1,4 +1,4 @@
-"""Prepare the embedded CPU demo: a tiny random Llama, the toy tokenizer and the toy dataset.
+"""The embedded CPU demo: a tiny random Llama, the toy tokenizer and the toy dataset (toy.py).
 
     python -m megatron_rl.demo --out .demo
     torchrun --nproc_per_node=2 -m megatron_rl.train --config yaml/cpu_demo.yaml
@@ -14,8 +14,8 @@ import os
 
 
 def prepare(out: str, seed: int = 0) -> dict[str, str]:
+    from megatron_rl.demo.toy import build_toy_tokenizer, make_toy_dataset
     from megatron_rl.models.random_hf import save_random_hf_model
-    from megatron_rl.toy import build_toy_tokenizer, make_toy_dataset
 
     model_dir = os.path.join(out, "model")
     data_dir = os.path.join(out, "data")
@@ -42,12 +42,13 @@ def prepare(out: str, seed: int = 0) -> dict[str, str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m megatron_rl.demo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--out", default=".demo")
-    ap.add_argument("--seed", type=int, default=0)
-    paths = prepare(ap.parse_args().out)
+    ap.add_argument("--seed", type=int, default=0, help="seeds the random model and the toy dataset")
+    a = ap.parse_args()
+    paths = prepare(a.out, seed=a.seed)
     print(" ".join(f"{k}={v}" for k, v in paths.items()))
-
-
-if __name__ == "__main__":
-    main()

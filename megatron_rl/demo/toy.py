@@ -14,8 +14,8 @@ is ``dn``, else 0.0.
 Why this task: the answer depends on the prompt (a policy that ignores the prompt scores exactly 1/10), yet
 the dependency is a fixed relative offset (the token just before ``=``), which one attention head of a
 2-layer, 64-wide transformer can learn from a dense, single-token reward in tens of PPO steps. The
-generation prompt ends in "=", so the echo-the-last-token bias of a randomly initialised model with tied
-embeddings scores 0 and cannot inflate the starting reward. A uniformly random digit scores exactly 1/10;
+generation prompt ends in "=", so a randomly initialised model's bias to echo the last token scores 0
+and cannot inflate the starting reward. A uniformly random digit scores exactly 1/10;
 a uniformly random token over the whole 16-token vocabulary scores 1/16, so a rise to >= 0.9 cannot come
 from a prompt-independent answer.
 """

@@ -1,10 +1,19 @@
-"""Model dimensions from an HF ``config.json``: the one description every other module builds from."""
+"""Model dimensions from an HF ``config.json``: the one description every other module builds from.
+
+The leaf of the package's import graph (it imports nothing from megatron_rl): weight tables,
+checkpoint readers, model builders and rollout engines all describe a model by :class:`ModelArgs`.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 from dataclasses import dataclass, field
+
+import torch
+
+# Parameter / rollout dtype names in the config -> torch dtypes.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # HF architecture class -> our architecture key (a table in megatron_rl.weights.tables).
 HF_ARCHITECTURES = {

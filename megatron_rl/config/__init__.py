@@ -1,0 +1,87 @@
+"""Typed configuration: one dataclass per section, verl's key names, validated as a whole.
+
+Loading order: dataclass defaults <- a YAML file <- dotted command-line overrides
+(``actor_rollout_ref.actor.optim.lr=1e-6``). Unknown keys fail with a did-you-mean suggestion, wrong
+types name the key, and :func:`validate` checks the combinations (batch sizes against the
+data-parallel size, parallel sizes against the model's head counts) before any process group starts.
+
+    cfg = load_config("yaml/cpu_demo.yaml", ["trainer.total_training_steps=3"])
+    validate(cfg, world_size=2)
+
+``python -m megatron_rl.config yaml/X.yaml key=value ...`` prints the fully resolved config.
+
+The package: ``schema`` (the sections and errors), ``load`` (load_config, derived defaults), ``checks``
+(validate), ``describe`` (the key reference and the command line).
+"""
+
+from megatron_rl.config.checks import RANGES, check_layout_against_model, get_key, range_rule, validate
+from megatron_rl.config.describe import describe_keys, field_docs, main
+from megatron_rl.config.load import known_keys, load_config, to_dict
+from megatron_rl.config.schema import (
+    ActorConfig,
+    ActorMegatronConfig,
+    ActorRolloutRefConfig,
+    AlgorithmConfig,
+    Config,
+    ConfigError,
+    CriticConfig,
+    CriticModelConfig,
+    CustomRewardFunctionConfig,
+    DataConfig,
+    DataError,
+    FilterGroupsConfig,
+    HttpRewardConfig,
+    KLCtrlConfig,
+    MegatronConfig,
+    ModelConfig,
+    OptimConfig,
+    OverlongBufferConfig,
+    PolicyLossConfig,
+    RefConfig,
+    RewardModelConfig,
+    RewardModelModelConfig,
+    RolloutConfig,
+    RolloutCorrectionConfig,
+    TrainerConfig,
+    ValKwargs,
+)
+
+__all__ = [
+    "ActorConfig",
+    "ActorMegatronConfig",
+    "ActorRolloutRefConfig",
+    "AlgorithmConfig",
+    "Config",
+    "ConfigError",
+    "CriticConfig",
+    "CriticModelConfig",
+    "CustomRewardFunctionConfig",
+    "DataConfig",
+    "DataError",
+    "FilterGroupsConfig",
+    "HttpRewardConfig",
+    "KLCtrlConfig",
+    "MegatronConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "OverlongBufferConfig",
+    "PolicyLossConfig",
+    "RANGES",
+    "RefConfig",
+    "RewardModelConfig",
+    "RewardModelModelConfig",
+    "RolloutConfig",
+    "RolloutCorrectionConfig",
+    "TrainerConfig",
+    "ValKwargs",
+    "check_layout_against_model",
+    "describe_keys",
+    "field_docs",
+    "get_key",
+    "known_keys",
+    "load_config",
+    "main",
+    "range_rule",
+    "to_dict",
+    "validate",
+]

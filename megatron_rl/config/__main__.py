@@ -1,0 +1,3 @@
+from megatron_rl.config.describe import main
+
+main()

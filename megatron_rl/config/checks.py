@@ -1,0 +1,405 @@
+"""Validation of a loaded config as a whole, before any process group starts: choices (from the
+algorithm registries), every numeric key's range, batch sizes against the data-parallel size, parallel
+sizes against the model's head counts, and the algorithm options that depend on each other. Every
+failure is a one-line ConfigError naming the key and the fix."""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from typing import Any
+
+from megatron_rl.config.load import known_keys
+from megatron_rl.config.schema import Config, ConfigError
+
+# --------------------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------------------
+
+
+def _choices() -> dict[str, tuple]:
+    """Keys with a fixed set of values; the algorithm lists come from their registries in algos/."""
+    from megatron_rl.algos import ADV_ESTIMATORS, KL_PENALTIES, LOSS_AGG_MODES, POLICY_LOSSES
+
+    return {
+        **_CHOICES,
+        "actor_rollout_ref.actor.loss_agg_mode": LOSS_AGG_MODES,
+        "critic.loss_agg_mode": LOSS_AGG_MODES,
+        "actor_rollout_ref.actor.kl_loss_type": KL_PENALTIES,
+        "algorithm.kl_penalty": KL_PENALTIES,
+        "algorithm.adv_estimator": tuple(ADV_ESTIMATORS),
+        "actor_rollout_ref.actor.policy_loss.loss_mode": tuple(POLICY_LOSSES),
+        "algorithm.rollout_correction.rollout_is": (None, "token", "sequence"),
+    }
+
+
+_CHOICES = {
+    "data.truncation": ("error", "left", "right", "middle"),
+    "actor_rollout_ref.rollout.name": ("sglang", "hf"),
+    "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
+    "actor_rollout_ref.actor.optim.lr_decay_style": ("constant", "cosine", "linear"),
+    "critic.optim.lr_decay_style": ("constant", "cosine", "linear"),
+    "trainer.resume_mode": ("auto", "disable", "resume_path"),
+    "trainer.device": ("auto", "cuda", "cpu"),
+    "actor_rollout_ref.actor.megatron.params_dtype": ("float32", "bfloat16", "float16"),
+    "actor_rollout_ref.actor.megatron.recompute_granularity": ("full", "selective"),
+    "actor_rollout_ref.actor.megatron.recompute_method": ("uniform", "block"),
+    "critic.megatron.recompute_granularity": ("full", "selective"),
+    "critic.megatron.recompute_method": ("uniform", "block"),
+    "actor_rollout_ref.rollout.dtype": ("float32", "bfloat16", "float16"),
+}
+
+
+# Every numeric key's range (fnmatch patterns over the dotted key; None values pass: "unset").
+# ">0" / ">=1" / "[0,1]" / "(0,1]" / "any"; tests/unit/test_config.py checks that every numeric key has one.
+RANGES: dict[str, str] = {
+    "data.max_prompt_length": ">=1",
+    "data.max_response_length": ">=1",
+    "data.train_batch_size": ">=1",
+    "data.val_batch_size": ">=1",
+    "data.seed": "any",
+    "*.ppo_mini_batch_size": ">=1",
+    "*.ppo_micro_batch_size_per_gpu": ">=1",
+    "*.log_prob_micro_batch_size_per_gpu": ">=1",
+    "*.ppo_epochs": ">=1",
+    "actor_rollout_ref.actor.clip_ratio": ">0",
+    "actor_rollout_ref.actor.clip_ratio_low": ">=0",
+    "actor_rollout_ref.actor.clip_ratio_high": ">=0",
+    "actor_rollout_ref.actor.clip_ratio_c": ">1",
+    "actor_rollout_ref.actor.loss_scale_factor": ">0",
+    "actor_rollout_ref.actor.policy_loss.clip_cov_ratio": "[0,1]",
+    "actor_rollout_ref.actor.policy_loss.clip_cov_lb": "any",
+    "actor_rollout_ref.actor.policy_loss.clip_cov_ub": "any",
+    "actor_rollout_ref.actor.policy_loss.kl_cov_ratio": "[0,1]",
+    "actor_rollout_ref.actor.policy_loss.ppo_kl_coef": ">=0",
+    "actor_rollout_ref.actor.tau_*": ">0",
+    "actor_rollout_ref.actor.entropy_coeff": "any",
+    "actor_rollout_ref.actor.kl_loss_coef": ">=0",
+    "*.optim.lr": ">=0",
+    "*.optim.min_lr": ">=0",
+    "*.optim.lr_warmup_steps": ">=-1",
+    "*.optim.lr_warmup_steps_ratio": "[0,1]",
+    "*.optim.weight_decay": ">=0",
+    "*.optim.eps": ">0",
+    "*.optim.clip_grad": ">=0",
+    "*.megatron.tensor_model_parallel_size": ">=1",
+    "*.megatron.pipeline_model_parallel_size": ">=1",
+    "actor_rollout_ref.actor.megatron.seed": "any",
+    "*.megatron.recompute_num_layers": ">=1",
+    "actor_rollout_ref.rollout.n": ">=1",
+    "actor_rollout_ref.rollout.temperature": ">0",
+    "actor_rollout_ref.rollout.top_p": "(0,1]",
+    "actor_rollout_ref.rollout.top_k": ">=-1",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size": ">=1",
+    "actor_rollout_ref.rollout.gpu_memory_utilization": "(0,1]",
+    "actor_rollout_ref.rollout.max_num_batched_tokens": ">=1",
+    "actor_rollout_ref.rollout.update_weights_bucket_megabytes": ">=1",
+    "actor_rollout_ref.rollout.val_kwargs.temperature": ">=0",
+    "actor_rollout_ref.rollout.val_kwargs.top_p": "(0,1]",
+    "actor_rollout_ref.rollout.val_kwargs.top_k": ">=-1",
+    "actor_rollout_ref.rollout.val_kwargs.n": ">=1",
+    "critic.cliprange_value": ">0",
+    "algorithm.gamma": "[0,1]",
+    "algorithm.lam": "[0,1]",
+    "algorithm.kl_ctrl.kl_coef": ">=0",
+    "algorithm.kl_ctrl.horizon": ">=1",
+    "algorithm.kl_ctrl.target_kl": ">0",
+    "algorithm.rollout_correction.rollout_is_threshold": ">0",
+    "algorithm.filter_groups.max_num_gen_batches": ">=0",
+    "reward_model.overlong_buffer.len": ">=0",
+    "reward_model.overlong_buffer.penalty_factor": ">=0",
+    "custom_reward_function.timeout_s": ">=0",
+    "reward_model.micro_batch_size_per_gpu": ">=1",
+    "reward_model.max_length": ">=1",
+    "reward_model.http.batch_size": ">=1",
+    "reward_model.http.concurrency": ">=1",
+    "reward_model.http.timeout_s": ">0",
+    "reward_model.http.retries": ">=0",
+    "reward_model.http.backoff_s": ">=0",
+    "trainer.total_epochs": ">=1",
+    "trainer.total_training_steps": ">=1",
+    "trainer.critic_warmup": ">=0",
+    "trainer.test_freq": "any",
+    "trainer.save_freq": "any",
+    "trainer.max_ckpt_to_keep": ">=1",
+    "trainer.nnodes": ">=1",
+    "trainer.n_gpus_per_node": ">=1",
+    "trainer.dist_timeout_minutes": ">=1",
+    "trainer.console_block_freq": ">=1",
+    "trainer.max_nonfinite_steps": ">=0",
+}
+
+
+def range_rule(key: str) -> str | None:
+    """The RANGES rule of ``key`` (the first pattern that matches), or None."""
+    import fnmatch
+
+    return next((rule for pat, rule in RANGES.items() if fnmatch.fnmatchcase(key, pat)), None)
+
+
+def _in_range(value: float, rule: str) -> bool:
+    if rule == "any":
+        return True
+    if rule[0] in "[(":
+        lo, hi = (float(x) for x in rule[1:-1].split(","))
+        above = value >= lo if rule[0] == "[" else value > lo
+        below = value <= hi if rule[-1] == "]" else value < hi
+        return above and below
+    if rule.startswith(">="):
+        return value >= float(rule[2:])
+    return value > float(rule[1:])  # ">x"
+
+
+def _check_ranges(cfg: Config) -> None:
+    """One line for the first numeric key outside its range."""
+    for key, ftype in known_keys(Config).items():
+        if not (("int" in str(ftype) or "float" in str(ftype)) and "list" not in str(ftype)):
+            continue
+        value, rule = get_key(cfg, key), range_rule(key)
+        if value is None or rule is None or isinstance(value, bool):
+            continue
+        if not isinstance(value, (int, float)) or not _in_range(value, rule):
+            raise ConfigError(f"{key}={value!r} is out of range: it must be {_describe(rule)}.")
+
+
+def _describe(rule: str) -> str:
+    if rule[0] in "[(":
+        return f"in {rule}"
+    return f">= {rule[2:]}" if rule.startswith(">=") else f"> {rule[1:]}"
+
+
+def get_key(cfg: Config, key: str) -> Any:
+    obj: Any = cfg
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def validate(cfg: Config, world_size: int, model_dims: dict[str, int] | None = None) -> None:
+    """Check the config as a whole for a job of ``world_size`` processes.
+
+    ``model_dims`` (num_attention_heads, num_key_value_heads, num_layers, vocab_size) comes from the
+    model's own config; when None it is read from actor_rollout_ref.model.path if that exists.
+    Raises :class:`ConfigError` naming the key and the fix.
+    """
+    _check_ranges(cfg)
+    for key, choices in _choices().items():
+        value = get_key(cfg, key)
+        if value not in choices:
+            near = difflib.get_close_matches(str(value), [str(c) for c in choices if c is not None], n=1)
+            hint = f" Did you mean {near[0]!r}?" if near else ""
+            raise ConfigError(f"{key}={value!r} is not one of {list(choices)}.{hint}")
+    for sink in cfg.trainer.logger:
+        if sink not in ("console", "jsonl", "tensorboard", "wandb"):
+            raise ConfigError(
+                f"trainer.logger: unknown sink {sink!r}; use console, jsonl, tensorboard, wandb."
+            )
+
+    arr = cfg.actor_rollout_ref
+    actor, rollout = arr.actor, arr.rollout
+    if not arr.model.path:
+        raise ConfigError("actor_rollout_ref.model.path is empty: point it at an HF model directory.")
+
+    mp = actor.megatron
+    tp, pp = mp.tensor_model_parallel_size, mp.pipeline_model_parallel_size
+    others = (
+        ("actor_rollout_ref.ref", arr.ref.megatron),
+        ("critic", cfg.critic.megatron),
+        ("reward_model", cfg.reward_model.megatron),
+    )
+    for name, m in others:
+        if (m.tensor_model_parallel_size, m.pipeline_model_parallel_size) != (tp, pp):
+            raise ConfigError(
+                f"{name}.megatron.tensor/pipeline_model_parallel_size = "
+                f"{m.tensor_model_parallel_size}/{m.pipeline_model_parallel_size} differ from the actor's "
+                f"{tp}/{pp}; all models share one parallel layout: set them equal."
+            )
+    if tp < 1 or pp < 1 or world_size % (tp * pp):
+        raise ConfigError(
+            f"World size {world_size} is not divisible by tensor_model_parallel_size x "
+            f"pipeline_model_parallel_size = {tp} x {pp}: change actor_rollout_ref.actor.megatron.* "
+            f"or the number of processes."
+        )
+    dp = world_size // (tp * pp)
+    rtp = rollout.tensor_model_parallel_size
+    if rtp < 1 or world_size % rtp:
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={rtp} does not divide the world size "
+            f"{world_size}."
+        )
+
+    def divisible(key: str, value: int, by: int, why: str) -> None:
+        if value <= 0 or value % by:
+            raise ConfigError(f"{key}={value} must be a positive multiple of {by} ({why}).")
+
+    divisible("data.train_batch_size", cfg.data.train_batch_size, dp, f"data-parallel size {dp}")
+    divisible(
+        "actor_rollout_ref.actor.ppo_mini_batch_size",
+        actor.ppo_mini_batch_size,
+        dp,
+        f"data-parallel size {dp}",
+    )
+    if cfg.data.train_batch_size % actor.ppo_mini_batch_size:
+        raise ConfigError(
+            f"data.train_batch_size={cfg.data.train_batch_size} is not a multiple of "
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={actor.ppo_mini_batch_size}."
+        )
+    seqs_per_rank = actor.ppo_mini_batch_size * rollout.n // dp
+    micro = actor.ppo_micro_batch_size_per_gpu
+    if micro <= 0 or seqs_per_rank % micro:
+        fits = [d for d in range(1, seqs_per_rank + 1) if seqs_per_rank % d == 0]
+        raise ConfigError(
+            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro} must be positive and divide "
+            f"the {seqs_per_rank} sequences per rank of a mini-batch (ppo_mini_batch_size x rollout.n / "
+            f"data-parallel size); choose one of {fits}."
+        )
+    if cfg.critic.enable:
+        crit_mb = cfg.critic.ppo_mini_batch_size
+        divisible("critic.ppo_mini_batch_size", crit_mb, dp, f"data-parallel size {dp}")
+        if cfg.data.train_batch_size % crit_mb:
+            raise ConfigError(
+                f"data.train_batch_size={cfg.data.train_batch_size} is not a multiple of "
+                f"critic.ppo_mini_batch_size={crit_mb}."
+            )
+        crit_seqs = crit_mb * rollout.n // dp
+        crit_micro = cfg.critic.ppo_micro_batch_size_per_gpu
+        if crit_micro <= 0 or crit_seqs % crit_micro:
+            raise ConfigError(
+                f"critic.ppo_micro_batch_size_per_gpu={crit_micro} must be positive and divide "
+                f"critic.ppo_mini_batch_size x rollout.n / data-parallel size = {crit_seqs}."
+            )
+    if cfg.algorithm.adv_estimator in ("grpo", "rloo") and rollout.n < 2:
+        raise ConfigError(
+            f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares samples of one prompt: "
+            "set actor_rollout_ref.rollout.n >= 2."
+        )
+    if rollout.temperature <= 0:
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.temperature={rollout.temperature} must be > 0 (log-probs are taken "
+            "at the sampling temperature); for greedy rollouts set actor_rollout_ref.rollout.do_sample=False."
+        )
+    if actor.clip_ratio_c <= 1.0:
+        raise ConfigError(f"actor_rollout_ref.actor.clip_ratio_c={actor.clip_ratio_c} must be > 1.0.")
+    _validate_algorithm_options(cfg)
+    if not 0.0 < rollout.gpu_memory_utilization <= 1.0:
+        raise ConfigError("actor_rollout_ref.rollout.gpu_memory_utilization must be in (0, 1].")
+    for section, m in (
+        ("actor_rollout_ref.ref", arr.ref.megatron),
+        ("reward_model", cfg.reward_model.megatron),
+    ):
+        for key in ("grad_offload", "optimizer_offload"):
+            if getattr(m, key):
+                raise ConfigError(
+                    f"{section}.megatron.{key}=True: that model is not trained; only "
+                    f"{section}.megatron.param_offload applies to it."
+                )
+    for key in ("actor_rollout_ref.actor.megatron", "critic.megatron"):
+        if get_key(cfg, key).recompute_num_layers < 1:
+            raise ConfigError(f"{key}.recompute_num_layers must be >= 1.")
+    if rollout.update_weights_bucket_megabytes <= 0:
+        raise ConfigError("actor_rollout_ref.rollout.update_weights_bucket_megabytes must be > 0.")
+    for key in ("data.max_prompt_length", "data.max_response_length"):
+        if get_key(cfg, key) <= 0:
+            raise ConfigError(f"{key} must be > 0.")
+    perms = cfg.trainer.checkpoint_permissions
+    if not (isinstance(perms, str) and len(perms) == 4 and perms[0] == "0" and set(perms) <= set("01234567")):
+        raise ConfigError(
+            f"trainer.checkpoint_permissions={perms!r} must be an octal mode as a quoted string, e.g. "
+            '"0600" (owner only) or "0640" (group may read).'
+        )
+    if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
+        raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path.")
+    if cfg.reward_model.enable and not cfg.reward_model.model.path:
+        raise ConfigError(
+            "reward_model.enable=True needs reward_model.model.path: an HF ...ForSequenceClassification "
+            "directory (one score output) or a Megatron checkpoint of one."
+        )
+    if cfg.reward_model.http.url and (cfg.reward_model.enable or cfg.custom_reward_function.path):
+        raise ConfigError(
+            "reward_model.http.url is set together with "
+            f"{'reward_model.enable=True' if cfg.reward_model.enable else 'custom_reward_function.path'}: "
+            "rewards come from one source; unset one of them."
+        )
+
+    if model_dims is None:
+        model_dims = _read_model_dims(arr.model.path)
+    if model_dims:
+        check_layout_against_model(model_dims, tp, pp, rtp)
+
+
+def _validate_algorithm_options(cfg: Config) -> None:
+    """Loss scaling, mismatch correction, dynamic sampling and overlong shaping."""
+    from megatron_rl.algos.rollout_corr import parse_rs
+
+    actor, alg = cfg.actor_rollout_ref.actor, cfg.algorithm
+    if actor.loss_scale_factor is not None and actor.loss_scale_factor <= 0:
+        raise ConfigError(
+            f"actor_rollout_ref.actor.loss_scale_factor={actor.loss_scale_factor} must be > 0 "
+            "(or null for data.max_response_length)."
+        )
+    corr = alg.rollout_correction
+    if corr.rollout_is is not None and corr.rollout_is_threshold <= 0:
+        raise ConfigError("algorithm.rollout_correction.rollout_is_threshold must be > 0.")
+    if corr.rollout_rs:
+        try:
+            parse_rs(corr.rollout_rs, corr.rollout_rs_threshold)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    fg = alg.filter_groups
+    if fg.enable:
+        if fg.max_num_gen_batches < 0:
+            raise ConfigError("algorithm.filter_groups.max_num_gen_batches must be >= 0 (0 = no limit).")
+        if fg.metric == "seq_final_reward" and alg.use_kl_in_reward:
+            raise ConfigError(
+                "algorithm.filter_groups.metric=seq_final_reward needs the KL-shaped rewards, which come "
+                "after filtering here: use seq_reward (or acc), or algorithm.use_kl_in_reward=False."
+            )
+    ob = cfg.reward_model.overlong_buffer
+    if ob.enable and not (0 < ob.len <= cfg.data.max_response_length and ob.penalty_factor >= 0):
+        raise ConfigError(
+            f"reward_model.overlong_buffer: len={ob.len} must be in (0, data.max_response_length="
+            f"{cfg.data.max_response_length}] and penalty_factor={ob.penalty_factor} >= 0."
+        )
+
+
+def _read_model_dims(path: str) -> dict[str, int] | None:
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_file):
+        return None
+    with open(cfg_file) as f:
+        hf = json.load(f)
+    heads = hf.get("num_attention_heads")
+    return {
+        "num_attention_heads": heads,
+        "num_key_value_heads": hf.get("num_key_value_heads") or heads,
+        "num_layers": hf.get("num_hidden_layers"),
+    }
+
+
+TP_KEY = "actor_rollout_ref.actor.megatron.tensor_model_parallel_size"
+PP_KEY = "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size"
+
+
+def check_layout_against_model(
+    dims: dict[str, int],
+    tp: int,
+    pp: int,
+    rollout_tp: int | None = None,
+    tp_key: str = TP_KEY,
+    pp_key: str = PP_KEY,
+) -> None:
+    """TP (and the rollout's TP) must divide the attention and key/value heads, PP the layers. The
+    trainer's config check; ``ckpt_tools`` runs it too, naming its own ``--tp``/``--pp``."""
+    heads, kv, layers = dims["num_attention_heads"], dims["num_key_value_heads"], dims["num_layers"]
+    sizes = [(tp_key, tp)] + (
+        [] if rollout_tp is None else [("actor_rollout_ref.rollout.tensor_model_parallel_size", rollout_tp)]
+    )
+    for key, size in sizes:
+        if heads % size or kv % size:
+            raise ConfigError(
+                f"{key}={size} must divide the model's attention heads ({heads}) and key/value heads ({kv}); "
+                f"choose one of {[d for d in range(1, kv + 1) if heads % d == 0 and kv % d == 0]}."
+            )
+    if layers % pp:
+        raise ConfigError(f"{pp_key}={pp} must divide the model's {layers} layers.")

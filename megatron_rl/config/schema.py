@@ -1,0 +1,497 @@
+"""The config's sections: one dataclass per section, verl's key names, a docstring per field (the
+reference ``python -m megatron_rl.config --keys`` prints), and the two errors config problems raise."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the key and the fix."""
+
+
+class DataError(ValueError):
+    """A problem with the prompt files; the message names the file, row and column and the fix.
+    Every rank reads the same files, so the launcher prints it once."""
+
+    same_on_all_ranks = True
+
+
+# --------------------------------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)
+    """Parquet files of training prompts in verl's format (prompt, data_source, reward_model, ...)."""
+    val_files: list[str] = field(default_factory=list)
+    """Parquet files of validation prompts; empty disables validation."""
+    tokenizer: str | None = None
+    """Tokenizer directory; defaults to actor_rollout_ref.model.path."""
+    prompt_key: str = "prompt"
+    """Column holding the chat messages of each prompt."""
+    max_prompt_length: int = 512
+    """Longest prompt in tokens after the chat template; longer ones are filtered or truncated."""
+    max_response_length: int = 512
+    """Most tokens generated per response."""
+    train_batch_size: int = 1024
+    """Prompts per PPO step (over all data-parallel ranks, before rollout.n samples each)."""
+    val_batch_size: int | None = None
+    """Prompts per validation batch; None means the whole validation set at once."""
+    shuffle: bool = True
+    """Shuffle the training prompts each epoch."""
+    seed: int = 1
+    """Seed of the prompt sampler."""
+    filter_overlong_prompts: bool = False
+    """Drop prompts longer than max_prompt_length (the count is logged) instead of truncating."""
+    truncation: str = "error"
+    """What to do with an overlong prompt when it is not filtered: error | left | right | middle."""
+
+
+@dataclass
+class CriticModelConfig:
+    path: str = ""
+    """Critic trunk: HF directory or Megatron checkpoint; defaults to the actor's model (it reads the
+    actor's tokens, so its vocabulary must be the actor's)."""
+    enable_gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass (critic.megatron.recompute_* shape it)."""
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""
+    """HF model directory, torch_dist checkpoint or legacy Megatron-LM checkpoint (auto-detected)."""
+    tokenizer_path: str | None = None
+    """Tokenizer directory if it is not beside the weights."""
+    trust_remote_code: bool = False
+    """Passed to transformers when loading the tokenizer."""
+    enable_gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass (megatron's recompute, shaped by the model's
+    megatron.recompute_* keys) instead of keeping them: less memory, about one more forward."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Final learning rate of a decaying schedule."""
+    lr_warmup_steps: int = -1
+    """Linear warmup steps; -1 derives them from lr_warmup_steps_ratio."""
+    lr_warmup_steps_ratio: float = 0.0
+    """Warmup length as a fraction of the total optimizer steps (used when lr_warmup_steps < 0)."""
+    lr_decay_style: str = "constant"
+    """Schedule after warmup: constant | cosine | linear."""
+    weight_decay: float = 0.01
+    """AdamW weight decay (not applied to biases and norms)."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """Adam betas."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Clip the global gradient norm (over all TP/PP/DP shards) to this value; 0 disables."""
+    stochastic_rounding: bool = False
+    """bf16 models: round the fp32 main weights into the bf16 parameters stochastically (unbiased)
+    instead of to nearest, so that updates smaller than half a bf16 ulp still move the policy."""
+
+
+@dataclass
+class MegatronConfig:
+    tensor_model_parallel_size: int | None = None
+    """Tensor-parallel size; None: 1 for the actor, the actor's for ref and critic (they must match)."""
+    pipeline_model_parallel_size: int | None = None
+    """Pipeline-parallel size; None: 1 for the actor, the actor's for ref and critic (they must match)."""
+    params_dtype: str = "bfloat16"
+    """Parameter dtype of the Megatron model: float32 | bfloat16 | float16 (float32 on CPU)."""
+    use_sdpa_attention: bool = True
+    """Use torch's scaled_dot_product_attention as the core attention (fused, same math)."""
+    param_offload: bool = False
+    """Hold this model's weights in host memory while the rollout engine generates (the actor's after
+    the weight sync); they return to the GPU before the next training phase."""
+    grad_offload: bool = False
+    """Free the gradient buckets while the rollout engine generates (zeroed before each update anyway)."""
+    optimizer_offload: bool = False
+    """Hold AdamW's moments and the fp32 master weights in host memory while the rollout engine generates."""
+    use_distributed_optimizer: bool = True
+    """Shard the fp32 master weights and Adam's moments over the data-parallel ranks (megatron's
+    distributed optimizer, ZeRO-1): optimizer memory per GPU falls as 1/DP. Its checkpoints resume at
+    any DP size; a run resumes only with the setting it was saved with."""
+    overlap_grad_reduce: bool = False
+    """Reduce each gradient bucket over DP as soon as the backward pass has filled it."""
+    overlap_param_gather: bool = False
+    """With the distributed optimizer: all-gather updated parameters during the next forward pass."""
+    grad_reduce_in_fp32: bool = True
+    """Accumulate and reduce gradients in fp32 (bf16/fp16 models); off halves the gradient buffers."""
+    sequence_parallel: bool = True
+    """With TP > 1: split norms, dropout and residuals along the sequence over the TP ranks (less
+    activation memory, reduce-scatter/all-gather instead of all-reduce). Ignored at TP = 1."""
+    recompute_granularity: str = "full"
+    """With model.enable_gradient_checkpointing: full (whole layers) | selective (attention core only)."""
+    recompute_method: str = "uniform"
+    """Full recompute: uniform (every layer, in chunks of recompute_num_layers) | block (the first
+    recompute_num_layers layers of each pipeline stage)."""
+    recompute_num_layers: int = 1
+    """Full recompute: layers per chunk (uniform) or recomputed layers per stage (block)."""
+
+
+@dataclass
+class ActorMegatronConfig(MegatronConfig):
+    seed: int = 42
+    """Seed of the job's RNG streams (model-parallel streams, dropout, sampling order): the other models
+    load their weights and draw nothing."""
+
+
+@dataclass
+class PolicyLossConfig:
+    loss_mode: str = "vanilla"
+    """Policy loss: vanilla (PPO clip + dual-clip) | gspo | sapo | gpg | cispo | clip_cov | kl_cov | geo_mean
+    (formulas in megatron_rl/algos/policy_loss.py)."""
+    clip_cov_ratio: float = 0.0002
+    """clip_cov: share of the response tokens whose gradient is cut."""
+    clip_cov_lb: float = 1.0
+    """clip_cov: lower bound of the covariance of the tokens that may be cut."""
+    clip_cov_ub: float = 5.0
+    """clip_cov: upper bound of that covariance."""
+    kl_cov_ratio: float = 0.0002
+    """kl_cov: share of the response tokens (largest covariance) that get the KL penalty."""
+    ppo_kl_coef: float = 0.1
+    """kl_cov: coefficient of the |log ratio| penalty."""
+
+
+@dataclass
+class ActorConfig:
+    ppo_mini_batch_size: int = 256
+    """Prompts per optimizer step (over all DP ranks, before rollout.n)."""
+    ppo_micro_batch_size_per_gpu: int = 4
+    """Sequences per forward/backward on one GPU; gradients accumulate over micro-batches."""
+    ppo_epochs: int = 1
+    """Passes over the rollout batch per PPO step."""
+    shuffle: bool = False
+    """Shuffle sequences between mini-batches."""
+    clip_ratio: float = 0.2
+    """PPO clip range (both sides unless clip_ratio_low/high are set)."""
+    clip_ratio_low: float | None = None
+    """Lower clip range; defaults to clip_ratio."""
+    clip_ratio_high: float | None = None
+    """Upper clip range (clip-higher); defaults to clip_ratio."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip bound for negative advantages; must be > 1."""
+    loss_agg_mode: str = "token-mean"
+    """token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm."""
+    loss_scale_factor: float | None = None
+    """seq-mean-token-sum-norm: the constant the per-sequence token sums are divided by (Dr. GRPO);
+    None means data.max_response_length."""
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    """Which policy-gradient loss, and its constants."""
+    tau_pos: float = 1.0
+    """sapo: gate temperature for positive advantages."""
+    tau_neg: float = 1.05
+    """sapo: gate temperature for negative advantages."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus coefficient."""
+    use_kl_loss: bool = False
+    """Add KL(actor || ref) to the actor loss (GRPO style) instead of shaping rewards."""
+    kl_loss_coef: float = 0.001
+    """Coefficient of the KL loss."""
+    kl_loss_type: str = "low_var_kl"
+    """KL estimator of the KL loss: kl | abs | mse | low_var_kl (k1 | k2 | k3 also accepted); a "+" suffix
+    (k3+, low_var_kl+, ...) keeps the value and takes the k2 gradient (straight-through)."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and learning-rate schedule."""
+    megatron: ActorMegatronConfig = field(default_factory=ActorMegatronConfig)
+    """Parallel layout and memory options."""
+
+
+@dataclass
+class RefConfig:
+    log_prob_micro_batch_size_per_gpu: int = 8
+    """Sequences per forward when computing reference log-probs."""
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    """Parallel layout of the reference model (TP/PP must equal the actor's)."""
+
+
+@dataclass
+class ValKwargs:
+    temperature: float = 0.0
+    """Validation sampling temperature (0 = greedy)."""
+    top_p: float = 1.0
+    """Validation nucleus sampling."""
+    top_k: int = -1
+    """Validation top-k (-1 = off)."""
+    n: int = 1
+    """Samples per validation prompt."""
+    do_sample: bool = False
+    """Sample during validation (False = greedy)."""
+
+
+@dataclass
+class RolloutConfig:
+    name: str = "sglang"
+    """Rollout engine: sglang (GPU) | hf (transformers, CPU or GPU)."""
+    n: int = 1
+    """Responses sampled per prompt (GRPO/RLOO need n > 1)."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling."""
+    top_k: int = -1
+    """Top-k sampling (-1 = off)."""
+    do_sample: bool = True
+    """Sample (False = greedy)."""
+    dtype: str = "bfloat16"
+    """Engine weight dtype."""
+    tensor_model_parallel_size: int = 1
+    """Tensor-parallel size of the rollout engine (may differ from training TP)."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory for the engine's weights and KV cache (SGLang mem_fraction_static)."""
+    max_num_batched_tokens: int = 8192
+    """Most tokens in one prefill batch of the engine."""
+    free_cache_engine: bool = True
+    """Release the engine's memory during training (colocated hybrid engine)."""
+    enable_cuda_graph: bool = True
+    """Capture CUDA graphs for decoding (SGLang)."""
+    log_prob_micro_batch_size_per_gpu: int = 8
+    """Sequences per forward when recomputing old log-probs."""
+    update_weights_bucket_megabytes: int = 512
+    """Size of the buckets in which weights are streamed into the engine."""
+    calculate_log_probs: bool = False
+    """Keep the engine's log-probs of the sampled tokens and log the rollout-training mismatch metrics
+    (training/rollout_probs_diff_*, rollout_corr/*); on whenever algorithm.rollout_correction corrects."""
+    val_kwargs: ValKwargs = field(default_factory=ValKwargs)
+    """Sampling parameters of validation."""
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Policy model to train."""
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    """Policy optimisation."""
+    ref: RefConfig = field(default_factory=RefConfig)
+    """Reference policy for the KL term."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Generation."""
+
+
+@dataclass
+class CriticConfig:
+    enable: bool | None = None
+    """Train a critic; None means: when algorithm.adv_estimator needs one (gae)."""
+    model: CriticModelConfig = field(default_factory=CriticModelConfig)
+    """Critic trunk; path defaults to the actor's."""
+    ppo_mini_batch_size: int | None = None
+    """Prompts per critic optimizer step; defaults to the actor's."""
+    ppo_micro_batch_size_per_gpu: int = 4
+    """Sequences per critic forward/backward on one GPU."""
+    ppo_epochs: int | None = None
+    """Critic passes per PPO step; defaults to the actor's."""
+    shuffle: bool = False
+    """Shuffle sequences between mini-batches."""
+    cliprange_value: float = 0.5
+    """Clip range of the value loss."""
+    loss_agg_mode: str = "token-mean"
+    """token-mean | seq-mean-token-sum | seq-mean-token-mean."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    """Optimizer and learning-rate schedule of the critic."""
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    """Parallel layout of the critic (TP/PP must equal the actor's)."""
+
+
+@dataclass
+class KLCtrlConfig:
+    type: str = "fixed"
+    """KL coefficient controller: fixed | adaptive."""
+    kl_coef: float = 0.001
+    """Initial (or fixed) KL coefficient of the reward penalty."""
+    horizon: int = 10000
+    """Adaptive controller horizon."""
+    target_kl: float = 0.1
+    """Adaptive controller target KL."""
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    rollout_is: str | None = None
+    """Truncated importance sampling of the policy loss by pi_train / pi_rollout: token | sequence | None."""
+    rollout_is_threshold: float = 2.0
+    """Upper truncation of the importance weights."""
+    rollout_is_batch_normalize: bool = False
+    """Rescale the truncated weights to mean 1 over the batch."""
+    rollout_rs: str | None = None
+    """Rejection (masked IS): comma list of token_k1|k2|k3, seq_sum_k1|k2|k3, seq_mean_k1|k2|k3,
+    seq_max_k2|k3; tokens/sequences out of bounds get no loss. seq_sum_k1 is sequence-level MIS."""
+    rollout_rs_threshold: str | None = None
+    """Bounds of rollout_rs, one or one per option: k1 "lower_upper" (or U for 1/U..U), k2/k3 an upper."""
+
+
+@dataclass
+class FilterGroupsConfig:
+    enable: bool = False
+    """Drop groups whose samples all have the same metric, and generate more prompts to refill the batch."""
+    metric: str | None = None
+    """acc | score | seq_reward | seq_final_reward, or a key the reward function returns; None = acc."""
+    max_num_gen_batches: int = 0
+    """Most generation rounds per step before the run stops with an error (0 = no limit)."""
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "gae"
+    """gae | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline."""
+    gamma: float = 1.0
+    """Discount factor."""
+    lam: float = 1.0
+    """GAE lambda."""
+    norm_adv_by_std_in_grpo: bool = True
+    """GRPO: divide by the group's standard deviation."""
+    use_kl_in_reward: bool = False
+    """Subtract a KL penalty from token rewards."""
+    kl_penalty: str = "kl"
+    """KL estimator of the reward penalty: kl | abs | mse | low_var_kl."""
+    kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
+    """KL coefficient controller."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=lambda: RolloutCorrectionConfig())
+    """Correction of the rollout-training mismatch (importance weights, rejection)."""
+    filter_groups: FilterGroupsConfig = field(default_factory=lambda: FilterGroupsConfig())
+    """DAPO's dynamic sampling: drop prompt groups whose samples all score the same."""
+
+
+@dataclass
+class OverlongBufferConfig:
+    enable: bool = False
+    """DAPO's overlong shaping: penalise responses that run into the last ``len`` tokens of
+    data.max_response_length, linearly down to -penalty_factor at the limit."""
+    len: int = 0
+    """Buffer length in tokens."""
+    penalty_factor: float = 0.0
+    """Penalty at data.max_response_length."""
+    log: bool = False
+    """Log reward/overlong_reward/mean and reward/overlong/mean."""
+
+
+@dataclass
+class RewardModelModelConfig:
+    path: str = ""
+    """HF sequence-classification directory (a score head with one output) or a Megatron checkpoint of one."""
+    input_tokenizer: str | None = None
+    """The actor's tokenizer, which the responses are decoded with (default: data.tokenizer) before the
+    reward model's own tokenizer and chat template re-encode the conversation."""
+    trust_remote_code: bool = False
+    """Allow custom code in the reward model's tokenizer files."""
+
+
+@dataclass
+class HttpRewardConfig:
+    url: str | None = None
+    """POST batches of {data_source, prompt, response, ground_truth, extra_info} here and read scores back;
+    None = off."""
+    batch_size: int = 64
+    """Samples per request."""
+    concurrency: int = 4
+    """Requests in flight at once (per rank that scores)."""
+    timeout_s: float = 30.0
+    """Longest wait for one request's reply."""
+    retries: int = 3
+    """Further attempts after a failed request (connection error, timeout, HTTP 5xx/429)."""
+    backoff_s: float = 1.0
+    """Wait before the first retry; doubled for each further one."""
+
+
+@dataclass
+class RewardModelConfig:
+    enable: bool = False
+    """Score responses with a learned reward model (reward_model.model.path) instead of the rules."""
+    model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
+    """The reward model's weights and tokenizer."""
+    micro_batch_size_per_gpu: int = 8
+    """Sequences per reward-model forward."""
+    max_length: int | None = None
+    """Longest re-tokenized conversation the reward model reads (default: prompt + response lengths)."""
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    """Parallel layout (the actor's) and memory options of the reward model."""
+    http: HttpRewardConfig = field(default_factory=HttpRewardConfig)
+    """Rewards served over HTTP (instead of the rules or a reward model)."""
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    """Overlong reward shaping (DAPO)."""
+
+
+@dataclass
+class CustomRewardFunctionConfig:
+    path: str | None = None
+    """Python file holding a reward function; None uses the built-in rules by data_source."""
+    name: str = "compute_score"
+    """Function name in that file: f(data_source, solution_str, ground_truth, extra_info) -> float."""
+    timeout_s: float = 60.0
+    """Longest a single reward call may take; a call that hangs (or exits the process) stops the run with
+    one line naming the function, the sample and its data_source. 0 = no limit. The file is Python
+    code run on every rank: use only reward files you trust."""
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments of the reward function (built-in GSM8K rule: method, format_score, score,
+    lenient)."""
+
+
+@dataclass
+class TrainerConfig:
+    project_name: str = "megatron_rl"
+    """Project name (logger sinks, checkpoint directory)."""
+    experiment_name: str = "ppo"
+    """Run name."""
+    logger: list[str] = field(default_factory=lambda: ["console"])
+    """Sinks: console | jsonl | tensorboard | wandb."""
+    total_epochs: int = 1
+    """Passes over the training prompts."""
+    total_training_steps: int | None = None
+    """Stop after this many PPO steps (overrides total_epochs when set)."""
+    critic_warmup: int = 0
+    """Steps in which only the critic is trained."""
+    test_freq: int = -1
+    """Validate every this many steps (-1 = never)."""
+    val_before_train: bool = False
+    """Validate once before the first step."""
+    save_freq: int = -1
+    """Save a checkpoint every this many steps (-1 = only at the end if save_at_end)."""
+    save_at_end: bool = True
+    """Save after the last step."""
+    default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"
+    """Checkpoint directory."""
+    resume_mode: str = "auto"
+    """auto (latest in default_local_dir) | disable | resume_path (trainer.resume_from_path)."""
+    resume_from_path: str | None = None
+    """Checkpoint to resume from when resume_mode=resume_path."""
+    max_ckpt_to_keep: int | None = None
+    """Keep only the newest this many checkpoints, newest by save order across runs (None keeps all);
+    the checkpoint just written and the one the run resumed from are never deleted."""
+    checkpoint_permissions: str = "0600"
+    """Octal mode of every checkpoint file (weights, optimizer states, trainer_state.json, the tracker),
+    as a quoted string; directories get the matching search bits ("0600" -> 0700, "0640" -> 0750)."""
+    nnodes: int | None = None
+    """Nodes the job expects; the world comes from torchrun, and a value set here must match it."""
+    n_gpus_per_node: int | None = None
+    """Processes per node the job expects; a value set here must match torchrun's."""
+    device: str = "auto"
+    """auto (cuda when available) | cuda | cpu."""
+    dist_timeout_minutes: int = 30
+    """How long a collective may wait for the other ranks before the job fails."""
+    log_dir: str | None = None
+    """Where JSONL/TensorBoard logs go; defaults to default_local_dir/logs."""
+    console_block_freq: int = 10
+    """The console prints one line per step and every metric, grouped, every this many steps (and
+    at the last step); 1 prints the grouped block every step."""
+    max_nonfinite_steps: int = 3
+    """A non-finite loss or gradient norm skips that optimizer step (logged, counted in
+    actor|critic/nonfinite_grad_steps); after this many PPO steps in a row with a skipped update the
+    run stops, leaving the last checkpoint as it was. 0 never stops."""
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)

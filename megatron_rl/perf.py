@@ -1,0 +1,106 @@
+"""Throughput, MFU and memory of a step (perf/*, timing_per_token_ms/*), under verl's names.
+
+perf/total_num_tokens, perf/throughput      tokens of the step (all DP ranks), per second per GPU
+timing_per_token_ms/<phase>                 gen per response token, the other phases per token
+perf/mfu/actor, perf/mfu/critic             model FLOPs of the update (train_flops) / its seconds /
+                                            the bf16 matmul peak measured at start (measure_peak_flops)
+perf/optimizer_state_gb                     fp32 main weights + Adam moments on this rank
+perf/max_memory_*_gb                        torch's and the device's peaks (the engine allocates
+                                            outside torch's caching allocator)
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from megatron_rl.batch import RolloutBatch
+    from megatron_rl.config import Config
+    from megatron_rl.metrics import Timer
+    from megatron_rl.parallel import ParallelState
+    from megatron_rl.roles import Models
+
+
+def perf_metrics(
+    cfg: Config,
+    ps: ParallelState,
+    models: Models,
+    actor_args,
+    batch: RolloutBatch,
+    metrics: dict[str, float],
+    peak_flops: float | None,
+    timer: Timer,
+) -> dict[str, float]:
+    """perf/* and timing_per_token_ms/* of a step whose ``metrics`` hold its timing_s/* (module docstring)."""
+    seq_lens = batch.attention_mask.sum(-1).double()
+    sums = torch.stack([seq_lens.sum(), batch.response_mask.sum().double(), seq_lens.square().sum()])
+    dist.all_reduce(sums, group=ps.dp_group)
+    total, responses, squares = sums.tolist()
+    out = {
+        "perf/total_num_tokens": total,
+        "perf/throughput": total / max(metrics["timing_s/step"], 1e-9) / ps.world_size,
+    }
+    # verl's per-token times: generation per response token, the other phases per token processed
+    for phase in ("gen", "ref", "values", "adv", "update_critic", "update_actor"):
+        if f"timing_s/{phase}" in metrics:
+            per = responses if phase == "gen" else total
+            out[f"timing_per_token_ms/{phase}"] = metrics[f"timing_s/{phase}"] * 1000 / max(per, 1.0)
+    trained = [("actor", actor_args, cfg.actor_rollout_ref.actor.ppo_epochs, True)]
+    if models.critic is not None:
+        trained.append(("critic", models.critic.args, cfg.critic.ppo_epochs, False))
+    for role, args, epochs, lm_head in trained:
+        upd = metrics.get(f"timing_s/update_{role}")
+        if upd and peak_flops:
+            flops = train_flops(args, total, responses, squares, lm_head)
+            flops *= epochs / ps.world_size  # per GPU
+            out[f"perf/mfu/{role}"] = flops / upd / peak_flops
+    # fp32 main weights and Adam's moments held on this rank (sharded over DP by the distributed
+    # optimizer), wherever they are parked
+    opts = [o for o in (models.actor_optim, models.critic_optim) if o is not None]
+    out["perf/optimizer_state_gb"] = sum(o.state_bytes() for o in opts) / 2**30
+    if ps.device.type == "cuda":
+        out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(ps.device) / 2**30
+        out["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved(ps.device) / 2**30
+        # The engine allocates outside torch's caching allocator: device-level use is the true peak.
+        out["perf/max_device_memory_used_gb"] = timer.max_device_used / 2**30
+        out["perf/peak_tflops"] = peak_flops / 1e12
+    else:
+        import resource
+
+        out["perf/max_memory_allocated_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return out
+
+
+def train_flops(
+    args, tokens: float, response_tokens: float, sum_sq_lens: float, lm_head: bool = True
+) -> float:
+    """Model FLOPs of one forward + backward over a batch: 6 per weight per token for the transformer
+    body, the LM head on response tokens only (the only positions it runs on; the critic's scalar head
+    is negligible), and causal attention scores (QK^T and AV over n^2 / 2 pairs per sequence of n
+    tokens, times 3 for the backward)."""
+    head = args.vocab_size * args.hidden_size  # the embedding lookup itself costs no FLOPs
+    body = args.num_params() - head * (1 if args.tie_embeddings else 2)
+    attention = 6 * args.num_layers * args.num_heads * args.head_dim * sum_sq_lens
+    return 6 * body * tokens + (6 * head * response_tokens if lm_head else 0) + attention
+
+
+def measure_peak_flops(device: torch.device) -> float | None:
+    """bf16 matmul throughput of this GPU (the MFU denominator); None on CPU."""
+    if device.type != "cuda":
+        return None
+    n = 8192
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    iters = 20
+    for _ in range(iters):
+        a @ b
+    torch.cuda.synchronize(device)
+    return 2 * n**3 * iters / (time.perf_counter() - t0)

@@ -1,0 +1,118 @@
+"""The models of a run, by role: actor (+ optimizer), reference, critic (+ optimizer), reward model.
+
+    build_models(cfg, ps, model_args, total_steps)
+        actor     actor_rollout_ref.model.path, trained (ModelOptimizer over megatron's DDP)
+        ref       the same weights, frozen; only when a KL term needs it (use_kl_loss / use_kl_in_reward)
+        critic    critic.model.path with a value head, trained; when critic.enable (GAE by default)
+        reward    reward_model.model.path with a score head, frozen; when reward_model.enable
+
+Each role uses its own ``megatron`` section for dtype, attention and activation recompute; the parallel
+layout is the actor's for all of them (validated with the config). LR schedules span the optimizer
+steps each model will actually take (the actor none during trainer.critic_warmup).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from megatron_rl.config import Config, MegatronConfig
+from megatron_rl.parallel import ParallelState
+
+
+@dataclasses.dataclass
+class Models:
+    actor: torch.nn.Module
+    actor_optim: object
+    ref: torch.nn.Module | None
+    critic: torch.nn.Module | None
+    critic_optim: object | None
+    reward: torch.nn.Module | None = None  # reward_model.enable
+
+
+def _model(
+    ps: ParallelState, args, role: str, path: str, mcfg: MegatronConfig, recompute: bool = False
+) -> torch.nn.Module:
+    """One role's model with its weights loaded (fp32 on CPU: CPU kernels have no bf16 speed-up)."""
+    from megatron_rl.model_args import DTYPES
+    from megatron_rl.models.builder import TrainingOptions, build_model
+    from megatron_rl.models.loading import load_weights
+
+    dtype = torch.float32 if ps.device.type == "cpu" else DTYPES[mcfg.params_dtype]
+    options = TrainingOptions(
+        sequence_parallel=mcfg.sequence_parallel,
+        recompute_granularity=mcfg.recompute_granularity if recompute else None,
+        recompute_method=mcfg.recompute_method,
+        recompute_num_layers=mcfg.recompute_num_layers,
+    )
+    m = build_model(args, ps, role=role, dtype=dtype, sdpa=mcfg.use_sdpa_attention, options=options)
+    load_weights(m, path, ps)
+    return m
+
+
+def build_models(cfg: Config, ps: ParallelState, model_args, total_steps: int) -> Models:
+    """The run's models (module docstring); ``model_args`` are the actor's."""
+    from megatron_rl.models.loading import load_model_args_any
+    from megatron_rl.optim import ModelOptimizer
+
+    arr = cfg.actor_rollout_ref
+
+    def args_of(path: str):
+        return model_args if path == arr.model.path else load_model_args_any(path)
+
+    def optim_steps(epochs: int, mini_batch: int, ppo_steps: int) -> int:
+        return ppo_steps * epochs * (cfg.data.train_batch_size // mini_batch)
+
+    actor = _model(
+        ps, model_args, "actor", arr.model.path, arr.actor.megatron, arr.model.enable_gradient_checkpointing
+    )
+    actor_steps = optim_steps(
+        arr.actor.ppo_epochs, arr.actor.ppo_mini_batch_size, total_steps - cfg.trainer.critic_warmup
+    )
+    actor_optim = ModelOptimizer(
+        actor, arr.actor.optim, arr.actor.megatron, ps, actor_steps, key="actor_rollout_ref.actor.optim"
+    )
+    ref = None
+    if cfg.algorithm.use_kl_in_reward or arr.actor.use_kl_loss:
+        ref = _model(ps, model_args, "actor", arr.model.path, arr.ref.megatron).eval()
+    critic = critic_optim = None
+    if cfg.critic.enable:
+        path = cfg.critic.model.path
+        critic = _model(
+            ps,
+            args_of(path),
+            "critic",
+            path,
+            cfg.critic.megatron,
+            cfg.critic.model.enable_gradient_checkpointing,
+        )
+        critic_steps = optim_steps(cfg.critic.ppo_epochs, cfg.critic.ppo_mini_batch_size, total_steps)
+        critic_optim = ModelOptimizer(
+            critic, cfg.critic.optim, cfg.critic.megatron, ps, critic_steps, key="critic.optim"
+        )
+    reward = None
+    if cfg.reward_model.enable:
+        rm = cfg.reward_model
+        reward = _model(ps, load_model_args_any(rm.model.path), "reward", rm.model.path, rm.megatron).eval()
+    return Models(actor, actor_optim, ref, critic, critic_optim, reward)
+
+
+def park_for_generation(models: Models, cfg: Config, parking) -> None:
+    """Before generation: park in host memory what the *.megatron.*_offload keys name (offload.HostParking);
+    the actor's parameters are parked by the caller after the weight sync, which reads them."""
+    arr, park = cfg.actor_rollout_ref, parking.park
+    trained = [("actor", models.actor, models.actor_optim, arr.actor.megatron)]
+    if models.critic is not None:
+        trained.append(("critic", models.critic, models.critic_optim, cfg.critic.megatron))
+    for name, model, optim, mcfg in trained:
+        if mcfg.optimizer_offload:
+            park(optim.state_tensors())
+        if mcfg.grad_offload:
+            park(optim.grad_tensors(), keep_values=False)
+        if mcfg.param_offload and name != "actor":
+            park(model.parameters())
+    frozen = ((models.ref, arr.ref.megatron), (models.reward, cfg.reward_model.megatron))
+    for model, mcfg in frozen:
+        if model is not None and mcfg.param_offload:
+            park(model.parameters())

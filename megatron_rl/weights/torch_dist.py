@@ -1,0 +1,156 @@
+"""Reading megatron-core ``torch_dist`` checkpoints (megatron.core.dist_checkpointing).
+
+The files hold global tensors (layers stacked on a leading axis, fused layouts already
+TP-independent), so a checkpoint saved at one TP x PP loads at any other: :func:`load_torch_dist`
+fills a model through its own ``sharded_state_dict()``; :class:`TorchDistReader` reads the same files
+one layer at a time, without a model, and presents them as HF tensors (for ``mcore-to-hf``). Every
+pickle is vetted first (:mod:`megatron_rl.weights.safe_load`). Writing is
+:func:`megatron_rl.weights.ckpt_write.save_torch_dist`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_rl.model_args import ModelArgs
+from megatron_rl.parallel import ParallelState
+from megatron_rl.weights.ckpt_format import TE_NORM_NAMES, read_our_metadata, resolve_torch_dist
+from megatron_rl.weights.hf_io import hf_names, scatter_shard
+from megatron_rl.weights.layer_cache import LayerCachedReader
+from megatron_rl.weights.safe_load import check_torch_dist, safe_globals
+from megatron_rl.weights.shards import VOCAB_PARAMS, fit_vocab, shard_shape
+from megatron_rl.weights.tables import ParamLayout, hf_shapes, layer_index, param_layouts
+
+
+def torch_dist_key(name: str) -> tuple[str, int | None]:
+    """Global Megatron parameter name -> (dist_checkpointing key, layer index on the stacked axis)."""
+    i = layer_index(name)
+    if i is None:
+        return name, None
+    rest = name.split(".", 3)[3]
+    return "decoder.layers." + TE_NORM_NAMES.get(rest, rest), i
+
+
+@torch.no_grad()
+def load_torch_dist(model: torch.nn.Module, ps: ParallelState, path: str) -> None:
+    """Fill ``model`` (any TP/PP) from a torch_dist checkpoint saved at any TP/PP. Collective.
+
+    A critic loading an actor's checkpoint takes the trunk and keeps its value head; an actor cannot
+    load a critic's checkpoint (no LM head there).
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    loc = resolve_torch_dist(path)
+    meta, _ = check_torch_dist(loc.ckpt_dir)
+    saved_role = (read_our_metadata(loc) or {}).get("role", "actor")
+    if model.role == "actor" and saved_role == "critic":
+        raise ValueError(f"{path} is a critic checkpoint (value head, no LM head); an actor cannot load it")
+    skip_head = model.role == "critic" and saved_role != "critic"
+    sharded = {}
+    for name, sh in model.sharded_state_dict().items():
+        if isinstance(sh, ShardedObject) or name.endswith("_extra_state"):
+            continue  # pickled extras (empty for the local spec); DCP would unpickle them unchecked
+        if skip_head and name.startswith("output_layer."):
+            continue
+        if not isinstance(sh, ShardedTensor | ShardedTensorFactory):
+            raise TypeError(f"unexpected {type(sh).__name__} for {name} in the model's sharded_state_dict")
+        md = meta.state_dict_metadata.get(sh.key)
+        if not isinstance(md, TensorStorageMetadata):
+            have = sorted(
+                k for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)
+            )
+            raise KeyError(f"{loc.ckpt_dir} has no tensor {sh.key!r} (for {name}); it holds {have}")
+        sharded[name] = sh
+    with torch.serialization.safe_globals(safe_globals()):
+        loaded = dist_checkpointing.load({"model": sharded}, loc.ckpt_dir)["model"]
+    missing, _ = model.load_state_dict(loaded, strict=False)
+    missing = [
+        k
+        for k in missing
+        if not k.endswith("_extra_state") and not (skip_head and k.startswith("output_layer."))
+    ]
+    if missing:
+        raise KeyError(f"{path}: parameters not loaded: {missing}")
+
+
+class TorchDistReader(LayerCachedReader):
+    """HF tensors from a torch_dist checkpoint, one layer at a time, with ``HFReader``'s interface.
+
+    Each layer's global tensors are read with ``dist_checkpointing.load`` on hand-built ShardedTensors
+    (one slice of the stacked layer axis) and split into HF tensors with the TP=1 layout. Needs
+    torch.distributed initialised (a world of one is enough); with more ranks, every rank must read
+    the same tensors in the same order.
+    """
+
+    def __init__(self, path: str, args: ModelArgs) -> None:
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        if not dist.is_initialized():
+            raise RuntimeError("TorchDistReader needs torch.distributed (init_parallel(1, 1) in one process)")
+        self.loc = resolve_torch_dist(path)
+        self.path, self.args = self.loc.ckpt_dir, args
+        meta, _ = check_torch_dist(self.loc.ckpt_dir)
+        self.tensors = {
+            k: v for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)
+        }
+        ours = read_our_metadata(self.loc) or {}
+        if ours.get("role") == "critic":
+            raise ValueError(f"{path} is a critic checkpoint: it has a value head, not an LM head to export")
+        self.shapes = hf_shapes(args)
+        # Read units: all tensors of one layer together; the embedding, final norm and head one by one.
+        self._groups: dict[int | str, list[ParamLayout]] = {}
+        self._init_cache()
+        for lay in param_layouts(args, 1):
+            key, i = torch_dist_key(lay.name)
+            if lay.name == "output_layer.weight" and args.tie_embeddings:
+                continue  # tied: stored once, as the embedding
+            if key not in self.tensors:
+                raise KeyError(
+                    f"{self.path} has no tensor {key!r} (for {lay.name}); it holds {sorted(self.tensors)}"
+                )
+            self._groups.setdefault(lay.name if i is None else i, []).append(lay)
+            for n in hf_names(lay):
+                self._producer.setdefault(n, lay)
+
+    def _group_of(self, lay: ParamLayout) -> object:
+        i = torch_dist_key(lay.name)[1]
+        return lay.name if i is None else i
+
+    def _produce(self, lay: ParamLayout, group: object) -> dict[str, torch.Tensor]:
+        """Read every tensor of the unit ``group`` (one layer, or one non-layer tensor) at once."""
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        sharded = {}
+        for lay in self._groups[group]:
+            key, i = torch_dist_key(lay.name)
+            md = self.tensors[key]
+            size, dtype = tuple(md.size), md.properties.dtype
+            # The whole tensor, or the slice [i:i+1] of the [num_layers, ...] stack. No fragmentation
+            # grid: this process reads a part that no rank of the saving job held on its own.
+            local = size if i is None else (1, *size[1:])
+            offset = (0,) * len(size) if i is None else (i,) + (0,) * (len(size) - 1)
+            sharded[lay.name] = ShardedTensor(
+                key, torch.empty(local, dtype=dtype), dtype, local, size, offset, axis_fragmentations=None
+            )
+        with torch.serialization.safe_globals(safe_globals()):
+            # Only one layer's slices are read, so the "whole tensor covered" check does not apply.
+            loaded = dist_checkpointing.load(sharded, self.loc.ckpt_dir, validate_access_integrity=False)
+        out: dict[str, torch.Tensor] = {}
+        for lay in self._groups[group]:
+            t = loaded[lay.name] if torch_dist_key(lay.name)[1] is None else loaded[lay.name][0]
+            self.bytes_read += t.numel() * t.element_size()
+            if lay.name in VOCAB_PARAMS:
+                lay = fit_vocab(lay, t.shape[0], self.args.vocab_size)
+            elif tuple(t.shape) != shard_shape(lay, self.shapes):
+                raise ValueError(
+                    f"{self.path}: {lay.name} has shape {tuple(t.shape)}, the model config implies "
+                    f"{shard_shape(lay, self.shapes)}; the config does not belong to this checkpoint"
+                )
+            for n in hf_names(lay):
+                out.setdefault(n, torch.zeros(self.shapes[n], dtype=t.dtype))
+            scatter_shard(lay, 0, t, out)
+        return out
