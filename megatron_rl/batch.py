@@ -108,9 +108,8 @@ class RolloutBatch:
                 prompts.append(it)
                 responses.append(g.token_ids[:max_response_length])
                 logprobs.append(g.logprobs)
-                meta = SeqMeta(f"{uid_prefix}{it.index}", it.data_source, it.ground_truth, it.extra_info)
-                meta.messages = it.messages
-                metas.append(meta)
+                uid = f"{uid_prefix}{it.index}"
+                metas.append(SeqMeta(uid, it.data_source, it.ground_truth, it.extra_info, it.messages))
         prompt_ids, prompt_mask = collate_left_pad(prompts, pad_id)
         width = max(1, max(len(r) for r in responses))
         resp = torch.full((len(responses), width), pad_id, dtype=torch.long)

@@ -368,11 +368,7 @@ class HttpRewardManager:
         responses = decode([list(r) for r in response_ids], skip_special_tokens=True)
         prompts = decode([list(p) for p in prompt_ids], skip_special_tokens=True)
         scores, extras = self.http(data_sources, prompts, responses, ground_truths, extra_infos)
-        columns: dict[str, torch.Tensor] = {}
-        for i, sample_extras in enumerate(extras):
-            for k, v in sample_extras.items():
-                columns.setdefault(k, torch.full((n,), math.nan))[i] = v
-        return RewardOutput(torch.tensor(scores, dtype=torch.float32).reshape(n), columns, 0)
+        return RewardOutput.from_rows(torch.tensor(scores, dtype=torch.float32).reshape(n), extras, 0)
 
 
 class _NoRedirect(urllib.request.HTTPRedirectHandler):

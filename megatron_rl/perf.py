@@ -37,7 +37,10 @@ def perf_metrics(
 ) -> dict[str, float]:
     """perf/* and timing_per_token_ms/* of a step whose ``metrics`` hold its timing_s/* (module docstring)."""
     seq_lens = batch.attention_mask.sum(-1).double()
-    sums = torch.stack([seq_lens.sum(), batch.response_mask.sum().double(), seq_lens.square().sum()])
+    # generated tokens from the attention mask: rollout rejection may have taken some off the response
+    # mask, but they were generated and went through every forward all the same
+    responses = batch.attention_mask[:, batch.prompts.shape[1] :].sum().double()
+    sums = torch.stack([seq_lens.sum(), responses, seq_lens.square().sum()])
     dist.all_reduce(sums, group=ps.dp_group)
     total, responses, squares = sums.tolist()
     out = {

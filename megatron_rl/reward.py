@@ -285,7 +285,7 @@ class RewardManager:
         texts = self.tokenizer.batch_decode([list(r) for r in response_ids], skip_special_tokens=True)
 
         scores = torch.zeros(n, dtype=torch.float32)
-        extras: dict[str, torch.Tensor] = {}
+        rows: list[dict[str, float]] = []
         first_error: BaseException | None = None
         num_errors = 0
         for i, (text, source, truth, info) in enumerate(
@@ -311,14 +311,13 @@ class RewardManager:
                     first_error = exc
                 value, sample_extras = 0.0, {}
             scores[i] = value
-            for k, v in sample_extras.items():
-                extras.setdefault(k, torch.full((n,), math.nan))[i] = v
+            rows.append(sample_extras)
 
         if n > 0 and num_errors == n:
             raise RuntimeError(
                 f"the reward function failed on all {n} samples of the batch; first error: {first_error!r}"
             ) from first_error
-        return RewardOutput(scores, extras, num_errors)
+        return RewardOutput.from_rows(scores, rows, num_errors)
 
 
 class _Worker:
@@ -366,3 +365,12 @@ class RewardOutput:
     not return the key."""
     num_errors: int
     """Samples whose reward function raised or returned a non-number."""
+
+    @classmethod
+    def from_rows(cls, scores: torch.Tensor, rows: list[dict[str, float]], num_errors: int) -> RewardOutput:
+        """Per-sample extra keys (one dict per sample) -> one [B] column per key, NaN where absent."""
+        extras: dict[str, torch.Tensor] = {}
+        for i, row in enumerate(rows):
+            for k, v in row.items():
+                extras.setdefault(k, torch.full((len(rows),), math.nan))[i] = v
+        return cls(scores, extras, num_errors)

@@ -68,23 +68,15 @@ def reward_scores(
 ) -> tuple[torch.Tensor, int]:
     """Per-sequence scores [B] on ``ps.device`` (overlong shaping included) and the number of reward
     errors on this replica; sets ``meta[i].reward_extras`` on every rank of the replica."""
-    ob, max_len = cfg.reward_model.overlong_buffer, cfg.data.max_response_length
+    lengths = batch.response_mask.sum(-1).long().cpu()
     if getattr(reward_fn, "collective", False):  # a reward model: every rank runs its forward
-        scores = reward_fn(batch).float().cpu()
-        extras: dict[str, torch.Tensor] = {}
-        if ob.enable:
-            lengths = batch.response_mask.sum(-1).long().cpu()
-            penalty = overlong_penalty(lengths, max_len, ob.len, ob.penalty_factor)
-            scores = scores + penalty
-            if ob.log:
-                extras = {"overlong_reward": penalty, "overlong": (penalty < 0).float()}
+        scores, extras = _overlong_shaped(reward_fn(batch).float().cpu(), {}, lengths, cfg)
         for i, mt in enumerate(batch.meta):
             mt.reward_extras = {k: float(v[i]) for k, v in extras.items()}
         return scores.to(ps.device), 0
     keys: list[str] = []
     packed = None
     if _on_leader(ps):
-        lengths = batch.response_mask.sum(-1).long().cpu()
         responses = batch.responses.cpu()
         kwargs = {}
         if getattr(reward_fn, "needs_prompts", False):  # a reward server receives the prompt text too
@@ -98,13 +90,7 @@ def reward_scores(
             [mt.extra_info for mt in batch.meta],
             **kwargs,
         )
-        scores, extras = out.scores, dict(out.extras)
-        if ob.enable:
-            penalty = overlong_penalty(lengths, max_len, ob.len, ob.penalty_factor)
-            scores = scores + penalty
-            if ob.log:
-                extras["overlong_reward"] = penalty
-                extras["overlong"] = (penalty < 0).float()
+        scores, extras = _overlong_shaped(out.scores, dict(out.extras), lengths, cfg)
         keys = sorted(extras)
         # [B + 1, 1 + K]: scores and the extras per row; the error count in the last row.
         packed = torch.zeros(len(batch) + 1, 1 + len(keys))
@@ -127,6 +113,19 @@ def reward_scores(
             k: float(packed[i, 1 + j]) for j, k in enumerate(keys) if not math.isnan(packed[i, 1 + j])
         }
     return packed[:-1, 0].to(ps.device), int(packed[-1, 0].item())
+
+
+def _overlong_shaped(
+    scores: torch.Tensor, extras: dict[str, torch.Tensor], lengths: torch.Tensor, cfg: Config
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """reward_model.overlong_buffer: the penalty added to the scores [B] (and logged as extras)."""
+    ob = cfg.reward_model.overlong_buffer
+    if not ob.enable:
+        return scores, extras
+    penalty = overlong_penalty(lengths, cfg.data.max_response_length, ob.len, ob.penalty_factor)
+    if ob.log:
+        extras = {**extras, "overlong_reward": penalty, "overlong": (penalty < 0).float()}
+    return scores + penalty, extras
 
 
 def place_scores(batch: RolloutBatch, scores: torch.Tensor) -> None:
