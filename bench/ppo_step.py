@@ -3,6 +3,8 @@
     python bench/ppo_step.py --model qwen2.5-1.5b --nproc 1 --tp 1 --out bench_out/tp1
     python bench/ppo_step.py --model qwen2.5-1.5b --nproc 2 --tp 2 --out bench_out/tp2
     python bench/ppo_step.py --model tiny --device cpu --rollout hf --nproc 2 --tp 2 --out /tmp/b  # CPU
+    python bench/ppo_step.py --model qwen2.5-1.5b --response-len 1024 --response-spread 32 1024 \
+        --compare-dynamic --out bench_out/dynamic   # padded vs token-budget micro-batches
 
 It prepares a random HF model (Qwen2.5-1.5B shape, or a tiny one), a word-level tokenizer whose
 tokens are ``t0 .. t{V-1}`` (so prompts are plain token ids), and parquet prompts of exactly
@@ -15,6 +17,12 @@ per-phase seconds, tokens/s/GPU, actor MFU against the bf16 matmul peak measured
 peak device memory, and the colocated/non-colocated peak-memory ratio. Responses are
 --response-len tokens: a random model practically never samples EOS. The reward is a rule on the
 response text (bench/synthetic_reward.py), so every phase of a real step runs.
+
+With --response-spread LO HI each response's length is drawn uniformly from [LO, HI]
+(bench/spread_train.py). With --compare-dynamic the two runs are instead both colocated: fixed-size
+micro-batches padded to the batch's longest sequence ("padded"), then use_dynamic_bsz with token budgets
+equal to the padded path's micro-batch sizes in tokens ("dynamic"), so that both hold the same peak
+activations; perf/padding_fraction is reported for each.
 """
 
 from __future__ import annotations
@@ -97,10 +105,25 @@ def prepare(work: str, model: str, prompt_len: int, n_prompts: int, seed: int) -
     return model_dir, tok_dir, data
 
 
+def dynamic_keys(a: argparse.Namespace) -> dict:
+    """use_dynamic_bsz with budgets of the fixed path's micro-batch sizes x the longest sequence: the
+    updates and the values pass hold --micro sequences, the log-prob passes twice that."""
+    longest = a.prompt_len + a.response_len
+    micro, log_prob = a.micro * longest, a.micro * 2 * longest
+    return {
+        "actor_rollout_ref.actor.use_dynamic_bsz": True,
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": micro,
+        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": log_prob,
+        "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": log_prob,
+        "critic.ppo_max_token_len_per_gpu": micro,
+        "critic.forward_max_token_len_per_gpu": micro,
+    }
+
+
 def run(
-    a: argparse.Namespace, model_dir: str, tok_dir: str, data: str, colocate: bool
+    a: argparse.Namespace, model_dir: str, tok_dir: str, data: str, name: str, colocate: bool, dynamic: bool
 ) -> tuple[list[dict], int]:
-    out = os.path.join(a.out, "colocated" if colocate else "separate")
+    out = os.path.join(a.out, name)
     overrides = {
         "data.train_files": f"[{data}]",
         "data.tokenizer": tok_dir,
@@ -140,9 +163,15 @@ def run(
         "trainer.resume_mode": "disable",
         "trainer.device": a.device,
     }
+    if dynamic:
+        overrides.update(dynamic_keys(a))
     overrides.update(kv.split("=", 1) for kv in a.set)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={a.nproc}"]
-    cmd += ["-m", "megatron_rl.train", *(f"{k}={v}" for k, v in overrides.items())]
+    if a.response_spread:
+        cmd += [os.path.join(ROOT, "bench", "spread_train.py"), *map(str, a.response_spread)]
+    else:
+        cmd += ["-m", "megatron_rl.train"]
+    cmd += [f"{k}={v}" for k, v in overrides.items()]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
     rc = subprocess.run(cmd, env=env, cwd=ROOT).returncode
     path = os.path.join(out, "logs", "metrics.jsonl")
@@ -185,6 +214,11 @@ def summarize(rows: list[dict], nproc: int) -> dict:
         ),
         "optimizer_state_gb_per_gpu": mean("perf/optimizer_state_gb"),
         "response_length": mean("response_length/mean"),
+        "padding_fraction": mean("perf/padding_fraction"),
+        # old_log_prob + ref + values + both updates: the passes that micro-batching shapes
+        "training_passes_s": sum(
+            phases[p] or 0 for p in ("old_log_prob", "ref", "values", "update_critic", "update_actor")
+        ),
         # rollout-training mismatch (actor_rollout_ref.rollout.calculate_log_probs=true)
         "mismatch": {
             k: mean(k)
@@ -226,9 +260,23 @@ def main() -> None:
         "--no-cuda-graph", dest="cuda_graph", action="store_false", help="SGLang without decode CUDA graphs"
     )
     ap.add_argument("--no-compare", action="store_true", help="skip the non-colocated run")
-    ap.add_argument("--only", choices=["colocated", "separate"], help="run one of the two configurations")
+    ap.add_argument(
+        "--only",
+        choices=["colocated", "separate", "padded", "dynamic"],
+        help="run one of the two configurations",
+    )
     ap.add_argument("--save", action="store_true", help="save a checkpoint after the last step")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--response-spread",
+        type=int,
+        nargs=2,
+        metavar=("LO", "HI"),
+        help="response lengths uniform in [LO, HI]",
+    )
+    ap.add_argument(
+        "--compare-dynamic", action="store_true", help="colocated runs: padded, then use_dynamic_bsz"
+    )
     ap.add_argument("--out", required=True)
     ap.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="any other trainer key (repeatable)"
@@ -240,9 +288,12 @@ def main() -> None:
         os.path.join(a.out, "inputs"), a.model, a.prompt_len, a.batch * a.steps, a.seed
     )
     result = {"args": vars(a)}
-    runs = (("colocated", True), ("separate", False))[: 1 if a.no_compare else 2]
-    for name, colocate in [r for r in runs if a.only in (None, r[0])]:
-        rows, rc = run(a, model_dir, tok_dir, data, colocate)
+    if a.compare_dynamic:
+        runs = (("padded", True, False), ("dynamic", True, True))
+    else:
+        runs = (("colocated", True, False), ("separate", False, False))[: 1 if a.no_compare else 2]
+    for name, colocate, dynamic in [r for r in runs if a.only in (None, r[0])]:
+        rows, rc = run(a, model_dir, tok_dir, data, name, colocate, dynamic)
         result[name] = summarize(rows, a.nproc) if rows else {}
         if rc:
             result[name]["error"] = (
@@ -253,10 +304,12 @@ def main() -> None:
     key = "max_device_memory_used_gb"
     co, sep = (result.get(n, {}).get(key) for n in ("colocated", "separate"))
     result["peak_memory_ratio_colocated_vs_separate"] = co / sep if co and sep else None
+    padded, dyn = (result.get(n, {}).get("training_passes_s") for n in ("padded", "dynamic"))
+    result["training_passes_speedup_dynamic_vs_padded"] = padded / dyn if padded and dyn else None
     with open(os.path.join(a.out, "summary.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps(result, indent=1))
-    if any("error" in result.get(n, {}) for n in ("colocated", "separate")):
+    if any("error" in result.get(n, {}) for n, *_ in runs):
         sys.exit(1)
 
 

@@ -73,6 +73,8 @@ class RolloutBatch:
     returns: torch.Tensor | None = None
     rollout_log_probs: torch.Tensor | None = None
     rollout_is_weights: torch.Tensor | None = None
+    response_index: torch.Tensor | None = None
+    """Compacted micro-batches only (:meth:`compacted`): [B, R] position predicting each response token."""
 
     @classmethod
     def from_tokens(
@@ -133,6 +135,38 @@ class RolloutBatch:
     def response_length(self) -> int:
         return self.responses.shape[1]
 
+    @property
+    def response_positions(self) -> slice | torch.Tensor:
+        """Decoder positions whose outputs predict the response tokens: P-1 .. S-2, or per row
+        ``response_index`` [B, R] for a compacted batch."""
+        if self.response_index is not None:
+            return self.response_index
+        return slice(self.prompts.shape[1] - 1, self.input_ids.shape[1] - 1)
+
+    def compacted(self) -> RolloutBatch:
+        """The same rows with each row's real tokens moved to the front: input_ids and attention_mask
+        [b, L] (L: the longest prompt + response of these rows, right padded), every [b, R] field cut
+        to the longest response, and ``response_index`` [b, r] giving the position that predicts each
+        response token (prompt length - 1 + t). Masks must be contiguous (left-padded prompts,
+        right-padded responses), as every batch built here is."""
+        p, s = self.prompts.shape[1], self.input_ids.shape[1]
+        keep = self.attention_mask.bool()
+        p_len, r_len = keep[:, :p].sum(1), keep[:, p:].sum(1)  # [b]
+        length = p_len + r_len
+        width, r = int(length.max()), max(1, int(r_len.max()))
+        cols = torch.arange(width, device=keep.device)[None]  # [1, L]
+        real = cols < length[:, None]  # [b, L]
+        src = ((p - p_len)[:, None] + cols).clamp(max=s - 1)  # where each kept token sits now
+        kw = {
+            name: None if getattr(self, name) is None else getattr(self, name)[:, :r]
+            for name in _TENSOR_FIELDS
+        }
+        kw["prompts"] = self.prompts
+        kw["input_ids"] = torch.where(real, self.input_ids.gather(1, src), 0)
+        kw["attention_mask"] = real.to(self.attention_mask.dtype)
+        index = (p_len - 1)[:, None] + torch.arange(r, device=keep.device)[None]
+        return RolloutBatch(meta=self.meta, response_index=index.clamp(0, width - 1), **kw)
+
     def select(self, index: torch.Tensor | list[int] | slice) -> RolloutBatch:
         """Rows ``index`` of every tensor (and of meta)."""
         if isinstance(index, slice):
@@ -142,7 +176,7 @@ class RolloutBatch:
             meta = [self.meta[i] for i in idx]
             index = torch.as_tensor(idx, dtype=torch.long)
         kw = {}
-        for name in _TENSOR_FIELDS:
+        for name in (*_TENSOR_FIELDS, "response_index"):
             t = getattr(self, name)
             kw[name] = (
                 None if t is None else t[index.to(t.device) if isinstance(index, torch.Tensor) else index]
@@ -190,5 +224,6 @@ class RolloutBatch:
         return out
 
     def to(self, device: torch.device) -> RolloutBatch:
-        kw = {n: (None if getattr(self, n) is None else getattr(self, n).to(device)) for n in _TENSOR_FIELDS}
+        names = (*_TENSOR_FIELDS, "response_index")
+        kw = {n: (None if getattr(self, n) is None else getattr(self, n).to(device)) for n in names}
         return dataclasses.replace(self, **kw)

@@ -16,7 +16,9 @@ log-prob and the value of token t come from position P+t-1.
 One update (:func:`update_actor` / :func:`update_critic`), for each of ppo_epochs passes:
 
     batch [B]  --mini-batches-->  ppo_mini_batch_size * rollout.n / DP sequences each (one optimizer step)
-               --micro-batches--> ppo_micro_batch_size_per_gpu sequences each (one forward/backward)
+               --micro-batches--> ppo_micro_batch_size_per_gpu sequences each, or with use_dynamic_bsz
+                                  length-sorted groups within ppo_max_token_len_per_gpu tokens, each row
+                                  compacted to its real tokens, [b, longest sequence] (microbatches.py)
 
 On the last pipeline stage each micro-batch's loss is an additive share of the mini-batch loss: the
 aggregation (token-mean, seq-mean-*) divides by the count over the WHOLE mini-batch on all DP ranks
@@ -53,7 +55,8 @@ from megatron_rl.algos import (
 )
 from megatron_rl.batch import RolloutBatch
 from megatron_rl.config import ActorConfig, ConfigError, CriticConfig
-from megatron_rl.models.forward import broadcast_from_last_stage, run_pipeline
+from megatron_rl.microbatches import MicroBatching, TokenStats, micro_batches
+from megatron_rl.models.forward import Positions, broadcast_from_last_stage, run_pipeline, select_positions
 from megatron_rl.models.logprobs import vocab_parallel_log_probs_and_entropy
 from megatron_rl.optim import ModelOptimizer
 from megatron_rl.parallel import ParallelState
@@ -63,10 +66,21 @@ from megatron_rl.parallel import ParallelState
 # --------------------------------------------------------------------------------------------------
 
 
-def _pad_to_multiple(batch: RolloutBatch, size: int) -> RolloutBatch:
-    """Repeat the first row so that every micro-batch has ``size`` rows (the pipeline needs one shape)."""
-    extra = -len(batch) % size
-    return batch if extra == 0 else batch.select(list(range(len(batch))) + [0] * extra)
+def _response_positions(mb: RolloutBatch) -> Positions:
+    return mb.response_positions
+
+
+def _micro(micro: int | MicroBatching) -> MicroBatching:
+    return micro if isinstance(micro, MicroBatching) else MicroBatching(size=micro)
+
+
+def _split(
+    model: nn.Module, ps: ParallelState, batch: RolloutBatch, micro: MicroBatching, stats: TokenStats | None
+) -> tuple[list[RolloutBatch], list[list[int]]]:
+    """``batch``'s micro-batches (and their rows) for ``model``'s forward (padded to TP under SP)."""
+    inner = getattr(model, "module", model)
+    multiple = ps.tp_size if inner.config.sequence_parallel else 1
+    return micro_batches(batch, micro, multiple, ps.dp_group, ps.device, stats)
 
 
 @torch.no_grad()
@@ -74,21 +88,24 @@ def _forward_response(
     model: nn.Module,
     ps: ParallelState,
     batch: RolloutBatch,
-    micro_batch_size: int,
+    micro: int | MicroBatching,
     per_micro_batch: Callable[[RolloutBatch, torch.Tensor], torch.Tensor],
     rows: int,
-    positions: slice | None = None,
+    positions: Callable[[RolloutBatch], Positions] | None = None,
+    stats: TokenStats | None = None,
 ) -> torch.Tensor:
-    """Run ``batch`` through the pipeline; ``per_micro_batch(mb, output) -> [rows, b, R]`` on the last
-    stage; returns [rows, B, R] float32 on every rank."""
-    if micro_batch_size <= 0:
-        raise ValueError(f"micro_batch_size must be > 0, got {micro_batch_size}")
+    """Run ``batch`` through the pipeline; ``per_micro_batch(mb, output) -> [rows, b, r]`` on the last
+    stage (r: the micro-batch's response width); returns [rows, B, R] float32 on every rank, 0 past
+    each sequence's last response token (whatever the micro-batching)."""
     n, r = len(batch), batch.response_length
-    padded = _pad_to_multiple(batch, micro_batch_size)
-    outs = run_pipeline(
-        model, ps, padded.split(micro_batch_size), per_micro_batch, forward_only=True, positions=positions
-    )
-    result = torch.cat(outs, dim=1)[:, :n].contiguous() if ps.is_last_stage else None
+    mbs, groups = _split(model, ps, batch, _micro(micro), stats)
+    outs = run_pipeline(model, ps, mbs, per_micro_batch, forward_only=True, positions=positions)
+    result = None
+    if ps.is_last_stage:
+        result = torch.zeros(rows, n, r, dtype=torch.float32, device=ps.device)
+        for out, index in zip(outs, groups, strict=True):  # the fixed path's filler rows are dropped
+            result[:, index, : out.shape[2]] = out[:, : len(index)]
+        result *= batch.attention_mask[:, -r:].to(result.dtype)  # [B, R]: 1 on real response tokens
     return broadcast_from_last_stage(result, ps, (rows, n, r), torch.float32)
 
 
@@ -96,42 +113,46 @@ def compute_log_probs(
     model: nn.Module,
     ps: ParallelState,
     batch: RolloutBatch,
-    micro_batch_size: int,
+    micro: int | MicroBatching,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    stats: TokenStats | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probs [B, R] float32 of ``batch.responses`` under ``model`` (actor or reference), on every rank.
 
-    Logits are divided by ``temperature`` (the rollout's sampling temperature) before the softmax; with
-    ``with_entropy`` the per-token entropy [B, R] is returned too.
+    ``micro``: sequences per micro-batch, or a :class:`~megatron_rl.microbatches.MicroBatching`. Logits
+    are divided by ``temperature`` (the rollout's sampling temperature) before the softmax; with
+    ``with_entropy`` the per-token entropy [B, R] is returned too. ``stats`` counts the tokens.
     """
-    p = batch.prompts.shape[1]
-    s = batch.input_ids.shape[1]
     vocab = model.args.vocab_size
 
     def per_micro_batch(mb: RolloutBatch, logits: torch.Tensor) -> torch.Tensor:
-        # logits [b, R, V_pad/TP] of positions P-1 .. S-2; position P+t-1 predicts response token t.
+        # logits [b, r, V_pad/TP] of positions p-1 .. s-2; position p+t-1 predicts response token t.
         out = vocab_parallel_log_probs_and_entropy(
             logits, mb.responses, ps, vocab, temperature, with_entropy=with_entropy
         )
         return torch.stack(out) if with_entropy else out[None]  # [2 or 1, b, R]
 
     rows = 2 if with_entropy else 1
-    res = _forward_response(model, ps, batch, micro_batch_size, per_micro_batch, rows, slice(p - 1, s - 1))
+    res = _forward_response(model, ps, batch, micro, per_micro_batch, rows, _response_positions, stats)
     return (res[0], res[1]) if with_entropy else res[0]
 
 
 def compute_values(
-    critic: nn.Module, ps: ParallelState, batch: RolloutBatch, micro_batch_size: int
+    critic: nn.Module,
+    ps: ParallelState,
+    batch: RolloutBatch,
+    micro: int | MicroBatching,
+    stats: TokenStats | None = None,
 ) -> torch.Tensor:
     """Critic values [B, R] float32 of each response token (output at the preceding position), every rank."""
-    p = batch.prompts.shape[1]
-    s = batch.input_ids.shape[1]
 
     def per_micro_batch(mb: RolloutBatch, values: torch.Tensor) -> torch.Tensor:
-        return values[None, :, p - 1 : s - 1, 0].float()  # [b, S, 1] -> [1, b, R]
+        return select_positions(values[..., 0], mb.response_positions, seq_first=False)[
+            None
+        ].float()  # [1, b, r]
 
-    return _forward_response(critic, ps, batch, micro_batch_size, per_micro_batch, 1)[0]
+    return _forward_response(critic, ps, batch, micro, per_micro_batch, 1, stats=stats)[0]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -140,7 +161,7 @@ def compute_values(
 
 
 def _mini_batch_rows(
-    batch: RolloutBatch, mini_batch_size: int, micro_batch_size: int, rollout_n: int, dp_size: int, key: str
+    batch: RolloutBatch, mini_batch_size: int, micro: MicroBatching, rollout_n: int, dp_size: int, key: str
 ) -> int:
     """Sequences per rank per mini-batch; checks that mini- and micro-batches tile the batch."""
     total = mini_batch_size * rollout_n
@@ -155,9 +176,9 @@ def _mini_batch_rows(
             f"this rank holds {len(batch)} sequences, not a multiple of {key}.ppo_mini_batch_size x "
             f"rollout.n / DP = {rows}: make data.train_batch_size a multiple of {key}.ppo_mini_batch_size."
         )
-    if micro_batch_size <= 0 or rows % micro_batch_size:
+    if not micro.dynamic and (micro.size <= 0 or rows % micro.size):
         raise ConfigError(
-            f"{key}.ppo_micro_batch_size_per_gpu={micro_batch_size} must divide the {rows} sequences per "
+            f"{key}.ppo_micro_batch_size_per_gpu={micro.size} must divide the {rows} sequences per "
             f"rank of a mini-batch ({key}.ppo_mini_batch_size x rollout.n / DP)."
         )
     return rows
@@ -185,7 +206,7 @@ def _run_update(
     batch: RolloutBatch,
     *,
     rows: int,
-    micro_batch_size: int,
+    micro: MicroBatching,
     epochs: int,
     shuffle: bool,
     shuffle_seed: int,
@@ -193,7 +214,8 @@ def _run_update(
     make_loss_fn: Callable[[torch.Tensor], Callable[[RolloutBatch, torch.Tensor], Any]],
     prefix: str,
     key: str,
-    positions: slice | None = None,
+    positions: Callable[[RolloutBatch], Positions] | None = None,
+    stats: TokenStats | None = None,
 ) -> dict[str, float]:
     """epochs x mini-batches x micro-batches; ``make_loss_fn(counts)`` builds a mini-batch's loss_fn,
     which returns (loss share, num tokens, metric shares [len(names)]). ``positions``: see
@@ -218,7 +240,7 @@ def _run_update(
             outs = run_pipeline(
                 optimizer.ddp,
                 ps,
-                mini.split(micro_batch_size),
+                _split(model, ps, mini, micro, stats)[0],
                 make_loss_fn(counts),
                 forward_only=False,
                 positions=positions,
@@ -255,6 +277,7 @@ def update_actor(
     rollout_n: int,
     temperature: float = 1.0,
     shuffle_seed: int = 0,
+    stats: TokenStats | None = None,
 ) -> dict[str, float]:
     """One PPO update of the actor on this rank's share of the rollout batch (see the module docstring).
 
@@ -270,11 +293,13 @@ def update_actor(
     for name in ("old_log_probs", "advantages") + (("ref_log_probs",) if cfg.use_kl_loss else ()):
         if getattr(batch, name) is None:
             raise ValueError(f"update_actor: batch.{name} is not set (compute it before the update)")
-    rows = _mini_batch_rows(
-        batch, cfg.ppo_mini_batch_size, cfg.ppo_micro_batch_size_per_gpu, rollout_n, ps.dp_size, key
+    micro = MicroBatching.of(
+        cfg.ppo_micro_batch_size_per_gpu,
+        cfg.use_dynamic_bsz,
+        cfg.ppo_max_token_len_per_gpu,
+        f"{key}.ppo_max_token_len_per_gpu",
     )
-    p = batch.prompts.shape[1]
-    s = batch.input_ids.shape[1]
+    rows = _mini_batch_rows(batch, cfg.ppo_mini_batch_size, micro, rollout_n, ps.dp_size, key)
     vocab = model.args.vocab_size
     low = cfg.clip_ratio if cfg.clip_ratio_low is None else cfg.clip_ratio_low
     high = cfg.clip_ratio if cfg.clip_ratio_high is None else cfg.clip_ratio_high
@@ -291,6 +316,8 @@ def update_actor(
         tau_pos=cfg.tau_pos,
         tau_neg=cfg.tau_neg,
     )
+    # seq-mean-token-sum-norm divides by a constant, never a micro-batch's own width
+    scale = cfg.loss_scale_factor or float(batch.response_length)
     # clip_cov picks tokens at random: the TP/PP peers of one replica draw the same (same seed, same data).
     generator = torch.Generator().manual_seed(shuffle_seed * 7919 + ps.dp_rank)
 
@@ -301,7 +328,7 @@ def update_actor(
 
         def loss_fn(mb: RolloutBatch, logits: torch.Tensor):
             mask = mb.response_mask
-            # logits [b, R, V_pad/TP]: the head ran on positions P-1 .. S-2 only
+            # logits [b, r, V_pad/TP]: the head ran on positions p-1 .. s-2 only
             log_probs, entropy = vocab_parallel_log_probs_and_entropy(
                 logits, mb.responses, ps, vocab, temperature, with_entropy=True
             )
@@ -319,10 +346,10 @@ def update_actor(
                 loss_mode=loss_mode,
                 options=options,
                 rollout_is_weights=mb.rollout_is_weights,
-                loss_scale_factor=cfg.loss_scale_factor,
+                loss_scale_factor=scale,
                 generator=generator,
             )
-            ent = agg_loss(entropy, mask, cfg.loss_agg_mode, denom, cfg.loss_scale_factor)
+            ent = agg_loss(entropy, mask, cfg.loss_agg_mode, denom, scale)
             loss = pg_loss - cfg.entropy_coeff * ent if cfg.entropy_coeff else pg_loss
             # Diagnostics are token means over the mini-batch: local mean x local tokens / global tokens.
             weight = mask.sum() / tokens.clamp_min(1)
@@ -336,7 +363,7 @@ def update_actor(
             ]
             if cfg.use_kl_loss:
                 kld = kl_penalty(log_probs, mb.ref_log_probs, cfg.kl_loss_type)
-                kl_loss = agg_loss(kld, mask, cfg.loss_agg_mode, denom, cfg.loss_scale_factor)
+                kl_loss = agg_loss(kld, mask, cfg.loss_agg_mode, denom, scale)
                 loss = loss + cfg.kl_loss_coef * kl_loss
                 metrics[0] = loss.detach()
                 metrics.append(kl_loss.detach())
@@ -350,7 +377,7 @@ def update_actor(
         ps,
         batch,
         rows=rows,
-        micro_batch_size=cfg.ppo_micro_batch_size_per_gpu,
+        micro=micro,
         epochs=cfg.ppo_epochs,
         shuffle=cfg.shuffle,
         shuffle_seed=shuffle_seed,
@@ -358,7 +385,8 @@ def update_actor(
         make_loss_fn=make_loss_fn,
         prefix="actor",
         key=key,
-        positions=slice(p - 1, s - 1),
+        positions=_response_positions,
+        stats=stats,
     )
 
 
@@ -370,6 +398,7 @@ def update_critic(
     cfg: CriticConfig,
     rollout_n: int,
     shuffle_seed: int = 0,
+    stats: TokenStats | None = None,
 ) -> dict[str, float]:
     """One PPO update of the critic (clipped value loss) on this rank's share of the rollout batch.
 
@@ -386,11 +415,14 @@ def update_critic(
         raise ConfigError(
             "critic.ppo_mini_batch_size / critic.ppo_epochs are unset: load the config with load_config"
         )
-    rows = _mini_batch_rows(
-        batch, cfg.ppo_mini_batch_size, cfg.ppo_micro_batch_size_per_gpu, rollout_n, ps.dp_size, "critic"
+    micro = MicroBatching.of(
+        cfg.ppo_micro_batch_size_per_gpu,
+        cfg.use_dynamic_bsz,
+        cfg.ppo_max_token_len_per_gpu,
+        "critic.ppo_max_token_len_per_gpu",
     )
-    p = batch.prompts.shape[1]
-    s = batch.input_ids.shape[1]
+    rows = _mini_batch_rows(batch, cfg.ppo_mini_batch_size, micro, rollout_n, ps.dp_size, "critic")
+    width = float(batch.response_length)  # seq-mean-token-sum-norm's constant (the batch's response width)
 
     def make_loss_fn(counts: torch.Tensor):
         denom = _denominator(counts, cfg.loss_agg_mode)
@@ -398,7 +430,7 @@ def update_critic(
 
         def loss_fn(mb: RolloutBatch, out: torch.Tensor):
             mask = mb.response_mask
-            vpreds = out[:, p - 1 : s - 1, 0].float()  # [b, R]
+            vpreds = select_positions(out[..., 0], mb.response_positions, seq_first=False).float()  # [b, r]
             vf_loss, clipfrac = compute_value_loss(
                 vpreds,
                 values=mb.values,
@@ -407,6 +439,7 @@ def update_critic(
                 cliprange_value=cfg.cliprange_value,
                 loss_agg_mode=cfg.loss_agg_mode,
                 global_denominator=denom,
+                loss_scale_factor=width,
             )
             weight = mask.sum() / tokens.clamp_min(1)
             vpred_mean = masked_mean(vpreds.detach(), mask) * weight
@@ -421,7 +454,7 @@ def update_critic(
         ps,
         batch,
         rows=rows,
-        micro_batch_size=cfg.ppo_micro_batch_size_per_gpu,
+        micro=micro,
         epochs=cfg.ppo_epochs,
         shuffle=cfg.shuffle,
         shuffle_seed=shuffle_seed,
@@ -429,4 +462,5 @@ def update_critic(
         make_loss_fn=make_loss_fn,
         prefix="critic",
         key="critic",
+        stats=stats,
     )

@@ -39,6 +39,7 @@ from megatron_rl.metrics import (
     write_config_record,
     write_summary,
 )
+from megatron_rl.microbatches import ForwardPasses, TokenStats
 from megatron_rl.mismatch import correct_mismatch, reject
 from megatron_rl.offload import HostParking
 from megatron_rl.optim import NonFiniteGuard
@@ -123,6 +124,7 @@ class Trainer:
         # a reward server; a reward model replaces it once the models exist.
         self.reward_fn = make_reward_fn(cfg, self.tokenizer)
         corr = cfg.algorithm.rollout_correction
+        self.passes = ForwardPasses.from_config(cfg)
         self.rejection = parse_rs(corr.rollout_rs, corr.rollout_rs_threshold) if corr.rollout_rs else None
         # The engine's log-probs of the sampled tokens: for the mismatch metrics and corrections.
         self.keep_rollout_log_probs = bool(
@@ -266,16 +268,13 @@ class Trainer:
         arr = cfg.actor_rollout_ref
         t_step = time.perf_counter()
         metrics: dict[str, float] = {}
+        tokens = TokenStats()  # real and processed tokens of the training passes (perf/padding_fraction)
 
         batch = self.scored_rollout(prompt_indices, more, metrics)
 
         with timer("old_log_prob"):
             batch.old_log_probs = ppo.compute_log_probs(
-                m.actor,
-                ps,
-                batch,
-                arr.rollout.log_prob_micro_batch_size_per_gpu,
-                temperature=arr.rollout.temperature,
+                m.actor, ps, batch, self.passes.old_log_prob, arr.rollout.temperature, stats=tokens
             )
         if batch.rollout_log_probs is not None:
             with timer("rollout_corr"):
@@ -283,17 +282,11 @@ class Trainer:
         if m.ref is not None:
             with timer("ref"):
                 batch.ref_log_probs = ppo.compute_log_probs(
-                    m.ref,
-                    ps,
-                    batch,
-                    arr.ref.log_prob_micro_batch_size_per_gpu,
-                    temperature=arr.rollout.temperature,
+                    m.ref, ps, batch, self.passes.ref, arr.rollout.temperature, stats=tokens
                 )
         if m.critic is not None:
             with timer("values"):
-                batch.values = ppo.compute_values(
-                    m.critic, ps, batch, cfg.critic.ppo_micro_batch_size_per_gpu
-                )
+                batch.values = ppo.compute_values(m.critic, ps, batch, self.passes.values, stats=tokens)
         with timer("adv"):
             metrics.update(self.compute_advantages(batch))
             if self.rejection is not None:
@@ -303,14 +296,24 @@ class Trainer:
         if m.critic is not None:
             with timer("update_critic"):
                 metrics.update(
-                    ppo.update_critic(m.critic, m.critic_optim, ps, batch, cfg.critic, n, shuffle_seed=seed)
+                    ppo.update_critic(
+                        m.critic, m.critic_optim, ps, batch, cfg.critic, n, shuffle_seed=seed, stats=tokens
+                    )
                 )
         if self.global_step > cfg.trainer.critic_warmup:
             with timer("update_actor"):
                 temperature = arr.rollout.temperature
                 metrics.update(
                     ppo.update_actor(
-                        m.actor, m.actor_optim, ps, batch, arr.actor, n, temperature, shuffle_seed=seed
+                        m.actor,
+                        m.actor_optim,
+                        ps,
+                        batch,
+                        arr.actor,
+                        n,
+                        temperature,
+                        shuffle_seed=seed,
+                        stats=tokens,
                     )
                 )
             self.weights_stale = True
@@ -322,6 +325,8 @@ class Trainer:
             metrics.update(
                 data_metrics(batch, cfg.data.max_prompt_length, cfg.data.max_response_length, ps.dp_group)
             )
+            # padded tokens / tokens processed by old_log_prob, ref, values and both updates
+            metrics["perf/padding_fraction"] = tokens.padding_fraction(ps.dp_group, ps.device)
         metrics.update(self.timer.pop())
         metrics["timing_s/step"] = time.perf_counter() - t_step
         metrics["perf/time_per_step"] = metrics["timing_s/step"]

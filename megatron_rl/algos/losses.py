@@ -98,6 +98,7 @@ def compute_value_loss(
     cliprange_value: float,
     loss_agg_mode: str = "token-mean",
     global_denominator: torch.Tensor | float | None = None,
+    loss_scale_factor: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped value loss ``0.5 * max((v - R)^2, (clip(v, V_old - c, V_old + c) - R)^2)``.
 
@@ -107,7 +108,7 @@ def compute_value_loss(
         returns: [B, T] regression targets.
         response_mask: [B, T].
         cliprange_value: ``critic.cliprange_value``.
-        loss_agg_mode, global_denominator: see ``agg_loss``.
+        loss_agg_mode, global_denominator, loss_scale_factor: see ``agg_loss``.
 
     Returns:
         vf_loss (``critic/vf_loss``) and detached vf_clipfrac (``critic/vf_clipfrac``: fraction of tokens
@@ -119,6 +120,6 @@ def compute_value_loss(
     loss_unclipped = (vpreds - returns) ** 2
     loss_clipped = (vpred_clipped - returns) ** 2
     loss_mat = torch.maximum(loss_unclipped, loss_clipped)
-    vf_loss = 0.5 * agg_loss(loss_mat, response_mask, loss_agg_mode, global_denominator)
+    vf_loss = 0.5 * agg_loss(loss_mat, response_mask, loss_agg_mode, global_denominator, loss_scale_factor)
     vf_clipfrac = masked_mean(torch.gt(loss_clipped, loss_unclipped).float().detach(), response_mask)
     return vf_loss, vf_clipfrac

@@ -62,6 +62,7 @@ RANGES: dict[str, str] = {
     "*.ppo_mini_batch_size": ">=1",
     "*.ppo_micro_batch_size_per_gpu": ">=1",
     "*.log_prob_micro_batch_size_per_gpu": ">=1",
+    "*max_token_len_per_gpu": ">=1",
     "*.ppo_epochs": ">=1",
     "actor_rollout_ref.actor.clip_ratio": ">0",
     "actor_rollout_ref.actor.clip_ratio_low": ">=0",
@@ -129,6 +130,49 @@ RANGES: dict[str, str] = {
     "trainer.console_block_freq": ">=1",
     "trainer.max_nonfinite_steps": ">=0",
 }
+
+
+def _validate_token_budgets(cfg: Config) -> None:
+    """With use_dynamic_bsz, every budget must hold the longest possible sequence (it is never cut)."""
+    arr = cfg.actor_rollout_ref
+    actor, ref, critic = arr.actor.megatron, arr.ref.megatron, cfg.critic.megatron
+    passes = [  # (switch, budget, the model's megatron section: its TP and sequence parallelism)
+        (
+            "actor_rollout_ref.actor.use_dynamic_bsz",
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+            actor,
+        ),
+        (
+            "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz",
+            "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+            actor,
+        ),
+    ]
+    if arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:  # the reference model runs
+        passes.append(
+            (
+                "actor_rollout_ref.ref.log_prob_use_dynamic_bsz",
+                "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+                ref,
+            )
+        )
+    if cfg.critic.enable:
+        passes += [
+            ("critic.use_dynamic_bsz", "critic.ppo_max_token_len_per_gpu", critic),
+            ("critic.use_dynamic_bsz", "critic.forward_max_token_len_per_gpu", critic),
+        ]
+    for flag, key, mcfg in passes:
+        longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+        tp = mcfg.tensor_model_parallel_size or 1
+        if tp > 1 and mcfg.sequence_parallel:
+            longest = -(-longest // tp) * tp  # sequence parallelism pads each micro-batch to a multiple of TP
+        budget = get_key(cfg, key)
+        if get_key(cfg, flag) and budget is not None and budget < longest:
+            raise ConfigError(
+                f"{key}={budget} is shorter than the longest sequence, {longest} tokens "
+                "(data.max_prompt_length + data.max_response_length): raise it to at least "
+                f"{longest} (a sequence is never cut)."
+            )
 
 
 def range_rule(key: str) -> str | None:
@@ -247,7 +291,7 @@ def validate(cfg: Config, world_size: int, model_dims: dict[str, int] | None = N
         )
     seqs_per_rank = actor.ppo_mini_batch_size * rollout.n // dp
     micro = actor.ppo_micro_batch_size_per_gpu
-    if micro <= 0 or seqs_per_rank % micro:
+    if not actor.use_dynamic_bsz and (micro <= 0 or seqs_per_rank % micro):
         fits = [d for d in range(1, seqs_per_rank + 1) if seqs_per_rank % d == 0]
         raise ConfigError(
             f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro} must be positive and divide "
@@ -264,11 +308,12 @@ def validate(cfg: Config, world_size: int, model_dims: dict[str, int] | None = N
             )
         crit_seqs = crit_mb * rollout.n // dp
         crit_micro = cfg.critic.ppo_micro_batch_size_per_gpu
-        if crit_micro <= 0 or crit_seqs % crit_micro:
+        if not cfg.critic.use_dynamic_bsz and (crit_micro <= 0 or crit_seqs % crit_micro):
             raise ConfigError(
                 f"critic.ppo_micro_batch_size_per_gpu={crit_micro} must be positive and divide "
                 f"critic.ppo_mini_batch_size x rollout.n / data-parallel size = {crit_seqs}."
             )
+    _validate_token_budgets(cfg)
     if cfg.algorithm.adv_estimator in ("grpo", "rloo") and rollout.n < 2:
         raise ConfigError(
             f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares samples of one prompt: "

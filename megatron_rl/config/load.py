@@ -142,6 +142,15 @@ def _fill_derived(cfg: Config) -> None:
         cfg.critic.ppo_mini_batch_size = arr.actor.ppo_mini_batch_size
     if cfg.critic.ppo_epochs is None:
         cfg.critic.ppo_epochs = arr.actor.ppo_epochs
+    for section in (arr.rollout, arr.ref):
+        if section.log_prob_use_dynamic_bsz is None:
+            section.log_prob_use_dynamic_bsz = arr.actor.use_dynamic_bsz
+        if section.log_prob_max_token_len_per_gpu is None:
+            section.log_prob_max_token_len_per_gpu = arr.actor.ppo_max_token_len_per_gpu
+    if cfg.critic.use_dynamic_bsz is None:
+        cfg.critic.use_dynamic_bsz = arr.actor.use_dynamic_bsz
+    if cfg.critic.forward_max_token_len_per_gpu is None:
+        cfg.critic.forward_max_token_len_per_gpu = cfg.critic.ppo_max_token_len_per_gpu
     if cfg.critic.enable is None:
         cfg.critic.enable = cfg.algorithm.adv_estimator == "gae"
     if cfg.data.tokenizer is None:

@@ -167,6 +167,13 @@ class ActorConfig:
     """Prompts per optimizer step (over all DP ranks, before rollout.n)."""
     ppo_micro_batch_size_per_gpu: int = 4
     """Sequences per forward/backward on one GPU; gradients accumulate over micro-batches."""
+    use_dynamic_bsz: bool = False
+    """Form micro-batches by a token budget (length-sorted, each cut to its own longest sequence)
+    instead of ppo_micro_batch_size_per_gpu sequences; the default of the ref, rollout and critic
+    passes' *use_dynamic_bsz."""
+    ppo_max_token_len_per_gpu: int = 16384
+    """use_dynamic_bsz: most tokens (padding included) in one update micro-batch on one GPU; the
+    default of the ref and rollout log_prob_max_token_len_per_gpu."""
     ppo_epochs: int = 1
     """Passes over the rollout batch per PPO step."""
     shuffle: bool = False
@@ -209,6 +216,10 @@ class ActorConfig:
 class RefConfig:
     log_prob_micro_batch_size_per_gpu: int = 8
     """Sequences per forward when computing reference log-probs."""
+    log_prob_use_dynamic_bsz: bool | None = None
+    """Token-budget micro-batches for the reference log-probs; None means actor.use_dynamic_bsz."""
+    log_prob_max_token_len_per_gpu: int | None = None
+    """Most tokens in one reference forward; None means actor.ppo_max_token_len_per_gpu."""
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     """Parallel layout of the reference model (TP/PP must equal the actor's)."""
 
@@ -255,6 +266,10 @@ class RolloutConfig:
     """Capture CUDA graphs for decoding (SGLang)."""
     log_prob_micro_batch_size_per_gpu: int = 8
     """Sequences per forward when recomputing old log-probs."""
+    log_prob_use_dynamic_bsz: bool | None = None
+    """Token-budget micro-batches for the old log-probs; None means actor.use_dynamic_bsz."""
+    log_prob_max_token_len_per_gpu: int | None = None
+    """Most tokens in one old-log-prob forward; None means actor.ppo_max_token_len_per_gpu."""
     update_weights_bucket_megabytes: int = 512
     """Size of the buckets in which weights are streamed into the engine."""
     calculate_log_probs: bool = False
@@ -286,6 +301,13 @@ class CriticConfig:
     """Prompts per critic optimizer step; defaults to the actor's."""
     ppo_micro_batch_size_per_gpu: int = 4
     """Sequences per critic forward/backward on one GPU."""
+    use_dynamic_bsz: bool | None = None
+    """Token-budget micro-batches for the values and the critic update; None means
+    actor_rollout_ref.actor.use_dynamic_bsz."""
+    ppo_max_token_len_per_gpu: int = 32768
+    """use_dynamic_bsz: most tokens (padding included) in one critic update micro-batch on one GPU."""
+    forward_max_token_len_per_gpu: int | None = None
+    """use_dynamic_bsz: most tokens in one values forward; None means critic.ppo_max_token_len_per_gpu."""
     ppo_epochs: int | None = None
     """Critic passes per PPO step; defaults to the actor's."""
     shuffle: bool = False

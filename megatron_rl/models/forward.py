@@ -40,16 +40,30 @@ def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (~allowed)[:, None]
 
 
+Positions = slice | torch.Tensor
+"""Sequence positions: one slice for every row, or per-row positions [b, r] (long)."""
+
+
+def select_positions(x: torch.Tensor, where: Positions, seq_first: bool) -> torch.Tensor:
+    """``x`` [s, b, ...] (``seq_first``) or [b, s, ...] at positions ``where``: [r, b, ...] or [b, r, ...]."""
+    if isinstance(where, slice):
+        return x[where] if seq_first else x[:, where]
+    rows = torch.arange(where.shape[0], device=x.device)
+    where = where.to(x.device)
+    return x[where.T, rows] if seq_first else x[rows[:, None], where]
+
+
 @contextlib.contextmanager
-def output_positions(model: torch.nn.Module, positions: slice | None) -> Iterator[None]:
-    """Only sequence ``positions`` reach the output layer: the model returns [b, len(positions), ...].
+def output_positions(model: torch.nn.Module, positions: Callable[[], Positions] | None) -> Iterator[None]:
+    """Only sequence positions ``positions()`` reach the output layer: the model returns [b, r, ...].
 
     Log-probs need the LM head on the response positions alone; with a 150k vocabulary the head is
     ~15% of a 1.5B model's FLOPs and its [b, s, V/TP] logits the largest activation, so computing it
     on the prompt too would waste both. A forward pre-hook slices the decoder output [s, b, h] before
-    the head; gradients flow back to those positions. Under sequence parallelism the decoder output is
-    [s/TP, b, h]: the hook gathers it first and the head runs without its own gather (one all-reduce of
-    the sliced input's gradient replaces the head's reduce-scatter).
+    the head; gradients flow back to those positions. ``positions`` is asked at every forward (the
+    micro-batches of one pass may have different widths). Under sequence parallelism the decoder output
+    is [s/TP, b, h]: the hook gathers it first and the head runs without its own gather (one all-reduce
+    of the sliced input's gradient replaces the head's reduce-scatter).
     """
     head = getattr(model, "output_layer", None)  # absent before the last pipeline stage
     if positions is None or head is None:
@@ -58,12 +72,13 @@ def output_positions(model: torch.nn.Module, positions: slice | None) -> Iterato
     sequence_parallel = getattr(head, "sequence_parallel", False)
 
     def keep(module, args, kwargs):
+        where = positions()
         x = args[0]
         if sequence_parallel:
             from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
             x = gather_from_sequence_parallel_region(x, False)
-        return (x[positions], *args[1:]), kwargs
+        return (select_positions(x, where, seq_first=True), *args[1:]), kwargs
 
     handle = head.register_forward_pre_hook(keep, with_kwargs=True)
     head.sequence_parallel = False
@@ -74,32 +89,51 @@ def output_positions(model: torch.nn.Module, positions: slice | None) -> Iterato
         handle.remove()
 
 
+@contextlib.contextmanager
+def _variable_shapes(config, on: bool) -> Iterator[None]:
+    """Pipeline p2p sends each activation's shape first when the micro-batches differ in shape."""
+    before = config.variable_seq_lengths
+    config.variable_seq_lengths = before or on
+    try:
+        yield
+    finally:
+        config.variable_seq_lengths = before
+
+
 def run_pipeline(
     model: torch.nn.Module,
     ps: ParallelState,
     microbatches: Sequence[Any],
     loss_fn: Callable[[Any, torch.Tensor], Any],
     forward_only: bool,
-    positions: slice | None = None,
+    positions: Callable[[Any], Positions] | None = None,
 ) -> list:
-    """One pass over ``microbatches`` (all of one shape [b, s]) through the pipeline schedule.
+    """One pass over ``microbatches`` ([b, s] each; shapes may differ between micro-batches) through
+    the pipeline schedule.
 
     ``model`` is a model built by :mod:`megatron_rl.models.builder` or its DDP wrapper (training).
     Returns what ``loss_fn`` produced per micro-batch on the last stage (forward only), or the
-    metrics dicts (training); an empty list on other stages. With ``positions``, the last stage's
-    output covers only those sequence positions (:func:`output_positions`). Under sequence parallelism
-    the inputs are right-padded to a multiple of TP (outputs then hold the padded positions too).
+    metrics dicts (training); an empty list on other stages. With ``positions(mb)``, the last stage's
+    output covers only those sequence positions of ``mb`` (:func:`output_positions`). Under sequence
+    parallelism each micro-batch is right-padded to a multiple of TP (outputs then hold the padded
+    positions too).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    inner = getattr(model, "module", model)
+    multiple = ps.tp_size if inner.config.sequence_parallel else 1
+    shapes = {tuple(mb.input_ids.shape) for mb in microbatches}
     b, s = microbatches[0].input_ids.shape
-    pad = -s % ps.tp_size if model.config.sequence_parallel else 0
+    current: list[Positions] = []  # the response positions of the micro-batch in the forward
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
         ids, keep = mb.input_ids, mb.attention_mask
+        pad = -ids.shape[1] % multiple
         if pad:
             ids, keep = F.pad(ids, (0, pad)), F.pad(keep, (0, pad))
+        if positions is not None:
+            current[:] = [positions(mb)]
         out = model(ids, None, causal_padding_mask(keep))
 
         def on_output(output, non_loss_data=False):
@@ -107,13 +141,17 @@ def run_pipeline(
 
         return out, on_output
 
-    with cpu_bridge.device_mode(), output_positions(getattr(model, "module", model), positions):
+    with (
+        cpu_bridge.device_mode(),
+        output_positions(inner, None if positions is None else lambda: current[0]),
+        _variable_shapes(inner.config, len(shapes) > 1),
+    ):
         return get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iter(microbatches),
             model=[model],
             num_microbatches=len(microbatches),
-            seq_length=s + pad,
+            seq_length=-(-s // multiple) * multiple,
             micro_batch_size=b,
             forward_only=forward_only,
             collect_non_loss_data=forward_only,

@@ -9,7 +9,12 @@ Training runs megatron-core's DDP and optimizer: TP2 with sequence parallelism, 
 DP2 (and every layout but PP2) with the distributed optimizer, PP2 with the plain one. After the
 updates every TP-replicated parameter (norms, Qwen3's q/k norms, value heads) must be bit-identical on
 the TP ranks; the negative control drops the TP sum of Qwen3's q/k-norm gradients and must break that.
-The same checks run over NCCL on 2 GPUs in tests/gpu/test_ppo_gpu.py.
+The dyn_* layouts (two of the pairs) run every pass with token-budget micro-batches (use_dynamic_bsz:
+length-sorted groups of at most MAX_TOKENS tokens, each row compacted to its real tokens, so positions
+shift, shapes change between micro-batches and pipeline stages exchange shapes) and must match the same
+unsharded fixed-size oracle; the actor and critic losses are seq-mean-token-sum-norm, whose constant
+must not become a micro-batch's own width; their plans must respect the budget, with equal micro-batch
+counts on every rank of a pass. The same checks run over NCCL on 2 GPUs in tests/gpu/test_ppo_gpu.py.
 
 Tolerances (fp32; O(1) random weights, |log-probs| up to ~30 at temperature 2):
 - log-probs and entropies vs the HF model: 1e-4 absolute (observed <= 1e-5);
@@ -41,7 +46,13 @@ LAYOUTS = {  # name: (tp, pp, nproc, micro-batch size, extra worker arguments)
     "pp2": (1, 2, 2, 2, ["--no-distributed-optimizer"]),
     "tp2pp2": (2, 2, 4, 2, ["--no-sequence-parallel"]),
     "dp2": (1, 1, 2, 2, []),
+    "dyn_tp1": (1, 1, 1, 8, ["--max-tokens", "24"]),
+    "dyn_tp2": (2, 1, 2, 2, ["--max-tokens", "24"]),
+    "dyn_pp2": (1, 2, 2, 2, ["--no-distributed-optimizer", "--max-tokens", "24"]),
+    "dyn_dp2": (1, 1, 2, 2, ["--max-tokens", "24"]),
 }
+MAX_TOKENS = 24
+DYNAMIC = [name for name in LAYOUTS if name.startswith("dyn_")]
 SHARDED = [name for name in LAYOUTS if name != "tp1"]
 # Each architecture once as actor (LM head; tied where it has the option) and once as critic.
 PAIRS = {  # name: ((actor arch, tie embeddings), critic arch)
@@ -51,6 +62,7 @@ PAIRS = {  # name: ((actor arch, tie embeddings), critic arch)
     "mistral": (("mistral", False), "phi3"),
     "phi3": (("phi3", False), "qwen2"),
 }
+DYNAMIC_PAIRS = ("qwen2", "qwen3")  # the dyn_* layouts: a tied actor, and q/k norms
 LOGP_HF_TOL = 1e-4
 LAYOUT_TOL = 5e-5
 METRIC_RTOL, METRIC_ATOL = 1e-4, 1e-5
@@ -80,6 +92,8 @@ def run_layout(root, name: str, pairs: dict[str, tuple[str, str]], extra_args: l
     from tests.conftest import run_torchrun
 
     tp, pp, nproc, micro, layout_args = LAYOUTS[name]
+    if name in DYNAMIC:
+        pairs = {p: pairs[p] for p in DYNAMIC_PAIRS}
     d = root / name
     d.mkdir()
     args = ["--models", *(f"{p}={a},{c}" for p, (a, c) in pairs.items())]
@@ -93,7 +107,8 @@ def read_pair(d) -> dict:
     weights = {
         os.path.basename(f)[len("weights_") : -3]: torch.load(f) for f in glob.glob(str(d / "weights_*.pt"))
     }
-    return {"result": read_json(str(d / "result.json")), "weights": weights}
+    plans = {os.path.basename(f)[5:-5]: read_json(f) for f in glob.glob(str(d / "plan_*.json"))}
+    return {"result": read_json(str(d / "result.json")), "weights": weights, "plans": plans}
 
 
 def run_all_layouts(root, extra_args: list[str], max_procs: int = 4) -> dict:
@@ -130,8 +145,12 @@ def test_log_probs_match_hf(runs, layout, pair):
     assert r["logp_only_vs_with_entropy"] < LAYOUT_TOL  # with_entropy=False, other micro-batches
 
 
-@pytest.mark.parametrize("pair", list(PAIRS))
-@pytest.mark.parametrize("layout", SHARDED)
+def _cases(layouts: list[str]) -> list[tuple[str, str]]:
+    """(layout, pair) of every pair the layout runs."""
+    return [(lay, p) for lay in layouts for p in (DYNAMIC_PAIRS if lay in DYNAMIC else PAIRS)]
+
+
+@pytest.mark.parametrize("layout,pair", _cases(SHARDED))
 def test_forward_passes_match_tp1(runs, layout, pair):
     ref, r = runs["tp1"][pair]["result"], _layout(runs, layout)[pair]["result"]
     for key in ("logp", "entropy", "values"):
@@ -146,8 +165,7 @@ def assert_metrics_match(ref: dict, r: dict, where: str) -> None:
             assert r[role][key] == pytest.approx(want, rel=METRIC_RTOL, abs=METRIC_ATOL), f"{key} at {where}"
 
 
-@pytest.mark.parametrize("pair", list(PAIRS))
-@pytest.mark.parametrize("layout", SHARDED)
+@pytest.mark.parametrize("layout,pair", _cases(SHARDED))
 def test_update_metrics_match_tp1(runs, layout, pair):
     r = _layout(runs, layout)[pair]["result"]
     assert_metrics_match(runs["tp1"][pair]["result"], r, f"{layout} ({pair})")
@@ -196,8 +214,7 @@ def _stages(run: dict, role: str, dp: int = 0) -> list[dict[str, torch.Tensor]]:
     return [w[role] for k, w in sorted(run["weights"].items()) if k.endswith(f"_dp{dp}")]
 
 
-@pytest.mark.parametrize("pair", list(PAIRS))
-@pytest.mark.parametrize("layout", SHARDED)
+@pytest.mark.parametrize("layout,pair", _cases(SHARDED))
 @pytest.mark.parametrize("role", ["actor", "critic"])
 def test_updated_weights_match_tp1(runs, layout, role, pair):
     (ref,) = _stages(runs["tp1"][pair], role)
@@ -257,10 +274,29 @@ def test_replica_check_catches_a_missing_qk_norm_reduction(tmp_path):
         assert_metrics_match(runs["tp1"]["result"], runs["broken"]["result"], "broken")
 
 
-@pytest.mark.parametrize("pair", list(PAIRS))
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout,pair", _cases(list(LAYOUTS)))
 def test_policy_loss_moves_log_probs_in_the_direction_of_the_advantage(runs, layout, pair):
     d = _layout(runs, layout)[pair]["result"]["direction"]
     assert d["n_pos"] > 10 and d["n_neg"] > 10
     assert d["mean_delta_pos"] > 0 > d["mean_delta_neg"], d
     assert d["frac_right_direction"] > 0.8, d
+
+
+@pytest.mark.parametrize("layout", DYNAMIC)
+def test_token_budget_plans(runs, layout):
+    """Every micro-batch of every pass within the budget; one micro-batch count per pass on every rank
+    (pipeline stages, TP ranks, DP replicas); padding far below the fixed path's."""
+    import json
+
+    for pair in DYNAMIC_PAIRS:
+        plans = _layout(runs, layout)[pair]["plans"]
+        assert len(plans) == LAYOUTS[layout][2]
+        passes = [p["micro_batch_tokens"] for p in plans.values()]
+        # old log-probs, 2 epochs x 2 mini-batches of the actor, values, 2 x 2 of the critic
+        assert all(len(p) == 10 for p in passes)
+        for i in range(10):
+            counts = {len(p[i]) for p in passes}
+            assert len(counts) == 1, f"{layout} {pair} pass {i}: micro-batch counts differ {counts}"
+            assert max(max(p[i]) for p in passes) <= MAX_TOKENS
+        assert max(len(p[0]) for p in passes) > 1, "the budget should split the log-prob pass"
+        assert all(p["padding"] < 0.35 for p in plans.values()), json.dumps(plans)

@@ -81,6 +81,7 @@ def test_loop_runs_and_logs_verl_metrics(demo, tmp_path, torchrun):
         "timing_s/save_checkpoint",
         "perf/throughput",
         "perf/max_memory_allocated_gb",
+        "perf/padding_fraction",
         "val-core/toy/copy_last_digit/reward/mean@1",
     ):
         assert key in last, key
@@ -139,6 +140,28 @@ def test_loop_runs_and_logs_verl_metrics(demo, tmp_path, torchrun):
     assert AutoTokenizer.from_pretrained(hf_dir).encode("copy 3 7 1 =") == AutoTokenizer.from_pretrained(
         demo["model"]
     ).encode("copy 3 7 1 =")
+
+
+def test_token_budget_micro_batches_give_the_fixed_path_numbers(demo, tmp_path, torchrun):
+    """use_dynamic_bsz (budget 64 tokens: micro-batches of 3-4 compacted sequences) computes the same
+    step as fixed micro-batches of 8 padded ones, with the reference model in the step too."""
+    kw = {"trainer.total_training_steps": 1, "actor_rollout_ref.actor.use_kl_loss": True}
+    dyn = {
+        "actor_rollout_ref.actor.use_dynamic_bsz": True,
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 64,
+    }
+    runs = {}
+    for name, extra in (("fixed", {}), ("dynamic", dyn)):
+        out = str(tmp_path / name)
+        torchrun("train.py", 2, overrides(demo, out, **kw, **extra))
+        (runs[name],) = metrics(out)
+    fixed, dynamic = runs["fixed"], runs["dynamic"]
+    for key, want in stable(fixed).items():
+        if isinstance(want, float) and key != "training/epoch":
+            assert dynamic[key] == pytest.approx(want, rel=1e-4, abs=1e-5), key
+    assert dynamic["actor/kl_loss"] > 0 and dynamic["critic/vf_loss"] > 0
+    # the fixed path pads every sequence to the batch's longest; the budget groups similar lengths
+    assert dynamic["perf/padding_fraction"] < fixed["perf/padding_fraction"]
 
 
 OFFLOAD_ALL = {

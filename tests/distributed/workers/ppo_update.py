@@ -10,6 +10,9 @@ the same sets of sequences as at DP=1. Steps:
 2. update_actor and update_critic (2 epochs x 2 mini-batches: 4 optimizer steps each);
 3. direction check: a second, on-policy update with per-sequence advantages of +-1, then log-probs again.
 
+With --max-tokens every pass forms its micro-batches by that token budget (use_dynamic_bsz) and every
+rank writes the processed tokens of each micro-batch of each pass to plan_pp{P}_tp{T}_dp{D}.json.
+
 Several actor/critic pairs run one after another in one launch (``--models NAME=ACTOR,CRITIC ...``).
 Outputs in --out/NAME: result.json (rank 0: metrics, gathered log-probs/values, checks) and, from every
 TP-rank-0 process, weights_pp{P}_dp{D}.pt: this stage's updated weights in HF names (TP shards
@@ -26,6 +29,7 @@ import torch.distributed as dist
 
 from megatron_rl.batch import RolloutBatch, SeqMeta
 from megatron_rl.config import ActorConfig, CriticConfig, MegatronConfig, OptimConfig
+from megatron_rl.microbatches import MicroBatching, TokenStats
 from megatron_rl.model_args import DTYPES, load_model_args
 from megatron_rl.models.builder import (
     TrainingOptions,
@@ -189,6 +193,7 @@ def main():
     ap.add_argument("--no-sequence-parallel", action="store_true")
     ap.add_argument("--no-distributed-optimizer", action="store_true")
     ap.add_argument("--break-qk-norm-reduction", action="store_true", help="negative control")
+    ap.add_argument("--max-tokens", type=int, default=None, help="token budget per micro-batch (dynamic)")
     a = ap.parse_args()
     ps = init_parallel(a.tp, a.pp, seed=1, device=a.device)
     for spec in a.models:
@@ -214,14 +219,23 @@ def run_pair(ps, a, actor_dir: str, critic_dir: str, out_dir: str) -> None:
     ex = {k: v[rows].to(ps.device) for k, v in extra.items()}
     mask = batch.response_mask
     res: dict = {"layout": {"tp": ps.tp_size, "pp": ps.pp_size, "dp": ps.dp_size}}
+    dynamic = a.max_tokens is not None
+    tokens = TokenStats()
+
+    def forward_micro(size: int) -> MicroBatching:
+        return MicroBatching.of(size, dynamic, a.max_tokens, "--max-tokens")
+
+    budget = {"use_dynamic_bsz": dynamic, "ppo_max_token_len_per_gpu": a.max_tokens or 1}
 
     # ---- actor ----
     actor = build_model(actor_args, ps, "actor", dtype=dtype, options=options)
     load_hf_weights(actor, actor_dir, ps)
     if a.break_qk_norm_reduction:
         break_qk_norm_reduction(actor)
-    lp, ent = compute_log_probs(actor, ps, batch, LOGPROB_MICRO, TEMPERATURE, with_entropy=True)
-    lp_only = compute_log_probs(actor, ps, batch, 4, TEMPERATURE)
+    lp, ent = compute_log_probs(
+        actor, ps, batch, forward_micro(LOGPROB_MICRO), TEMPERATURE, with_entropy=True, stats=tokens
+    )
+    lp_only = compute_log_probs(actor, ps, batch, forward_micro(4), TEMPERATURE)
     res["logp_only_vs_with_entropy"] = (lp_only - lp).abs().max().item()
     glp, gent = gather_dp(lp, ps), gather_dp(ent, ps)
     res["logp"], res["entropy"] = glp.tolist(), gent.tolist()
@@ -235,13 +249,14 @@ def run_pair(ps, a, actor_dir: str, critic_dir: str, out_dir: str) -> None:
     actor_cfg = ActorConfig(
         ppo_mini_batch_size=MINI_PROMPTS,
         ppo_micro_batch_size_per_gpu=a.micro,
+        **budget,
         ppo_epochs=2,
         clip_ratio=0.2,
         clip_ratio_high=0.28,
         clip_ratio_c=3.0,
         # per-sequence token sums over a constant (Dr. GRPO): the denominator counts sequences over DP
         loss_agg_mode="seq-mean-token-sum-norm",
-        loss_scale_factor=float(R),
+        loss_scale_factor=None,  # the batch's response width R: a constant, whatever the micro-batches
         entropy_coeff=0.01,
         use_kl_loss=True,
         kl_loss_coef=0.1,
@@ -257,7 +272,7 @@ def run_pair(ps, a, actor_dir: str, critic_dir: str, out_dir: str) -> None:
         ),
     )
     opt = ModelOptimizer(actor, actor_cfg.optim, mcfg, ps, total_steps=4)
-    res["actor"] = update_actor(actor, opt, ps, batch, actor_cfg, ROLLOUT_N, TEMPERATURE)
+    res["actor"] = update_actor(actor, opt, ps, batch, actor_cfg, ROLLOUT_N, TEMPERATURE, stats=tokens)
     res["actor_steps"] = opt.num_steps
     actor_w, padded_max = hf_named_weights(actor, ps, "actor")
 
@@ -270,16 +285,17 @@ def run_pair(ps, a, actor_dir: str, critic_dir: str, out_dir: str) -> None:
         with torch.no_grad():
             critic.output_layer.weight.copy_(torch.randn(1, h, generator=g) / h**0.5)
             critic.output_layer.bias.copy_(torch.randn(1, generator=g))
-    values = compute_values(critic, ps, batch, LOGPROB_MICRO)
+    values = compute_values(critic, ps, batch, forward_micro(LOGPROB_MICRO), stats=tokens)
     res["values"] = gather_dp(values, ps).tolist()
     batch.values = (values + ex["value_noise"]) * mask
     batch.returns = (batch.values + ex["return_noise"]) * mask
     critic_cfg = CriticConfig(
         ppo_mini_batch_size=MINI_PROMPTS,
         ppo_micro_batch_size_per_gpu=a.micro,
+        **budget,
         ppo_epochs=2,
         cliprange_value=0.5,
-        loss_agg_mode="seq-mean-token-mean",
+        loss_agg_mode="seq-mean-token-sum-norm",
         optim=OptimConfig(
             lr=2e-3,
             min_lr=0.0,
@@ -291,17 +307,18 @@ def run_pair(ps, a, actor_dir: str, critic_dir: str, out_dir: str) -> None:
         ),
     )
     copt = ModelOptimizer(critic, critic_cfg.optim, mcfg, ps, total_steps=4)
-    res["critic"] = update_critic(critic, copt, ps, batch, critic_cfg, ROLLOUT_N)
+    res["critic"] = update_critic(critic, copt, ps, batch, critic_cfg, ROLLOUT_N, stats=tokens)
     critic_w, _ = hf_named_weights(critic, ps, "critic")
     replica_diff = max(tp_replica_diff(actor, ps), tp_replica_diff(critic, ps))
 
     # ---- direction: an on-policy update with per-sequence advantages +-1 ----
-    lp_now = compute_log_probs(actor, ps, batch, LOGPROB_MICRO, TEMPERATURE)
+    lp_now = compute_log_probs(actor, ps, batch, forward_micro(LOGPROB_MICRO), TEMPERATURE)
     adv = ex["signs"][:, None] * mask
     batch.old_log_probs, batch.advantages, batch.rollout_is_weights = lp_now, adv, None
     dir_cfg = ActorConfig(
         ppo_mini_batch_size=N_PROMPTS,
         ppo_micro_batch_size_per_gpu=a.micro,
+        **budget,
         ppo_epochs=1,
         clip_ratio=0.2,
         optim=OptimConfig(lr=1e-3, lr_warmup_steps=0, weight_decay=0.0, clip_grad=0.0),
@@ -317,7 +334,9 @@ def run_pair(ps, a, actor_dir: str, critic_dir: str, out_dir: str) -> None:
         ROLLOUT_N,
         TEMPERATURE,
     )
-    delta = gather_dp(compute_log_probs(actor, ps, batch, LOGPROB_MICRO, TEMPERATURE) - lp_now, ps)
+    delta = gather_dp(
+        compute_log_probs(actor, ps, batch, forward_micro(LOGPROB_MICRO), TEMPERATURE) - lp_now, ps
+    )
     gadv, gmask = gather_dp(adv, ps), gather_dp(mask, ps).bool()
     pos, neg = (gadv > 0) & gmask, (gadv < 0) & gmask
     res["direction"] = {
@@ -341,6 +360,12 @@ def run_pair(ps, a, actor_dir: str, critic_dir: str, out_dir: str) -> None:
     if ps.rank == 0:
         with open(os.path.join(out_dir, "result.json"), "w") as f:
             json.dump(res, f)
+    if dynamic:  # old log-probs, update_actor's 4 mini-batches, values, update_critic's 4
+        name = f"plan_pp{ps.pp_rank}_tp{ps.tp_rank}_dp{ps.dp_rank}.json"
+        with open(os.path.join(out_dir, name), "w") as f:
+            json.dump(
+                {"micro_batch_tokens": tokens.micro_batch_tokens, "padding": tokens.padding_fraction()}, f
+            )
     dist.barrier()
 
 

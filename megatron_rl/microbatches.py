@@ -1,0 +1,220 @@
+"""Micro-batches of one pass: a fixed number of sequences, or a token budget (dynamic batching).
+
+Every pass over this rank's sequences (old and reference log-probs, values, each mini-batch of the actor
+and critic updates) is cut into micro-batches; each runs as one forward (and backward) through
+:func:`megatron_rl.models.forward.run_pipeline`. Shapes: B sequences, prompts left padded to P, responses
+right padded to R.
+
+Fixed size (``use_dynamic_bsz=false``): ``size`` sequences each, in batch order, at the full width
+[size, P+R]. The last micro-batch is filled up with copies of row 0 (their outputs are dropped) because
+every micro-batch of a fixed pass has one shape.
+
+Token budget (``use_dynamic_bsz=true``): the sequences (prompt + response) are sorted longest first and
+cut into consecutive groups; a sequence joins the open group while ``rows x its longest sequence`` stays
+within ``max_tokens``. Each micro-batch is compacted (:meth:`RolloutBatch.compacted`): every row's real
+tokens move to the front and the row is cut to the group's longest sequence, [b, L]; the head reads
+each row's response positions by index. A group of similar lengths so carries little padding. The
+micro-batch count is
+made equal over the data-parallel ranks (a rank with fewer splits its largest groups), so that every
+DP replica runs the same number of forward/backward steps; the stages of one pipeline hold the same rows
+and so make the same plan. Compacting shifts every position of a row by the same amount (its prompt's
+left padding), and RoPE depends on position differences only, so log-probs and values do not change
+(beyond float rounding). The loss normalisation does not depend on the split either (ppo.py divides
+by mini-batch counts).
+
+Packing several sequences into one row (attention restricted to each, RoPE restarting per sequence)
+would remove the remaining padding, but needs a variable-length attention kernel (Transformer Engine's
+THD layout). The attention here takes a dense [b, 1, s, s] mask, whose cost grows with the square of the
+packed row, so compacted length-sorted micro-batches are the cheaper way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.batch import RolloutBatch
+from megatron_rl.config import Config, ConfigError
+
+
+@dataclass(frozen=True)
+class MicroBatching:
+    """How one pass cuts its sequences into micro-batches."""
+
+    size: int
+    """Sequences per micro-batch (fixed-size path)."""
+    max_tokens: int | None = None
+    """Token budget per micro-batch, padding included (dynamic path); None: the fixed-size path."""
+    key: str = "max_token_len_per_gpu"
+    """The config key that sets ``max_tokens`` (named in errors)."""
+
+    @property
+    def dynamic(self) -> bool:
+        return self.max_tokens is not None
+
+    @classmethod
+    def of(cls, size: int, dynamic: bool | None, max_tokens: int | None, key: str) -> MicroBatching:
+        """From a pass's config keys: ``size`` sequences, or ``max_tokens`` (set by ``key``) when
+        ``dynamic``."""
+        if dynamic and max_tokens is None:
+            raise ConfigError(f"use_dynamic_bsz needs {key} (load the config with load_config)")
+        return cls(size, max_tokens if dynamic else None, key)
+
+
+@dataclass
+class TokenStats:
+    """Tokens processed by the training passes of one step: real ones, and all (padding included)."""
+
+    real: int = 0
+    processed: int = 0
+    micro_batch_tokens: list[list[int]] = field(default_factory=list)
+    """Per pass, the processed tokens of each micro-batch (padding included)."""
+
+    def add_pass(self, micro_batches: list[RolloutBatch], real: int, multiple: int) -> None:
+        sizes = [len(mb) * _round_up(mb.input_ids.shape[1], multiple) for mb in micro_batches]
+        self.micro_batch_tokens.append(sizes)
+        self.real += real
+        self.processed += sum(sizes)
+
+    def padding_fraction(self, dp_group=None, device=None) -> float:
+        """Padded tokens / tokens processed, summed over the data-parallel group."""
+        counts = torch.tensor([self.real, self.processed], dtype=torch.float64, device=device)
+        if dp_group is not None and dist.get_world_size(dp_group) > 1:
+            dist.all_reduce(counts, group=dp_group)
+        real, processed = counts.tolist()
+        return 1.0 - real / processed if processed else 0.0
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def sequence_lengths(batch: RolloutBatch) -> list[int]:
+    """Real (prompt + response) tokens of each row, from the attention mask."""
+    return batch.attention_mask.bool().sum(1).tolist()
+
+
+def token_budget_groups(
+    lengths: list[int], max_tokens: int, multiple: int = 1, key: str = ""
+) -> list[list[int]]:
+    """Row indices of each micro-batch: longest sequences first, each group within ``max_tokens`` as
+    rows x round_up(its longest sequence, ``multiple``). A sequence that alone exceeds the budget is
+    an error naming ``key``."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    groups: list[list[int]] = []
+    for i in order:
+        width = _round_up(lengths[i], multiple)
+        if width > max_tokens:
+            raise ConfigError(
+                f"a sequence of {lengths[i]} tokens does not fit {key}={max_tokens}: raise {key} to at "
+                f"least {width}."
+            )
+        # the open group's width is its first (longest) sequence's
+        if groups and (len(groups[-1]) + 1) * _round_up(lengths[groups[-1][0]], multiple) <= max_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def split_to_count(groups: list[list[int]], count: int, lengths: list[int]) -> list[list[int]]:
+    """Split the groups with the most tokens in two (halves of their length order) until there are
+    ``count`` (or every group is one row). Splitting never raises a group's padded size."""
+    groups = [list(g) for g in groups]
+    while len(groups) < count:
+
+        def padded(k: int) -> tuple[bool, int]:
+            return len(groups[k]) > 1, len(groups[k]) * max(lengths[i] for i in groups[k])
+
+        j = max(range(len(groups)), key=padded)
+        if len(groups[j]) < 2:
+            break
+        half = len(groups[j]) // 2
+        groups[j : j + 1] = [groups[j][:half], groups[j][half:]]
+    return groups
+
+
+def plan(
+    batch: RolloutBatch, mb: MicroBatching, multiple: int, dp_group=None, device=None
+) -> list[list[int]]:
+    """Row indices of each micro-batch of ``batch`` under ``mb`` (see the module docstring). The fixed
+    path's last group may be short (the caller fills it up)."""
+    n = len(batch)
+    if not mb.dynamic:
+        if mb.size <= 0:
+            raise ValueError(f"micro-batch size must be > 0, got {mb.size}")
+        return [list(range(i, min(i + mb.size, n))) for i in range(0, n, mb.size)]
+    lengths = sequence_lengths(batch)
+    longest = _round_up(max(lengths), multiple)
+    # an over-budget sequence fails on every DP rank together (not one rank, with the others waiting)
+    groups = token_budget_groups(lengths, mb.max_tokens, multiple, mb.key) if longest <= mb.max_tokens else []
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        counts = torch.tensor([len(groups), longest], device=device)
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=dp_group)
+        count, longest = counts.tolist()
+        if longest <= mb.max_tokens:
+            groups = split_to_count(groups, count, lengths)
+    if longest > mb.max_tokens:
+        raise ConfigError(
+            f"a sequence of {longest} tokens does not fit {mb.key}={mb.max_tokens}: raise {mb.key} to at "
+            f"least {longest}."
+        )
+    return groups
+
+
+def micro_batches(
+    batch: RolloutBatch,
+    mb: MicroBatching,
+    multiple: int = 1,
+    dp_group=None,
+    device=None,
+    stats: TokenStats | None = None,
+) -> tuple[list[RolloutBatch], list[list[int]]]:
+    """The micro-batches of ``batch`` and the rows of ``batch`` each holds (fixed path: the filler rows
+    of the last micro-batch are not listed). ``multiple``: the sequence length the forward pads to (TP
+    under sequence parallelism). ``stats`` counts the tokens of this pass."""
+    groups = plan(batch, mb, multiple, dp_group, device)
+    if mb.dynamic:
+        micro = [batch.select(g).compacted() for g in groups]
+    else:
+        last = groups[-1]
+        filled = groups[:-1] + [last + [0] * (mb.size - len(last))]
+        micro = [batch.select(g) for g in filled]
+    if stats is not None:
+        stats.add_pass(micro, int(batch.attention_mask.sum()), multiple)
+    return micro, groups
+
+
+@dataclass(frozen=True)
+class ForwardPasses:
+    """The micro-batching of the forward-only passes of a step, from their config keys."""
+
+    old_log_prob: MicroBatching
+    ref: MicroBatching
+    values: MicroBatching
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> ForwardPasses:
+        rollout, ref, critic = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.ref, cfg.critic
+        return cls(
+            old_log_prob=MicroBatching.of(
+                rollout.log_prob_micro_batch_size_per_gpu,
+                rollout.log_prob_use_dynamic_bsz,
+                rollout.log_prob_max_token_len_per_gpu,
+                "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+            ),
+            ref=MicroBatching.of(
+                ref.log_prob_micro_batch_size_per_gpu,
+                ref.log_prob_use_dynamic_bsz,
+                ref.log_prob_max_token_len_per_gpu,
+                "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+            ),
+            values=MicroBatching.of(
+                critic.ppo_micro_batch_size_per_gpu,
+                critic.use_dynamic_bsz,
+                critic.forward_max_token_len_per_gpu,
+                "critic.forward_max_token_len_per_gpu",
+            ),
+        )
