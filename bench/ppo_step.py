@@ -282,6 +282,8 @@ def main() -> None:
         "--set", action="append", default=[], metavar="KEY=VALUE", help="any other trainer key (repeatable)"
     )
     a = ap.parse_args()
+    if a.response_spread and a.rollout != "sglang":
+        ap.error("--response-spread sets each SGLang request's length: it needs --rollout sglang")
 
     os.makedirs(a.out, exist_ok=True)
     model_dir, tok_dir, data = prepare(

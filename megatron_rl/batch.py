@@ -157,9 +157,10 @@ class RolloutBatch:
         cols = torch.arange(width, device=keep.device)[None]  # [1, L]
         real = cols < length[:, None]  # [b, L]
         src = ((p - p_len)[:, None] + cols).clamp(max=s - 1)  # where each kept token sits now
-        kw = {
+        kw = {  # the [b, R] fields
             name: None if getattr(self, name) is None else getattr(self, name)[:, :r]
             for name in _TENSOR_FIELDS
+            if name not in ("prompts", "input_ids", "attention_mask")
         }
         kw["prompts"] = self.prompts
         kw["input_ids"] = torch.where(real, self.input_ids.gather(1, src), 0)

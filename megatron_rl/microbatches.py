@@ -14,13 +14,12 @@ cut into consecutive groups; a sequence joins the open group while ``rows x its 
 within ``max_tokens``. Each micro-batch is compacted (:meth:`RolloutBatch.compacted`): every row's real
 tokens move to the front and the row is cut to the group's longest sequence, [b, L]; the head reads
 each row's response positions by index. A group of similar lengths so carries little padding. The
-micro-batch count is
-made equal over the data-parallel ranks (a rank with fewer splits its largest groups), so that every
-DP replica runs the same number of forward/backward steps; the stages of one pipeline hold the same rows
-and so make the same plan. Compacting shifts every position of a row by the same amount (its prompt's
-left padding), and RoPE depends on position differences only, so log-probs and values do not change
-(beyond float rounding). The loss normalisation does not depend on the split either (ppo.py divides
-by mini-batch counts).
+micro-batch count is made equal over the data-parallel ranks (a rank with fewer splits its largest
+groups), so that every DP replica runs the same number of forward/backward steps; the stages of one
+pipeline hold the same rows and so make the same plan. Compacting shifts every position of a row by
+the same amount (its prompt's left padding), and RoPE depends on position differences only, so
+log-probs and values do not change (beyond float rounding). The loss normalisation does not depend
+on the split either (ppo.py divides by mini-batch counts).
 
 Packing several sequences into one row (attention restricted to each, RoPE restarting per sequence)
 would remove the remaining padding, but needs a variable-length attention kernel (Transformer Engine's
@@ -91,6 +90,15 @@ def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
 
+def _check_fits(tokens: int, max_tokens: int, key: str) -> None:
+    """A sequence is never cut: one longer than the budget is an error naming the budget's key."""
+    if tokens > max_tokens:
+        raise ConfigError(
+            f"a sequence of {tokens} tokens does not fit {key}={max_tokens}: raise {key} to at least "
+            f"{tokens}."
+        )
+
+
 def sequence_lengths(batch: RolloutBatch) -> list[int]:
     """Real (prompt + response) tokens of each row, from the attention mask."""
     return batch.attention_mask.bool().sum(1).tolist()
@@ -103,14 +111,10 @@ def token_budget_groups(
     rows x round_up(its longest sequence, ``multiple``). A sequence that alone exceeds the budget is
     an error naming ``key``."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    if order:
+        _check_fits(_round_up(lengths[order[0]], multiple), max_tokens, key)
     groups: list[list[int]] = []
     for i in order:
-        width = _round_up(lengths[i], multiple)
-        if width > max_tokens:
-            raise ConfigError(
-                f"a sequence of {lengths[i]} tokens does not fit {key}={max_tokens}: raise {key} to at "
-                f"least {width}."
-            )
         # the open group's width is its first (longest) sequence's
         if groups and (len(groups[-1]) + 1) * _round_up(lengths[groups[-1][0]], multiple) <= max_tokens:
             groups[-1].append(i)
@@ -156,11 +160,7 @@ def plan(
         count, longest = counts.tolist()
         if longest <= mb.max_tokens:
             groups = split_to_count(groups, count, lengths)
-    if longest > mb.max_tokens:
-        raise ConfigError(
-            f"a sequence of {longest} tokens does not fit {mb.key}={mb.max_tokens}: raise {mb.key} to at "
-            f"least {longest}."
-        )
+    _check_fits(longest, mb.max_tokens, mb.key)
     return groups
 
 
@@ -179,9 +179,10 @@ def micro_batches(
     if mb.dynamic:
         micro = [batch.select(g).compacted() for g in groups]
     else:
+        micro = batch.split(mb.size)  # consecutive rows: views, no copy
         last = groups[-1]
-        filled = groups[:-1] + [last + [0] * (mb.size - len(last))]
-        micro = [batch.select(g) for g in filled]
+        if len(last) < mb.size:
+            micro[-1] = batch.select(last + [0] * (mb.size - len(last)))
     if stats is not None:
         stats.add_pass(micro, int(batch.attention_mask.sum()), multiple)
     return micro, groups

@@ -56,7 +56,13 @@ from megatron_rl.algos import (
 from megatron_rl.batch import RolloutBatch
 from megatron_rl.config import ActorConfig, ConfigError, CriticConfig
 from megatron_rl.microbatches import MicroBatching, TokenStats, micro_batches
-from megatron_rl.models.forward import Positions, broadcast_from_last_stage, run_pipeline, select_positions
+from megatron_rl.models.forward import (
+    Positions,
+    broadcast_from_last_stage,
+    run_pipeline,
+    select_positions,
+    sequence_multiple,
+)
 from megatron_rl.models.logprobs import vocab_parallel_log_probs_and_entropy
 from megatron_rl.optim import ModelOptimizer
 from megatron_rl.parallel import ParallelState
@@ -78,9 +84,7 @@ def _split(
     model: nn.Module, ps: ParallelState, batch: RolloutBatch, micro: MicroBatching, stats: TokenStats | None
 ) -> tuple[list[RolloutBatch], list[list[int]]]:
     """``batch``'s micro-batches (and their rows) for ``model``'s forward (padded to TP under SP)."""
-    inner = getattr(model, "module", model)
-    multiple = ps.tp_size if inner.config.sequence_parallel else 1
-    return micro_batches(batch, micro, multiple, ps.dp_group, ps.device, stats)
+    return micro_batches(batch, micro, sequence_multiple(model, ps), ps.dp_group, ps.device, stats)
 
 
 @torch.no_grad()

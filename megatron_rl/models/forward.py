@@ -89,6 +89,11 @@ def output_positions(model: torch.nn.Module, positions: Callable[[], Positions] 
         handle.remove()
 
 
+def sequence_multiple(model: torch.nn.Module, ps: ParallelState) -> int:
+    """The multiple of TP each micro-batch's length is padded to: TP under sequence parallelism, else 1."""
+    return ps.tp_size if getattr(model, "module", model).config.sequence_parallel else 1
+
+
 @contextlib.contextmanager
 def _variable_shapes(config, on: bool) -> Iterator[None]:
     """Pipeline p2p sends each activation's shape first when the micro-batches differ in shape."""
@@ -121,7 +126,7 @@ def run_pipeline(
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     inner = getattr(model, "module", model)
-    multiple = ps.tp_size if inner.config.sequence_parallel else 1
+    multiple = sequence_multiple(model, ps)
     shapes = {tuple(mb.input_ids.shape) for mb in microbatches}
     b, s = microbatches[0].input_ids.shape
     current: list[Positions] = []  # the response positions of the micro-batch in the forward
