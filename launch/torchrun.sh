@@ -34,6 +34,11 @@
 # 130, 140). torchrun gives the ranks TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (default here 600) before
 # SIGKILL. A second Ctrl-C kills torchrun at once, and the ranks with it (they never outlive torchrun).
 # torchrun runs in its own session, so a terminal's Ctrl-C reaches the ranks only through this script.
+#
+# Re-placement: SIGUSR1 to this script (Slurm: scancel --signal=USR1 <job>) is forwarded the same way;
+# the ranks finish their step, save a checkpoint and exit, and the script starts torchrun again with
+# the same arguments: the new ranks resume from that checkpoint (trainer.resume_mode=auto) and read
+# trainer.placement.file anew, so editing that file first moves ranks between roles (docs/placement.md).
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -55,7 +60,7 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export TOKENIZERS_PARALLELISM="${TOKENIZERS_PARALLELISM:-false}"
 # torchrun forwards these to its ranks (SIGUSR2 too: Slurm's warning before the time limit), and waits
 # this long for them to save and exit before SIGKILL.
-export TORCHELASTIC_SIGNALS_TO_HANDLE="${TORCHELASTIC_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2}"
+export TORCHELASTIC_SIGNALS_TO_HANDLE="${TORCHELASTIC_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2,SIGUSR1}"
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}"
 export PYTHONUNBUFFERED=1
 # Multi-node networks: set NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME (e.g. ib0, eth0) and NCCL_IB_HCA
@@ -143,12 +148,10 @@ echo "megatron-rl: node $NODE_RANK of $NNODES on $(hostname): $NPROC_PER_NODE pr
 fifo_dir="$(mktemp -d "${TMPDIR:-/tmp}/megatron-rl-launch.XXXXXX")"
 trap 'rm -rf "$fifo_dir"' EXIT
 mkfifo "$fifo_dir/out"
-(trap '' TERM INT USR2 HUP; exec tee -a "$LOG") < "$fifo_dir/out" &
-tee_pid=$!
 
 pid=""
 stop_sig=""
-forward() {  # $1: TERM | INT | USR2 (a HUP is forwarded as TERM: the ranks save on TERM)
+forward() {  # $1: TERM | INT | USR2 | USR1 (a HUP is forwarded as TERM: the ranks save on TERM)
     [[ -n "$pid" ]] || exit $((128 + $(kill -l "$1")))
     if [[ -n "$stop_sig" ]]; then
         if [[ "$1" == INT ]]; then
@@ -159,32 +162,49 @@ forward() {  # $1: TERM | INT | USR2 (a HUP is forwarded as TERM: the ranks save
         return  # one stop request is enough: a repeat would cut torchrun's own graceful shutdown short
     fi
     stop_sig="$1"
+    local then="exit"
+    [[ "$1" == USR1 ]] && then="restart with trainer.placement.file read anew"
     echo "megatron-rl: node $NODE_RANK received SIG$1; forwarded to torchrun (pid $pid): the ranks finish" \
-         "their step, save a checkpoint and exit (SIGKILL after ${TORCH_ELASTIC_SHUTDOWN_TIMEOUT}s)" \
+         "their step, save a checkpoint and $then (SIGKILL after ${TORCH_ELASTIC_SHUTDOWN_TIMEOUT}s)" \
         | tee -a "$LOG" >&2
     kill -"$1" "$pid" 2> /dev/null
 }
-for sig in TERM INT USR2; do
+for sig in TERM INT USR2 USR1; do
     trap "forward $sig" "$sig"
 done
 trap "forward TERM" HUP
 
-set +e
-# A background command of a script is not a process-group leader, so setsid execs in place: $! is
-# torchrun itself.
-PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" setsid "$PYTHON" -m torch.distributed.run "${args[@]}" \
-    "${entry[@]}" "$@" > "$fifo_dir/out" 2>&1 &
-pid=$!
-while :; do
-    wait "$pid"
-    rc=$?
-    kill -0 "$pid" 2> /dev/null || break  # wait was cut short by a trapped signal: keep waiting
+run_torchrun() {  # one torchrun; sets rc
+    (trap '' TERM INT USR2 USR1 HUP; exec tee -a "$LOG") < "$fifo_dir/out" &
+    local tee_pid=$!
+    set +e
+    # A background command of a script is not a process-group leader, so setsid execs in place: $! is
+    # torchrun itself.
+    PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" setsid "$PYTHON" -m torch.distributed.run "${args[@]}" \
+        "${entry[@]}" "$@" > "$fifo_dir/out" 2>&1 &
+    pid=$!
+    while :; do
+        wait "$pid"
+        rc=$?
+        kill -0 "$pid" 2> /dev/null || break  # wait was cut short by a trapped signal: keep waiting
+    done
+    wait "$tee_pid"
+    set -e
+}
+
+saved_checkpoint() {
+    sed -n 's/.*megatron-rl: received SIG[A-Z0-9]* at step [0-9]*; saved \([^;]*\);.*/\1/p' "$LOG" | tail -n 1
+}
+
+run_torchrun "$@"
+while [[ "$stop_sig" == USR1 && "$rc" != 0 ]]; do
+    echo "megatron-rl: node $NODE_RANK re-placing: starting torchrun again (resumes from $(saved_checkpoint))" \
+        | tee -a "$LOG" >&2
+    pid="" stop_sig=""
+    run_torchrun "$@"
 done
-wait "$tee_pid"
-set -e
 if [[ -n "$stop_sig" && "$rc" != 0 ]]; then
-    saved="$(sed -n 's/.*megatron-rl: received SIG[A-Z0-9]* at step [0-9]*; saved \([^;]*\);.*/\1/p' "$LOG" \
-        | tail -n 1)"
+    saved="$(saved_checkpoint)"
     echo "megatron-rl: node $NODE_RANK stopped by SIG$stop_sig (torchrun exit $rc):" \
          "${saved:+checkpoint $saved; }resume with the same command" | tee -a "$LOG" >&2
     exit $((128 + $(kill -l "$stop_sig")))

@@ -54,6 +54,8 @@ class SeqMeta:
     """The prompt's chat messages (for a reward model that re-renders the conversation)."""
     reward_extras: dict[str, float] = field(default_factory=dict)
     """The numeric keys besides "score" that the reward function returned for this sequence."""
+    policy_version: int = 0
+    """The step whose updated weights generated this sequence (0: the initial weights)."""
 
 
 @dataclass

@@ -62,6 +62,8 @@ log = logging.getLogger(__name__)
 
 LATEST = "latest_checkpointed_iteration.txt"
 ORDER_FILE = "checkpoint_order.txt"
+SHARED_FILE = "shared_state.pt"
+"""Rank 0's state that every rank reads on resume (the separate rollout's queued generations)."""
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 
 
@@ -240,9 +242,11 @@ class CheckpointManager:
         optimizers: dict[str, Any],
         shards: dict[str, Any],
         trainer_state: dict[str, Any],
+        shared: dict[str, Any] | None = None,
     ) -> str:
         """Collective: every rank passes the models, their optimizers (``ModelOptimizer`` by the model's
-        name) and its shard's state dicts; rank 0 publishes.
+        name) and its shard's state dicts; rank 0 publishes, with ``shared`` (the same on every rank:
+        plain lists, numbers and strings) in shared_state.pt.
 
         A write that fails on any rank (a full disk included) fails the save on every rank: the
         partial directory is removed, the tracker and earlier checkpoints are left as they were, and
@@ -274,6 +278,9 @@ class CheckpointManager:
             if ps.dp_rank == 0:
                 with open_private(_shard_file(partial, ps), self.file_mode) as f:
                     torch.save({**shards, "rng": rng_state()}, f)
+            if ps.rank == 0 and shared:
+                with open_private(os.path.join(partial, SHARED_FILE), self.file_mode) as f:
+                    torch.save(shared, f)
             if ps.rank == 0:
                 with open_private(os.path.join(partial, "trainer_state.json"), self.file_mode, False) as f:
                     json.dump({**trainer_state, "global_step": step, "layout": _layout(ps)}, f, indent=1)
@@ -408,6 +415,9 @@ class CheckpointManager:
             load_optimizer(opt, os.path.join(path, f"{name}_optim"))
         shards = torch.load(_shard_file(path, self.ps), map_location="cpu", weights_only=True)
         set_rng_state(shards.pop("rng"))
+        shared = os.path.join(path, SHARED_FILE)
+        if os.path.isfile(shared):
+            trainer_state["shared"] = torch.load(shared, map_location="cpu", weights_only=True)
         return shards, trainer_state
 
 

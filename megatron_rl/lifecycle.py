@@ -3,8 +3,9 @@
 * :func:`die_with_parent` (called first thing in every rank): the kernel sends the rank SIGKILL when
   its parent (torchrun's agent) dies, so ``kill -9`` of torchrun, or of a node's launcher, leaves no
   rank behind holding GPU memory or the checkpoint directory's lock.
-* :class:`PreemptionWatch` (installed by ``Trainer.fit`` for the training loop): SIGTERM, SIGINT and
-  SIGUSR2 only set a flag; after each step every rank asks :meth:`PreemptionWatch.requested`, which
+* :class:`PreemptionWatch` (installed by ``Trainer.fit`` for the training loop): SIGTERM, SIGINT,
+  SIGUSR2 and SIGUSR1 (re-placement: the same save, then the launcher restarts the job) only set a
+  flag; after each step every rank asks :meth:`PreemptionWatch.requested`, which
   agrees over the world (an all-reduce), so all ranks save the same step together and leave with
   :class:`Preempted` (exit status 128 + the signal number: 143 for SIGTERM, 140 for SIGUSR2, 130 for
   SIGINT). A second SIGINT more than :data:`SECOND_INT_AFTER_S` after the first interrupts at once
@@ -27,7 +28,10 @@ from typing import Any
 
 PR_SET_PDEATHSIG = 1
 """prctl option (linux/prctl.h): the signal this process gets when its parent thread exits."""
-SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2, signal.SIGUSR1)
+REPLACE = signal.SIGUSR1
+"""The re-placement request: save like a stop, then ``launch/torchrun.sh`` starts the job again, which
+reads trainer.placement.file anew (docs/placement.md). A stop signal on any rank outranks it."""
 SECOND_INT_AFTER_S = 2.0
 
 
@@ -92,9 +96,12 @@ class PreemptionWatch:
         self.signum = signum
         if os.environ.get("RANK", "0") == "0":
             # os.write, not print: a handler may run in the middle of another print (reentrant I/O).
+            then = (
+                "exiting for re-placement" if signum == REPLACE else "exiting (a second Ctrl-C stops at once)"
+            )
             note = (
                 f"megatron-rl: received {signal.Signals(signum).name}; finishing this step, then saving "
-                "a checkpoint and exiting (a second Ctrl-C stops at once)\n"
+                f"a checkpoint and {then}\n"
             )
             try:
                 os.write(sys.stderr.fileno(), note.encode())

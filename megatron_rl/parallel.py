@@ -39,6 +39,10 @@ class ParallelState:
     """Model-parallel group (TP x PP): every shard of one model replica."""
     embedding_group: dist.ProcessGroup | None
     """First and last pipeline stage, for tied embeddings."""
+    global_rank: int = 0
+    """This process's rank in the whole job (``rank`` is its rank in its world: trainer.placement)."""
+    job_store: dist.Store | None = None
+    """The job's key-value store; set when the rollout has ranks of its own (rollout.remote uses it)."""
 
     @property
     def is_first_stage(self) -> bool:
@@ -90,12 +94,20 @@ def resolve_device(device: str = "auto") -> torch.device:
 
 
 def init_parallel(
-    tp: int = 1, pp: int = 1, seed: int = 42, device: str = "auto", timeout_minutes: int = 30
+    tp: int = 1,
+    pp: int = 1,
+    seed: int = 42,
+    device: str = "auto",
+    timeout_minutes: int = 30,
+    ranks: tuple[int, ...] | None = None,
 ) -> ParallelState:
     """Start torch.distributed (nccl on GPU, gloo on CPU) and megatron's groups; seed every stream.
 
-    Launched by torchrun the world comes from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT; a plain
-    ``python`` process runs as a world of one.
+    Launched by torchrun the job comes from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT; a plain
+    ``python`` process runs as a world of one. ``ranks`` (global ranks, this one among them) makes
+    torch.distributed's world those ranks only, so megatron's groups span exactly them: the training
+    ranks and the rollout ranks of a separate-rollout placement each get their own world, and reach
+    each other through the job's store (``ParallelState.job_store``).
     """
     silence_known_notices()
     from megatron.core import parallel_state as mps
@@ -105,6 +117,7 @@ def init_parallel(
     cpu_bridge.install()
     dev = resolve_device(device)
     backend = "nccl" if dev.type == "cuda" else "gloo"
+    job_rank, job_store = int(os.environ.get("RANK", 0)), None
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -116,7 +129,23 @@ def init_parallel(
             # Binding the communicator to the device creates it eagerly, before any rollout engine
             # starts in this process (the engine's own NCCL setup breaks a lazily created one).
             kwargs["device_id"] = dev
-        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes), **kwargs)
+        timeout = datetime.timedelta(minutes=timeout_minutes)
+        job_rank = int(os.environ["RANK"])
+        if ranks is None or len(ranks) == int(os.environ["WORLD_SIZE"]):
+            dist.init_process_group(backend, timeout=timeout, **kwargs)
+        else:
+            store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+            store.set_timeout(timeout)
+            job_store = store
+            name = "world/" + "-".join(map(str, ranks))
+            dist.init_process_group(
+                backend,
+                store=dist.PrefixStore(name, store),
+                rank=ranks.index(job_rank),
+                world_size=len(ranks),
+                timeout=timeout,
+                **kwargs,
+            )
     world = dist.get_world_size()
     if world % (tp * pp):
         raise RuntimeError(f"world size {world} is not divisible by TP x PP = {tp} x {pp}")
@@ -145,6 +174,8 @@ def init_parallel(
         dp_group=mps.get_data_parallel_group(),
         mp_group=mps.get_model_parallel_group(),
         embedding_group=mps.get_embedding_group(check_initialized=False),
+        global_rank=job_rank,
+        job_store=job_store,
     )
     seed_all(seed, state)
     return state

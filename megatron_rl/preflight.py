@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from megatron_rl.config import ConfigError, validate
+from megatron_rl.config.placement import resolve_placement
 from megatron_rl.errors import LaunchError
 from megatron_rl.explain import explain_text, no_gpu_for_local_rank
 
@@ -33,13 +34,15 @@ def preflight(cfg: Any, world_size: int, env: Mapping[str, str] | None = None) -
     tp, pp = mp.tensor_model_parallel_size, mp.pipeline_model_parallel_size
     per_node = int(env.get("LOCAL_WORLD_SIZE", world_size))
     nodes = max(1, world_size // max(per_node, 1))
-    if tp >= 1 and pp >= 1 and world_size % (tp * pp):
+    train = len(resolve_placement(cfg, world_size).actor)  # the actor's ranks (trainer.placement)
+    if tp >= 1 and pp >= 1 and train % (tp * pp):
+        where = "" if train == world_size else f" (the {train} actor ranks of trainer.placement.actor)"
         raise LaunchError(
-            f"world size {world_size} ({nodes} node(s) x {per_node} process(es) per node) does not fit the "
-            f"parallel layout TP={tp} x PP={pp}: launch a multiple of {tp * pp} processes "
+            f"world size {world_size}{where} ({nodes} node(s) x {per_node} process(es) per node) does not "
+            f"fit the parallel layout TP={tp} x PP={pp}: launch a multiple of {tp * pp} processes "
             "(launch/torchrun.sh --nproc, torchrun --nproc_per_node, sbatch --nodes) or set "
             "actor_rollout_ref.actor.megatron.tensor_model_parallel_size x pipeline_model_parallel_size "
-            f"to a divisor of {world_size}.",
+            f"to a divisor of {train}.",
             same_on_all_ranks=True,
         )
     for key, want, got in (

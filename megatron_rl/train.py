@@ -1,6 +1,7 @@
 """Entry point: ``torchrun --nproc_per_node=N -m megatron_rl.train --config yaml/X.yaml key=value ...``
 
-config -> validate (before any process group) -> parallel groups -> Trainer (models, engine) -> fit.
+config -> validate (before any process group) -> parallel groups -> Trainer (models, engine) -> fit;
+with trainer.placement.rollout on ranks of their own, those ranks serve generations instead.
 """
 
 from __future__ import annotations
@@ -37,14 +38,24 @@ def main(argv: list[str] | None = None) -> None:
             for line in notices:  # verl keys this trainer accepts without acting on them
                 print(f"megatron-rl: {line}", flush=True)
         preflight(cfg, world)
+        from megatron_rl.config.placement import resolve_placement
+        from megatron_rl.parallel import destroy_parallel, init_parallel
+
+        placement = resolve_placement(cfg, world)
+        lead = rank == placement.actor[0]  # rank 0 of the training ranks speaks for the job
         logging.basicConfig(
-            level=logging.INFO if rank == 0 else logging.WARNING,
+            level=logging.INFO if lead else logging.WARNING,
             format=f"[%(asctime)s rank{rank}] %(levelname)s %(name)s: %(message)s",
             datefmt="%H:%M:%S",
         )
         # Our own level, set on our logger: SGLang reconfigures the root logger when its engine starts.
-        logging.getLogger("megatron_rl").setLevel(logging.INFO if rank == 0 else logging.WARNING)
-        from megatron_rl.parallel import destroy_parallel, init_parallel
+        logging.getLogger("megatron_rl").setLevel(logging.INFO if lead else logging.WARNING)
+        if placement.separate_rollout and rank in placement.rollout:
+            try:
+                serve_rollout(cfg, placement)
+            finally:
+                destroy_parallel()
+            return
         from megatron_rl.trainer import Trainer
 
         mp = cfg.actor_rollout_ref.actor.megatron
@@ -54,15 +65,45 @@ def main(argv: list[str] | None = None) -> None:
             seed=mp.seed,
             device=cfg.trainer.device,
             timeout_minutes=cfg.trainer.dist_timeout_minutes,
+            ranks=placement.actor,
         )
         trainer = None
         try:
-            trainer = Trainer(cfg, ps)
+            trainer = Trainer(cfg, ps, placement)
             trainer.fit()
         finally:
             if trainer is not None:
-                trainer.engine.shutdown()
+                trainer.rollouts.shutdown()
             destroy_parallel()
+
+
+def serve_rollout(cfg, placement) -> None:
+    """A rollout rank of a separate-rollout placement: start the engine, serve the training ranks until
+    they say stop. Stop signals are left to the training ranks, which end the job after their step."""
+    from megatron_rl.lifecycle import PreemptionWatch
+    from megatron_rl.models.loading import load_model_args_any
+    from megatron_rl.parallel import init_parallel
+    from megatron_rl.rollout import create_engine
+    from megatron_rl.rollout.remote import RolloutServer
+
+    arr = cfg.actor_rollout_ref
+    if arr.rollout.name == "sglang" and cfg.trainer.device == "cpu":
+        raise RuntimeError("actor_rollout_ref.rollout.name=sglang needs a GPU; on CPU set it to hf.")
+    ps = init_parallel(
+        arr.rollout.tensor_model_parallel_size,
+        1,
+        seed=arr.actor.megatron.seed,
+        device=cfg.trainer.device,
+        timeout_minutes=cfg.trainer.dist_timeout_minutes,
+        ranks=placement.rollout,
+    )
+    args = load_model_args_any(arr.model.path)
+    engine = create_engine(arr.rollout, arr.model.path, args, ps, seed=cfg.data.seed)
+    try:
+        with PreemptionWatch():
+            RolloutServer(engine, args, ps, list(placement.rollout), cfg.trainer.dist_timeout_minutes).serve()
+    finally:
+        engine.shutdown()
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from megatron_rl.batch import RolloutBatch
 from megatron_rl.config import Config, ConfigError, to_dict
+from megatron_rl.config.placement import Placement, resolve_placement
 from megatron_rl.metrics import (
     MetricsLogger,
     Timer,
@@ -41,17 +42,18 @@ from megatron_rl.metrics import (
 )
 from megatron_rl.microbatches import ForwardPasses, TokenStats
 from megatron_rl.mismatch import correct_mismatch, reject
-from megatron_rl.offload import HostParking
 from megatron_rl.optim import NonFiniteGuard
 from megatron_rl.parallel import ParallelState
 from megatron_rl.perf import measure_peak_flops, perf_metrics
-from megatron_rl.roles import build_models, park_for_generation
+from megatron_rl.roles import build_models
+from megatron_rl.rollout import SamplingParams
+from megatron_rl.rollouts import ColocatedRollout, SeparateRollout
 
 log = logging.getLogger(__name__)
 
 
 class Trainer:
-    def __init__(self, cfg: Config, ps: ParallelState) -> None:
+    def __init__(self, cfg: Config, ps: ParallelState, placement: Placement | None = None) -> None:
         from transformers import AutoTokenizer
 
         from megatron_rl.algos.kl import get_kl_controller
@@ -65,6 +67,7 @@ class Trainer:
         from megatron_rl.scoring import make_reward_fn
 
         self.cfg, self.ps = cfg, ps
+        self.placement = placement or resolve_placement(cfg, ps.world_size)
         arr = cfg.actor_rollout_ref
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(
@@ -127,8 +130,9 @@ class Trainer:
         self.passes = ForwardPasses.from_config(cfg)
         self.rejection = parse_rs(corr.rollout_rs, corr.rollout_rs_threshold) if corr.rollout_rs else None
         # The engine's log-probs of the sampled tokens: for the mismatch metrics and corrections.
+        # (always with staleness > 0: the behaviour policy is then older than the trainer's actor)
         self.keep_rollout_log_probs = bool(
-            arr.rollout.calculate_log_probs or corr.rollout_is or self.rejection
+            arr.rollout.calculate_log_probs or corr.rollout_is or self.rejection or arr.rollout.max_staleness
         )
         self.kl_ctrl = get_kl_controller(
             cfg.algorithm.kl_ctrl.type,
@@ -145,24 +149,26 @@ class Trainer:
             permissions=cfg.trainer.checkpoint_permissions,
             claim=True,  # rank 0 locks the directory for this run (one line if another run has it)
         )
-        # The engine starts first, on an empty GPU, so that rollout.gpu_memory_utilization is the share
-        # of the whole GPU it takes; colocated, it gives that memory back until the first rollout.
-        t0 = time.perf_counter()
-        self.engine = self._build_engine()
-        if ps.rank == 0:
-            r = arr.rollout
-            graphs = "on" if r.enable_cuda_graph and r.name == "sglang" else "off"
-            print(
-                f"megatron-rl: rollout engine {r.name} (TP={r.tensor_model_parallel_size}, CUDA graphs "
-                f"{graphs}) started in {time.perf_counter() - t0:.1f} s",
-                flush=True,
-            )
-        if cfg.actor_rollout_ref.rollout.free_cache_engine:
-            self.engine.release_memory()
+        # Colocated, the engine starts first, on an empty GPU, so that rollout.gpu_memory_utilization is
+        # the share of the whole GPU it takes; it gives that memory back until the first rollout.
+        engine = None if self.placement.separate_rollout else start_engine(cfg, ps, self.model_args)
         self.models = build_models(cfg, ps, self.model_args, self.total_steps)
         if self.models.reward is not None:
             self.reward_fn = make_reward_fn(cfg, self.tokenizer, ps, self.models.reward)
-        self.parking = HostParking(ps.device)
+        self._batches = iter(self.sampler)
+        if engine is not None:
+            self.rollouts = ColocatedRollout(cfg, ps, self.models, engine, lambda: next(self._batches))
+        else:
+            self.rollouts = SeparateRollout(
+                cfg,
+                ps,
+                self.models,
+                len(self.placement.rollout),
+                lambda: next(self._batches),
+                lambda indices: [self.train_data[i].prompt_ids for i in indices],
+                lambda step: self.sampling(step, validate=False),
+                self.total_steps,
+            )
         self.timer = Timer(ps.device)
         self.logger = MetricsLogger(
             cfg.trainer.logger,
@@ -175,32 +181,17 @@ class Trainer:
         )
         self.global_step = 0
         self.nonfinite = NonFiniteGuard(cfg.trainer.max_nonfinite_steps, log if ps.rank == 0 else None)
-        self.weights_stale = True  # the engine starts without the actor's weights
         self.peak_flops = measure_peak_flops(ps.device)
-
-    # ------------------------------------------------------------------------------------------ setup
-
-    def _build_engine(self):
-        from megatron_rl.rollout import create_engine
-
-        rollout = self.cfg.actor_rollout_ref.rollout
-        if rollout.name == "sglang" and self.ps.device.type != "cuda":
-            raise RuntimeError(
-                "actor_rollout_ref.rollout.name=sglang needs a GPU; "
-                "on CPU set actor_rollout_ref.rollout.name=hf."
-            )
-        return create_engine(
-            rollout, self.cfg.actor_rollout_ref.model.path, self.model_args, self.ps, seed=self.cfg.data.seed
-        )
 
     # ------------------------------------------------------------------------------------------ loop
 
     def fit(self) -> dict[str, float]:
         """Resume (trainer.resume_mode), then train to the last step; a stop signal ends the loop after
         the current step with a checkpoint and :class:`~megatron_rl.lifecycle.Preempted`."""
-        from megatron_rl.lifecycle import Preempted, PreemptionWatch
+        from megatron_rl.lifecycle import REPLACE, Preempted, PreemptionWatch
 
         self._maybe_resume()
+        self.rollouts.start(self.global_step)  # separate rollout: weights out, the next steps asked for
         cfg = self.cfg.trainer
         last: dict[str, float] = {}
         if self.global_step >= self.total_steps > 0:
@@ -221,13 +212,13 @@ class Trainer:
         bar = progress_bar(
             self.total_steps, self.global_step, enabled=self.ps.rank == 0 and "console" in cfg.logger
         )
-        batches = iter(self.sampler)
         # SIGTERM / SIGINT / SIGUSR2 only set a flag; after each step (and its save) every rank agrees
         # on it, so all save the same step and leave together (megatron_rl.lifecycle).
         with PreemptionWatch() as watch:
             while self.global_step < self.total_steps:
                 self.global_step += 1
-                last = self.step(next(batches), more=lambda: next(batches))
+                prompts = self.rollouts.prompts(self.global_step)
+                last = self.step(prompts, more=lambda: next(self._batches))
                 if self.val_data is not None and cfg.test_freq > 0 and self.global_step % cfg.test_freq == 0:
                     last.update(self.validate())
                 is_last = self.global_step == self.total_steps
@@ -245,9 +236,12 @@ class Trainer:
                     self.logger.close()
                     if self.ps.rank == 0:
                         again = "" if cfg.resume_mode == "auto" else " and trainer.resume_mode=auto"
+                        then = f"resume with the same command{again}"
+                        if watch.signum == REPLACE:
+                            then = "launch/torchrun.sh restarts the job with trainer.placement.file read anew"
                         print(
                             f"megatron-rl: received {watch.signal_name} at step {self.global_step}; saved "
-                            f"{saved}; exiting (resume with the same command{again})",
+                            f"{saved}; exiting ({then})",
                             flush=True,
                         )
                     raise Preempted(watch.exit_code)
@@ -316,15 +310,17 @@ class Trainer:
                         stats=tokens,
                     )
                 )
-            self.weights_stale = True
             if arr.actor.use_kl_loss:
                 metrics["actor/kl_coef"] = arr.actor.kl_loss_coef
+        # the engines get version global_step (separate rollout: then generate step + 1 + max_staleness)
+        self.rollouts.policy_updated(self.global_step, timer)
 
         with timer("metrics"):
             self.nonfinite.check(metrics, self.global_step, self.ckpt.latest)
             metrics.update(
                 data_metrics(batch, cfg.data.max_prompt_length, cfg.data.max_response_length, ps.dp_group)
             )
+            metrics.update(staleness_metrics(batch, self.global_step, ps))
             # padded tokens / tokens processed by old_log_prob, ref, values and both updates
             metrics["perf/padding_fraction"] = tokens.padding_fraction(ps.dp_group, ps.device)
         metrics.update(self.timer.pop())
@@ -341,45 +337,17 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ phases
 
-    def rollout(self, prompt_indices: list[int], timer: Timer, validate: bool = False) -> RolloutBatch:
-        """Generate responses for this rank's prompts and assemble the batch (n samples per prompt)."""
-        from megatron_rl.rollout import SamplingParams
-        from megatron_rl.rollout.reshard import sync_weights
-
-        cfg, ps = self.cfg, self.ps
-        rollout = cfg.actor_rollout_ref.rollout
-        data = self.val_data if validate else self.train_data
-        with timer("data"):
-            items = [data[i] for i in prompt_indices]
-        free = rollout.free_cache_engine
-
-        with timer("offload"):
-            park_for_generation(self.models, self.cfg, self.parking)
-        if free:
-            with timer("engine"):  # the engine's memory comes back (and training's cache goes)
-                if ps.device.type == "cuda":
-                    torch.cuda.empty_cache()  # training's cached blocks go back to the device
-                self.engine.resume_memory()
-        if self.weights_stale:
-            with timer("reshard"):
-                sync_weights(
-                    self.models.actor,
-                    ps,
-                    self.engine,
-                    rollout.update_weights_bucket_megabytes,
-                    _dtype(rollout.dtype, ps),
-                )
-            self.weights_stale = False
-        if cfg.actor_rollout_ref.actor.megatron.param_offload:
-            with timer("offload"):
-                self.parking.park(self.models.actor.parameters())
+    def sampling(self, step: int, validate: bool) -> SamplingParams:
+        """Sampling of step ``step``'s rollout (or of validation), seeded by (data.seed, step); the engine
+        adds its DP rank (colocated) or slice (separate rollout) to the seed."""
+        cfg, rollout = self.cfg, self.cfg.actor_rollout_ref.rollout
         if validate:
             vk = rollout.val_kwargs
             n, temperature, top_p, top_k, greedy = vk.n, vk.temperature, vk.top_p, vk.top_k, not vk.do_sample
         else:
             n, temperature, top_p, top_k = rollout.n, rollout.temperature, rollout.top_p, rollout.top_k
             greedy = not rollout.do_sample
-        params = SamplingParams(
+        return SamplingParams(
             n=n,
             temperature=temperature,
             top_p=top_p,
@@ -387,22 +355,25 @@ class Trainer:
             greedy=greedy or temperature == 0,
             max_new_tokens=cfg.data.max_response_length,
             stop_token_ids=self.stop_ids,
-            seed=cfg.data.seed * 1_000_003 + self.global_step * 1009 + ps.dp_rank + (7 if validate else 0),
+            seed=cfg.data.seed * 1_000_003 + step * 1009 + (7 if validate else 0),
             return_logprobs=self.keep_rollout_log_probs and not validate,
         )
-        with timer("gen"):
-            gens = self.engine.generate([it.prompt_ids for it in items], params)
-        if free:
-            with timer("engine"):
-                # SGLang drops its weights with its memory: the next rollout streams them again.
-                self.engine.release_memory()
-            self.weights_stale = True
-        with timer("offload"):
-            self.parking.reload()
+
+    def rollout(self, prompt_indices: list[int], timer: Timer, validate: bool = False) -> RolloutBatch:
+        """Generate responses for this rank's prompts and assemble the batch (n samples per prompt)."""
+        cfg, ps = self.cfg, self.ps
+        data = self.val_data if validate else self.train_data
+        with timer("data"):
+            items = [data[i] for i in prompt_indices]
+        tag = f"val/{self.global_step}" if validate else f"train/{self.global_step}"
+        params = self.sampling(self.global_step, validate)
+        gens, version = self.rollouts.generate(tag, [it.prompt_ids for it in items], params, timer)
         with timer("batch"):
             batch = RolloutBatch.from_generations(
                 items, gens, self.pad_id, cfg.data.max_response_length, f"{self.global_step}-"
             )
+            for m in batch.meta:
+                m.policy_version = version
             return batch.to(ps.device)
 
     def _rewards_not_by_rule(self) -> bool:
@@ -546,7 +517,10 @@ class Trainer:
             "kl_ctrl": self.kl_ctrl.state_dict(),
             "train_data": self.train_data.fingerprint(),
         }
-        path = self.ckpt.save(self.global_step, models, optims, shards, state)
+        queue = self.rollouts.queue_state()  # separate rollout: generations asked for, not trained on
+        path = self.ckpt.save(
+            self.global_step, models, optims, shards, state, {"rollout_queue": queue} if queue else None
+        )
         if self.ps.rank == 0:
             log.info("saved checkpoint %s", path)
         return path
@@ -567,7 +541,7 @@ class Trainer:
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.global_step = state["global_step"]
-        self.weights_stale = True
+        self.rollouts.load_queue(state.get("shared", {}).get("rollout_queue"))
         self.ckpt.resumed_from = path  # pruning never deletes it
         if self.ps.rank == 0:
             log.info("resumed from %s at step %d", path, self.global_step)
@@ -589,7 +563,35 @@ class Trainer:
             )
 
 
-def _dtype(name: str, ps: ParallelState) -> torch.dtype:
-    from megatron_rl.model_args import DTYPES
+def start_engine(cfg: Config, ps: ParallelState, model_args):
+    """The colocated rollout engine (collective), its memory given back until the first rollout."""
+    from megatron_rl.rollout import create_engine
 
-    return torch.float32 if ps.device.type == "cpu" else DTYPES[name]
+    rollout = cfg.actor_rollout_ref.rollout
+    if rollout.name == "sglang" and ps.device.type != "cuda":
+        raise RuntimeError(
+            "actor_rollout_ref.rollout.name=sglang needs a GPU; on CPU set actor_rollout_ref.rollout.name=hf."
+        )
+    t0 = time.perf_counter()
+    engine = create_engine(rollout, cfg.actor_rollout_ref.model.path, model_args, ps, seed=cfg.data.seed)
+    if ps.rank == 0:
+        graphs = "on" if rollout.enable_cuda_graph and rollout.name == "sglang" else "off"
+        print(
+            f"megatron-rl: rollout engine {rollout.name} (TP={rollout.tensor_model_parallel_size}, "
+            f"CUDA graphs {graphs}) started in {time.perf_counter() - t0:.1f} s",
+            flush=True,
+        )
+    if rollout.free_cache_engine:
+        engine.release_memory()
+    return engine
+
+
+def staleness_metrics(batch: RolloutBatch, step: int, ps: ParallelState) -> dict[str, float]:
+    """rollout/staleness/{mean,max}: policy versions between the weights that sampled each sequence and
+    the actor it trains (step - 1); 0 in the synchronous loop."""
+    lag = torch.tensor([float(step - 1 - m.policy_version) for m in batch.meta], dtype=torch.float64)
+    t = torch.stack([lag.sum(), torch.tensor(float(lag.numel()), dtype=torch.float64)]).to(ps.device)
+    top = lag.max().reshape(1).to(ps.device)
+    dist.all_reduce(t, group=ps.dp_group)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=ps.dp_group)
+    return {"rollout/staleness/mean": (t[0] / t[1].clamp(min=1)).item(), "rollout/staleness/max": top.item()}

@@ -11,6 +11,7 @@ import os
 from typing import Any
 
 from megatron_rl.config.load import known_keys
+from megatron_rl.config.placement import resolve_placement
 from megatron_rl.config.schema import Config, ConfigError
 
 # --------------------------------------------------------------------------------------------------
@@ -89,6 +90,7 @@ RANGES: dict[str, str] = {
     "actor_rollout_ref.actor.megatron.seed": "any",
     "*.megatron.recompute_num_layers": ">=1",
     "actor_rollout_ref.rollout.n": ">=1",
+    "actor_rollout_ref.rollout.max_staleness": ">=0",
     "actor_rollout_ref.rollout.temperature": ">0",
     "actor_rollout_ref.rollout.top_p": "(0,1]",
     "actor_rollout_ref.rollout.top_k": ">=-1",
@@ -245,6 +247,11 @@ def validate(cfg: Config, world_size: int, model_dims: dict[str, int] | None = N
     if not arr.model.path:
         raise ConfigError("actor_rollout_ref.model.path is empty: point it at an HF model directory.")
 
+    # The training ranks: every rank unless trainer.placement gives the rollout ranks of its own.
+    placement = resolve_placement(cfg, world_size)
+    rollout_ranks = len(placement.rollout)
+    world_size = len(placement.actor)
+
     mp = actor.megatron
     tp, pp = mp.tensor_model_parallel_size, mp.pipeline_model_parallel_size
     others = (
@@ -267,10 +274,10 @@ def validate(cfg: Config, world_size: int, model_dims: dict[str, int] | None = N
         )
     dp = world_size // (tp * pp)
     rtp = rollout.tensor_model_parallel_size
-    if rtp < 1 or world_size % rtp:
+    if rtp < 1 or rollout_ranks % rtp:
         raise ConfigError(
-            f"actor_rollout_ref.rollout.tensor_model_parallel_size={rtp} does not divide the world size "
-            f"{world_size}."
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={rtp} does not divide the "
+            f"{rollout_ranks} rollout ranks."
         )
 
     def divisible(key: str, value: int, by: int, why: str) -> None:

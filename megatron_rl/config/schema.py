@@ -272,6 +272,10 @@ class RolloutConfig:
     """Most tokens in one old-log-prob forward; None means actor.ppo_max_token_len_per_gpu."""
     update_weights_bucket_megabytes: int = 512
     """Size of the buckets in which weights are streamed into the engine."""
+    max_staleness: int = 0
+    """Policy versions a rollout may lag the actor: 0 = the synchronous on-policy loop (step k samples
+    with the weights after step k-1); 1 = step k+1 is generated while step k trains (needs
+    trainer.placement.rollout on ranks of its own). The engine's log-probs are kept when > 0."""
     calculate_log_probs: bool = False
     """Keep the engine's log-probs of the sampled tokens and log the rollout-training mismatch metrics
     (training/rollout_probs_diff_*, rollout_corr/*); on whenever algorithm.rollout_correction corrects."""
@@ -456,6 +460,22 @@ class CustomRewardFunctionConfig:
 
 
 @dataclass
+class PlacementConfig:
+    actor: list[int] | None = None
+    """Global ranks that hold the actor (and the reference and reward models); None = every rank not
+    listed in rollout when rollout is given, else every rank."""
+    critic: list[int] | None = None
+    """Global ranks that hold the critic; None = the actor's (a critic on ranks of its own is not
+    supported)."""
+    rollout: list[int] | None = None
+    """Global ranks that host the rollout engines; None = the actor's (colocated hybrid engine). Ranks
+    of their own generate while the actor trains; the actor's weights reach them over the network."""
+    file: str | None = None
+    """YAML file with actor / critic / rollout lists; read at start, it replaces the three keys above
+    (edit it, then send SIGUSR1 to re-place the running job: docs/placement.md)."""
+
+
+@dataclass
 class TrainerConfig:
     project_name: str = "megatron_rl"
     """Project name (logger sinks, checkpoint directory)."""
@@ -497,6 +517,8 @@ class TrainerConfig:
     """auto (cuda when available) | cuda | cpu."""
     dist_timeout_minutes: int = 30
     """How long a collective may wait for the other ranks before the job fails."""
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    """Which global ranks hold which role (docs/placement.md)."""
     log_dir: str | None = None
     """Where JSONL/TensorBoard logs go; defaults to default_local_dir/logs."""
     console_block_freq: int = 10

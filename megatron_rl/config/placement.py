@@ -1,0 +1,147 @@
+"""Which global ranks hold which role: ``trainer.placement.*`` resolved against the launch's world size.
+
+    trainer.placement.{actor,critic,rollout}  (or the YAML file trainer.placement.file names)
+        -> resolve_placement(cfg, world_size)  one line naming the key for a layout that cannot work
+        -> Placement                           parallel.init_parallel builds this rank's world from it
+
+Two layouts run:
+
+* colocated (the default): every role on every rank; the rollout engine lives in the training
+  processes and takes the GPU only while it generates (the hybrid engine);
+* separate rollout: the rollout ranks run only engines (``rollout.remote``), the actor's ranks only
+  train. Each side has its own torch.distributed world (megatron's groups span exactly the actor's
+  ranks); the actor's weights and the generations cross over the job's shared store and a weights
+  group (``rollout.remote``), which lets generation of step k+1 overlap training on step k
+  (``actor_rollout_ref.rollout.max_staleness``).
+
+This module imports nothing heavy: it runs before any process group starts (preflight).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from megatron_rl.config.schema import Config, ConfigError
+
+ROLES = ("actor", "critic", "rollout")
+
+
+@dataclass(frozen=True)
+class Placement:
+    world_size: int
+    actor: tuple[int, ...]
+    """Global ranks of the actor (reference and reward models too): megatron's TP x PP x DP over them."""
+    critic: tuple[int, ...]
+    rollout: tuple[int, ...]
+    """Global ranks hosting engines (rollout TP over consecutive ranks of this list)."""
+
+    @property
+    def separate_rollout(self) -> bool:
+        """The engines run on ranks of their own (not inside the training processes)."""
+        return not set(self.rollout) & set(self.actor)
+
+    def world_of(self, rank: int) -> tuple[int, ...]:
+        """The ranks of ``rank``'s torch.distributed world: the training ranks or the rollout ranks."""
+        return self.rollout if self.separate_rollout and rank in self.rollout else self.actor
+
+    def describe(self) -> str:
+        return f"actor {list(self.actor)}, critic {list(self.critic)}, rollout {list(self.rollout)}"
+
+
+def _read_file(path: str) -> dict[str, list[int]]:
+    import yaml
+
+    key = "trainer.placement.file"
+    if not os.path.isfile(path):
+        raise ConfigError(f"{key}={path}: no such file; write one with actor/critic/rollout rank lists.")
+    with open(path) as f:
+        try:
+            data = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{key}={path}: not valid YAML ({str(e).splitlines()[0]}).") from None
+    unknown = sorted(set(data) - set(ROLES)) if isinstance(data, dict) else ["<not a mapping>"]
+    if unknown:
+        raise ConfigError(
+            f"{key}={path}: unknown entries {unknown}; the file maps actor/critic/rollout to ranks."
+        )
+    return data
+
+
+def _ranks(key: str, value, world_size: int) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list | tuple) or not value or not all(isinstance(r, int) for r in value):
+        raise ConfigError(f"{key}={value!r} must be a non-empty list of global ranks, e.g. [0, 1].")
+    bad = [r for r in value if not 0 <= r < world_size]
+    if bad:
+        raise ConfigError(
+            f"{key}={list(value)}: rank {bad[0]} does not exist in this job of {world_size} processes "
+            f"(ranks 0..{world_size - 1}); launch more processes or list existing ranks."
+        )
+    if len(set(value)) != len(value):
+        raise ConfigError(f"{key}={list(value)} lists a rank twice.")
+    return tuple(value)
+
+
+def resolve_placement(cfg: Config, world_size: int) -> Placement:
+    """The layout of this job (module docstring); raises ConfigError naming the key to change."""
+    p = cfg.trainer.placement
+    given = {"actor": p.actor, "critic": p.critic, "rollout": p.rollout}
+    src = {r: f"trainer.placement.{r}" for r in ROLES}
+    if p.file:
+        given.update(_read_file(p.file))
+        src = {r: f"trainer.placement.file={p.file} ({r})" for r in ROLES}
+    ranks = {r: _ranks(src[r], given[r], world_size) for r in ROLES}
+    everyone = tuple(range(world_size))
+    rollout = ranks["rollout"]
+    actor = ranks["actor"] or (
+        tuple(r for r in everyone if r not in rollout) if rollout and ranks["actor"] is None else everyone
+    )
+    if not actor:
+        raise ConfigError(f"{src['rollout']}={list(rollout)} takes every rank: leave ranks for the actor.")
+    rollout = rollout or actor
+    critic = ranks["critic"] or actor
+    if critic != actor:
+        raise ConfigError(
+            f"{src['critic']}={list(critic)} differs from the actor's ranks {list(actor)}: the critic trains "
+            "on the actor's ranks; leave trainer.placement.critic unset or equal to the actor's."
+        )
+    if set(rollout) & set(actor) and set(rollout) != set(actor):
+        raise ConfigError(
+            f"{src['rollout']}={list(rollout)} shares some ranks with the actor's {list(actor)}: give the "
+            "rollout the actor's ranks (colocated, the default) or ranks of its own."
+        )
+    idle = [r for r in everyone if r not in actor and r not in rollout]
+    if idle:
+        raise ConfigError(
+            f"rank {idle[0]} has no role (actor {list(actor)}, rollout {list(rollout)}): add it to "
+            "trainer.placement.actor or trainer.placement.rollout, or launch "
+            f"{world_size - len(idle)} processes."
+        )
+    placement = Placement(world_size, actor, critic, rollout)
+    _check_with_config(cfg, placement)
+    return placement
+
+
+def _check_with_config(cfg: Config, pl: Placement) -> None:
+    rollout = cfg.actor_rollout_ref.rollout
+    if rollout.max_staleness > 0 and not pl.separate_rollout:
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.max_staleness={rollout.max_staleness} overlaps generation with "
+            "training, which needs rollout ranks of their own: set trainer.placement.rollout to ranks "
+            "outside the actor's (e.g. trainer.placement.rollout=[2] on 3 processes) or max_staleness=0."
+        )
+    if not pl.separate_rollout:
+        return
+    rtp = rollout.tensor_model_parallel_size
+    if len(pl.rollout) % rtp:
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={rtp} does not divide the "
+            f"{len(pl.rollout)} rollout ranks of trainer.placement.rollout={list(pl.rollout)}."
+        )
+    if cfg.algorithm.filter_groups.enable:
+        raise ConfigError(
+            "algorithm.filter_groups.enable=true regenerates prompts inside a step, which runs only with the "
+            "rollout on the actor's ranks: leave trainer.placement.rollout unset, or turn the filter off."
+        )

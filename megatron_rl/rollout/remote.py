@@ -1,0 +1,239 @@
+"""Rollout on ranks of its own (trainer.placement.rollout): engines that serve the training ranks.
+
+    training ranks (RolloutClient)                          rollout ranks (RolloutServer.serve)
+      leader posts req/<i> = ("weights", version)   ---->   every rollout rank takes req/<i> in order
+      every actor rank runs the reshard stream;
+      the leader broadcasts each bucket             ---->   rebuild the bucket, engine.update_weights
+      leader posts req/<i> = ("generate", tag, ...) ---->   engine.generate on this engine's slice
+      every rank takes res/<tag>/<slice>            <----   the slice's DP leader puts the generations
+      leader posts req/<i> = ("stop",)              ---->   leave
+
+Requests and generations travel through the job's key-value store (torchrun's TCPStore), pickled;
+a posted request does not wait for the engines, so the trainer runs on while they generate. The
+server handles requests strictly in the order posted, so a generation request sees the weights of
+every weights request posted before it: that order is the policy version of each sample.
+
+Weights take the reshard stream unchanged (``reshard.iter_hf_buckets``: TP gather and PP broadcast
+inside the actor's world); the actor's leader (training rank 0) holds every full bucket and
+broadcasts its flat buffer over the *weights group* (the leader and the rollout ranks; NCCL on GPU,
+gloo on CPU). The rollout ranks rebuild each bucket's views from the same plan
+(``reshard.plan_buckets``, a pure function of the tables) and hand it to their engine.
+
+Prompts of one request are the training DP ranks' prompts concatenated in DP order; engine ``j`` of
+``E`` generates the ``j``-th contiguous slice with seed ``seed + j`` (with as many engines as
+training DP ranks, slice j is DP rank j's prompts and its seed is the colocated loop's).
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.model_args import DTYPES, ModelArgs
+from megatron_rl.parallel import ParallelState
+from megatron_rl.rollout.base import Generation, SamplingParams, is_dp_leader
+from megatron_rl.rollout.reshard import Bucket, iter_hf_buckets, plan_buckets
+
+
+def slice_bounds(total: int, parts: int) -> list[tuple[int, int]]:
+    """[start, end) of ``parts`` contiguous slices of ``total`` items, sizes differing by at most 1."""
+    base, extra = divmod(total, parts)
+    out, start = [], 0
+    for j in range(parts):
+        end = start + base + (j < extra)
+        out.append((start, end))
+        start = end
+    return out
+
+
+def to_plain(gens: list[list[Generation]]) -> list[list[tuple]]:
+    """Generations as tuples of lists (pickle- and ``torch.load(weights_only=True)``-safe)."""
+    return [[(g.token_ids, g.logprobs, g.finish_reason) for g in per_prompt] for per_prompt in gens]
+
+
+def from_plain(rows: list[list[tuple]]) -> list[list[Generation]]:
+    return [[Generation(list(t), None if lp is None else list(lp), fr) for t, lp, fr in row] for row in rows]
+
+
+class Mailbox:
+    """Pickled objects under keys of the job's store; ``take`` deletes a key after its last reader."""
+
+    def __init__(self, store: dist.Store, prefix: str = "rollout/") -> None:
+        self.store = dist.PrefixStore(prefix, store)
+
+    def put(self, key: str, obj) -> None:
+        self.store.set(key, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def take(self, key: str, readers: int):
+        """The object under ``key`` (waits for it, up to the store's timeout)."""
+        obj = pickle.loads(self.store.get(key))
+        if self.store.add(f"{key}#read", 1) == readers:
+            self.store.delete_key(key)
+            self.store.delete_key(f"{key}#read")
+        return obj
+
+
+def _pair_group(store: dist.Store, rank: int, size: int, backend: str, timeout: datetime.timedelta):
+    """The weights group (actor leader = 0, rollout ranks 1..): built directly on the job's store, since
+    each side's torch.distributed world holds only its own ranks."""
+    prefix = dist.PrefixStore("rollout/weights-group", store)
+    if backend == "nccl":
+        return dist.ProcessGroupNCCL(prefix, rank, size, dist.ProcessGroupNCCL.Options())
+    return dist.ProcessGroupGloo(prefix, rank, size, timeout)
+
+
+def _broadcast(group, tensor: torch.Tensor) -> None:
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor = 0, 0
+    group.broadcast([tensor], opts).wait()
+
+
+@dataclass(frozen=True)
+class WeightsPlan:
+    """What the rollout side needs to rebuild the buckets of the actor's reshard stream."""
+
+    tp: int
+    pp: int
+    bucket_bytes: int
+    dtype: str
+
+
+class RolloutClient:
+    """The training ranks' side: post weights and generation requests, take the generations."""
+
+    def __init__(self, ps: ParallelState, rollout_ranks: int, engines: int, timeout_minutes: int) -> None:
+        if ps.job_store is None:
+            raise RuntimeError("a separate rollout needs the job's store (parallel.init_parallel(ranks=...))")
+        self.ps, self.box = ps, Mailbox(ps.job_store)
+        self.rollout_ranks, self.engines = rollout_ranks, engines
+        self.timeout = datetime.timedelta(minutes=timeout_minutes)
+        self.posted = 0  # requests posted (leader)
+        self._group = None
+
+    @property
+    def leader(self) -> bool:
+        return self.ps.rank == 0
+
+    def _post(self, msg: dict) -> None:
+        if self.leader:
+            self.box.put(f"req/{self.posted}", msg)
+        self.posted += 1  # every rank counts, so any rank could lead
+
+    def push_weights(self, actor: torch.nn.Module, bucket_megabytes: int, dtype: torch.dtype) -> dict:
+        """Collective over the training world: stream the actor to every engine. Waits until the engines
+        have finished the requests posted before (they load weights between generations)."""
+        ps = self.ps
+        name = next(k for k, v in DTYPES.items() if v == dtype)
+        plan = WeightsPlan(ps.tp_size, ps.pp_size, int(bucket_megabytes * 2**20), name)
+        self._post({"kind": "weights", "plan": plan})
+        if self.leader and self._group is None:
+            self._group = _pair_group(ps.job_store, 0, 1 + self.rollout_ranks, ps.backend, self.timeout)
+        sent = 0
+        for bucket in iter_hf_buckets(actor, ps, plan.bucket_bytes, dtype):
+            if self.leader:
+                _broadcast(self._group, bucket.flat)
+                sent += bucket.flat.numel() * bucket.flat.element_size()
+        return {"bytes": float(sent)}
+
+    def request(self, tag: str, prompts: list[list[int]], params: SamplingParams, version: int) -> None:
+        """Collective over the training world: ask the engines for ``params.n`` responses to every DP
+        rank's ``prompts`` (TP/PP peers pass the same); returns at once."""
+        ps = self.ps
+        mine = prompts if ps.tp_rank == 0 and ps.pp_rank == 0 else None
+        everyone: list = [None] * ps.dp_size if self.leader else None
+        if ps.tp_rank == 0 and ps.pp_rank == 0:
+            dist.gather_object(mine, everyone, dst=dist.get_global_rank(ps.dp_group, 0), group=ps.dp_group)
+        if self.leader:
+            flat = [p for part in everyone for p in part]
+            self._post(
+                {"kind": "generate", "tag": tag, "prompts": flat, "params": params, "version": version}
+            )
+        else:
+            self.posted += 1
+
+    def receive(self, tag: str, per_rank: int) -> tuple[list[list[Generation]], int]:
+        """This DP rank's generations of request ``tag`` (``per_rank`` prompts on every DP rank) and the
+        policy version that produced them; waits for the engines."""
+        ps = self.ps
+        lo, hi = ps.dp_rank * per_rank, (ps.dp_rank + 1) * per_rank
+        slices = slice_bounds(per_rank * ps.dp_size, self.engines)
+        out: list[list[Generation]] = []
+        version = -1
+        for j, (a, b) in enumerate(slices):
+            if b <= lo or a >= hi:
+                continue
+            readers = (
+                ps.tp_size
+                * ps.pp_size
+                * sum(1 for r in range(ps.dp_size) if a < (r + 1) * per_rank and b > r * per_rank)
+            )
+            rows, version = self.box.take(f"res/{tag}/{j}", readers)
+            out += from_plain(rows)[max(lo, a) - a : min(hi, b) - a]
+        return out, version
+
+    def stop(self) -> None:
+        self._post({"kind": "stop"})
+
+
+class RolloutServer:
+    """The rollout ranks' side: one engine per rollout-TP group, serving requests until "stop"."""
+
+    def __init__(
+        self, engine, args: ModelArgs, ps: ParallelState, rollout_ranks: list[int], timeout_minutes: int
+    ):
+        self.engine, self.args, self.ps = engine, args, ps
+        self.box = Mailbox(ps.job_store)
+        self.index = rollout_ranks.index(ps.global_rank)  # this rank's place in the weights group (minus 1)
+        self.readers = len(rollout_ranks)
+        self.timeout = datetime.timedelta(minutes=timeout_minutes)
+        self._group = None
+
+    def serve(self) -> int:
+        """Handle requests in order until "stop"; returns how many were served."""
+        i = 0
+        while True:
+            msg = self.box.take(f"req/{i}", self.readers)
+            i += 1
+            if msg["kind"] == "stop":
+                return i - 1
+            if msg["kind"] == "weights":
+                self.engine.update_weights(self._buckets(msg["plan"]))
+            elif msg["kind"] == "generate":
+                self._generate(msg)
+            else:
+                raise RuntimeError(f"unknown rollout request {msg['kind']!r}")
+
+    def _buckets(self, plan: WeightsPlan) -> Iterator[Bucket]:
+        ps = self.ps
+        if self._group is None:
+            self._group = _pair_group(
+                ps.job_store, 1 + self.index, 1 + self.readers, ps.backend, self.timeout
+            )
+        dtype = DTYPES[plan.dtype] if ps.device.type == "cuda" else torch.float32
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        buckets = plan_buckets(self.args, plan.tp, plan.pp, plan.bucket_bytes, itemsize)
+        flat = torch.empty(max(b.numel for b in buckets), dtype=dtype, device=ps.device)
+        for b in buckets:
+            _broadcast(self._group, flat[: b.numel])
+            bucket = Bucket(
+                (t.name, flat[t.offset : t.offset + t.numel].view(t.shape))
+                for s in b.params
+                for t in s.tensors
+            )
+            bucket.flat = flat[: b.numel]
+            yield bucket
+
+    def _generate(self, msg: dict) -> None:
+        ps = self.ps
+        a, b = slice_bounds(len(msg["prompts"]), ps.dp_size)[ps.dp_rank]
+        params: SamplingParams = msg["params"]
+        if params.seed is not None:
+            params = replace(params, seed=params.seed + ps.dp_rank)
+        gens = self.engine.generate(msg["prompts"][a:b], params) if b > a else []
+        if is_dp_leader(ps):
+            self.box.put(f"res/{msg['tag']}/{ps.dp_rank}", (to_plain(gens), msg["version"]))

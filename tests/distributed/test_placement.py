@@ -1,0 +1,151 @@
+"""Placement on CPU (gloo, the transformers engine): the rollout on a rank of its own, one-step-off-policy
+rollout, resume with queued generations, and re-placement by SIGUSR1 through launch/torchrun.sh.
+
+The oracle of the separate rollout is the colocated loop: with staleness 0 and as many engines as
+training DP ranks, both sample the same prompts with the same seeds from the same weights, so every
+logged number must be equal.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.distributed.test_trainer import metrics, overrides, stable
+
+SEPARATE = {"trainer.placement.rollout": "[2]"}  # actor and critic on [0, 1] (TP=2), the engine on 2
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    from megatron_rl.demo import prepare
+
+    return prepare(str(tmp_path_factory.mktemp("demo")))
+
+
+def test_separate_rollout_gives_the_colocated_numbers(demo, tmp_path, torchrun):
+    """Two steps and a validation: 2 colocated ranks vs the same 2 training ranks plus a rollout rank."""
+    kw = {"trainer.total_training_steps": 2, "trainer.test_freq": 2}
+    colocated, separate = str(tmp_path / "colocated"), str(tmp_path / "separate")
+    torchrun("train.py", 2, overrides(demo, colocated, **kw))
+    torchrun("train.py", 3, overrides(demo, separate, **kw, **SEPARATE))
+    a, b = metrics(colocated), metrics(separate)
+    assert [r["step"] for r in b] == [1, 2]
+    assert "val-core/toy/copy_last_digit/reward/mean@1" in b[-1]
+    for ra, rb in zip(a, b, strict=True):
+        assert stable(ra) == stable(rb), f"step {ra['step']} differs"
+    assert all(r["rollout/staleness/max"] == 0 for r in b)
+
+
+def test_one_step_off_policy_rollout_learns_the_toy_task(demo, tmp_path, torchrun):
+    """max_staleness=1: step k+1 is generated while step k trains; the policy still learns."""
+    out = str(tmp_path / "run")
+    kw = {
+        "data.train_batch_size": 64,
+        "actor_rollout_ref.actor.ppo_mini_batch_size": 16,
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 32,
+        "critic.ppo_micro_batch_size_per_gpu": 32,
+        "data.val_batch_size": 256,
+        "trainer.total_training_steps": 40,
+        "trainer.test_freq": 20,
+        "actor_rollout_ref.rollout.max_staleness": 1,
+    }
+    torchrun("train.py", 3, overrides(demo, out, **kw, **SEPARATE))
+    rows = metrics(out)
+    # step 1 samples with the initial weights (version 0), step k >= 2 with version k - 2
+    assert [r["rollout/staleness/max"] for r in rows] == [0.0] + [1.0] * 39
+    assert rows[-1]["val-core/toy/copy_last_digit/reward/mean@1"] >= 0.9
+    # the behaviour policy's log-probs are kept (the mismatch metrics show the off-policy gap)
+    assert "training/rollout_probs_diff_mean" in rows[-1]
+
+
+def test_resume_keeps_the_queued_generations(demo, tmp_path, torchrun):
+    """With max_staleness=1 the checkpoint of step 2 holds the generations asked for (step 3's, sampled
+    by version 1, which no checkpoint holds, and step 4's): resumed from it, steps 3 and 4 equal those
+    of the run that went straight on, bit for bit."""
+    common = {
+        "trainer.test_freq": -1,
+        "trainer.total_training_steps": 4,
+        "actor_rollout_ref.rollout.max_staleness": 1,
+        **SEPARATE,
+    }
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    torchrun("train.py", 3, overrides(demo, straight, **common, **{"trainer.save_freq": 2}))
+    ckpt = os.path.join(straight, "global_step_2")
+    assert os.path.isfile(os.path.join(ckpt, "shared_state.pt"))
+    again = {"trainer.resume_mode": "resume_path", "trainer.resume_from_path": ckpt}
+    torchrun("train.py", 3, overrides(demo, resumed, **common, **again))
+    a, b = metrics(straight), metrics(resumed)
+    assert [r["step"] for r in b] == [3, 4]
+    for ra, rb in zip(a[2:], b, strict=True):
+        assert stable(ra) == stable(rb), f"step {ra['step']} differs"
+    assert b[0]["rollout/staleness/max"] == 1  # step 3 came from the queue, sampled by version 1
+
+
+def _write_placement(path, actor: list[int], rollout: list[int]) -> None:
+    with open(path, "w") as f:
+        f.write(f"actor: {actor}\nrollout: {rollout}\n")
+
+
+def test_sigusr1_moves_ranks_between_roles_and_training_goes_on(demo, tmp_path):
+    """Launcher -> torchrun -> 3 ranks. After step 2 the placement file swaps the roles of ranks 0 and 2
+    and the launcher gets SIGUSR1: the ranks save, torchrun starts again, training goes on from the
+    saved step in the new placement and ends at its last step."""
+    run_dir, layout = str(tmp_path / "run"), str(tmp_path / "placement.yaml")
+    _write_placement(layout, [0, 1], [2])
+    args = overrides(
+        demo,
+        run_dir,
+        **{
+            "trainer.total_training_steps": 30,
+            "trainer.test_freq": -1,
+            "trainer.resume_mode": "auto",
+            "trainer.placement.file": layout,
+        },
+    )
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK")
+    }
+    env.update(PYTHON=sys.executable, OMP_NUM_THREADS="1", LOG_DIR=str(tmp_path / "logs"))
+    out_path = tmp_path / "launch.out"
+    with open(out_path, "w") as out:
+        proc = subprocess.Popen(
+            ["bash", os.path.join(ROOT, "launch", "torchrun.sh"), "--nproc", "3", *args],
+            env=env,
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            deadline = time.monotonic() + 240
+            while (
+                not os.path.isfile(os.path.join(run_dir, "logs", "metrics.jsonl"))
+                or len(metrics(run_dir)) < 2
+            ):
+                assert proc.poll() is None and time.monotonic() < deadline, out_path.read_text()[-3000:]
+                time.sleep(0.2)
+            _write_placement(layout, [1, 2], [0])
+            proc.send_signal(signal.SIGUSR1)
+            rc = proc.wait(timeout=400)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    text = out_path.read_text()
+    assert rc == 0, text[-4000:]
+    saved = re.findall(
+        r"megatron-rl: received SIGUSR1 at step (\d+); saved (\S+); exiting \(launch/torchrun", text
+    )
+    assert len(saved) == 1, text[-4000:]
+    step = int(saved[0][0])
+    assert 2 <= step < 30
+    assert f"re-placing: starting torchrun again (resumes from {saved[0][1]})" in text
+    assert f"resumed from {saved[0][1]} at step {step}" in text
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, 31))  # no step lost or repeated
