@@ -5,6 +5,7 @@
     python bench/ppo_step.py --model tiny --device cpu --rollout hf --nproc 2 --tp 2 --out /tmp/b  # CPU
     python bench/ppo_step.py --model qwen2.5-1.5b --response-len 1024 --response-spread 32 1024 \
         --compare-dynamic --out bench_out/dynamic   # padded vs token-budget micro-batches
+    python bench/ppo_step.py --model qwen2.5-1.5b --nproc 2 --compare-placement --out bench_out/placement
 
 It prepares a random HF model (Qwen2.5-1.5B shape, or a tiny one), a word-level tokenizer whose
 tokens are ``t0 .. t{V-1}`` (so prompts are plain token ids), and parquet prompts of exactly
@@ -22,7 +23,10 @@ With --response-spread LO HI each response's length is drawn uniformly from [LO,
 (bench/spread_train.py). With --compare-dynamic the two runs are instead both colocated: fixed-size
 micro-batches padded to the batch's longest sequence ("padded"), then use_dynamic_bsz with token budgets
 equal to the padded path's micro-batch sizes in tokens ("dynamic"), so that both hold the same peak
-activations; perf/padding_fraction is reported for each.
+activations; perf/padding_fraction is reported for each. With --compare-placement (2 GPUs) the runs are
+colocated on both GPUs, then actor + critic + reference on GPU 0 with the engine alone on GPU 1
+(trainer.placement.rollout=[1]) at max_staleness 0 and 1; each reports the engines' busy time, both
+GPUs' idle shares and the step time over max(generation, training).
 """
 
 from __future__ import annotations
@@ -121,7 +125,14 @@ def dynamic_keys(a: argparse.Namespace) -> dict:
 
 
 def run(
-    a: argparse.Namespace, model_dir: str, tok_dir: str, data: str, name: str, colocate: bool, dynamic: bool
+    a: argparse.Namespace,
+    model_dir: str,
+    tok_dir: str,
+    data: str,
+    name: str,
+    colocate: bool,
+    dynamic: bool,
+    extra: dict | None = None,
 ) -> tuple[list[dict], int]:
     out = os.path.join(a.out, name)
     overrides = {
@@ -165,6 +176,7 @@ def run(
     }
     if dynamic:
         overrides.update(dynamic_keys(a))
+    overrides.update(extra or {})
     overrides.update(kv.split("=", 1) for kv in a.set)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={a.nproc}"]
     if a.response_spread:
@@ -234,6 +246,23 @@ def summarize(rows: list[dict], nproc: int) -> dict:
             )
             if mean(k) is not None
         },
+        # placement: the engines' own time, and each side's idle share of the step
+        "engine_busy_s": mean("perf/rollout_engine_busy_s"),
+        "train_gpu_idle_fraction": (
+            (phases["gen"] or 0) / step if step and mean("perf/rollout_engine_busy_s") else None
+        ),
+        "rollout_gpu_idle_fraction": (
+            1 - mean("perf/rollout_engine_busy_s") / step
+            if step and mean("perf/rollout_engine_busy_s")
+            else None
+        ),
+        # step over max(generation, training): 1.0 is perfect overlap
+        "step_vs_max_gen_train": (
+            step / max(mean("perf/rollout_engine_busy_s"), step - (phases["gen"] or 0))
+            if step and mean("perf/rollout_engine_busy_s")
+            else None
+        ),
+        "staleness_mean": mean("rollout/staleness/mean"),
         "nproc": nproc,
     }
 
@@ -262,7 +291,7 @@ def main() -> None:
     ap.add_argument("--no-compare", action="store_true", help="skip the non-colocated run")
     ap.add_argument(
         "--only",
-        choices=["colocated", "separate", "padded", "dynamic"],
+        choices=["colocated", "separate", "padded", "dynamic", "placed_s0", "placed_s1"],
         help="run one of the two configurations",
     )
     ap.add_argument("--save", action="store_true", help="save a checkpoint after the last step")
@@ -277,6 +306,12 @@ def main() -> None:
     ap.add_argument(
         "--compare-dynamic", action="store_true", help="colocated runs: padded, then use_dynamic_bsz"
     )
+    ap.add_argument(
+        "--compare-placement",
+        action="store_true",
+        help="--nproc 2: colocated on both GPUs, then actor+critic on GPU 0 and the engine on GPU 1 "
+        "at max_staleness 0 and 1",
+    )
     ap.add_argument("--out", required=True)
     ap.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="any other trainer key (repeatable)"
@@ -290,12 +325,25 @@ def main() -> None:
         os.path.join(a.out, "inputs"), a.model, a.prompt_len, a.batch * a.steps, a.seed
     )
     result = {"args": vars(a)}
-    if a.compare_dynamic:
+    placed = {
+        "trainer.placement.rollout": f"[{a.nproc - 1}]",
+        "actor_rollout_ref.rollout.free_cache_engine": False,  # the engine has its GPU to itself
+        **{k: False for k in OFFLOAD_KEYS},
+    }
+    extra = {
+        "placed_s0": {**placed, "actor_rollout_ref.rollout.max_staleness": 0},
+        "placed_s1": {**placed, "actor_rollout_ref.rollout.max_staleness": 1},
+    }
+    if a.compare_placement:
+        if a.nproc != 2 or a.tp != 1:
+            ap.error("--compare-placement runs on 2 GPUs at --tp 1 (the actor alone on GPU 0)")
+        runs = (("colocated", True, False), ("placed_s0", True, False), ("placed_s1", True, False))
+    elif a.compare_dynamic:
         runs = (("padded", True, False), ("dynamic", True, True))
     else:
         runs = (("colocated", True, False), ("separate", False, False))[: 1 if a.no_compare else 2]
     for name, colocate, dynamic in [r for r in runs if a.only in (None, r[0])]:
-        rows, rc = run(a, model_dir, tok_dir, data, name, colocate, dynamic)
+        rows, rc = run(a, model_dir, tok_dir, data, name, colocate, dynamic, extra.get(name))
         result[name] = summarize(rows, a.nproc) if rows else {}
         if rc:
             result[name]["error"] = (

@@ -34,8 +34,10 @@ def perf_metrics(
     metrics: dict[str, float],
     peak_flops: float | None,
     timer: Timer,
+    job_size: int | None = None,
 ) -> dict[str, float]:
-    """perf/* and timing_per_token_ms/* of a step whose ``metrics`` hold its timing_s/* (module docstring)."""
+    """perf/* and timing_per_token_ms/* of a step whose ``metrics`` hold its timing_s/* (module docstring);
+    throughput is per GPU of the whole job (``job_size``: the rollout's own ranks count too)."""
     seq_lens = batch.attention_mask.sum(-1).double()
     # generated tokens from the attention mask: rollout rejection may have taken some off the response
     # mask, but they were generated and went through every forward all the same
@@ -45,7 +47,7 @@ def perf_metrics(
     total, responses, squares = sums.tolist()
     out = {
         "perf/total_num_tokens": total,
-        "perf/throughput": total / max(metrics["timing_s/step"], 1e-9) / ps.world_size,
+        "perf/throughput": total / max(metrics["timing_s/step"], 1e-9) / (job_size or ps.world_size),
     }
     # verl's per-token times: generation per response token, the other phases per token processed
     for phase in ("gen", "ref", "values", "adv", "update_critic", "update_actor"):

@@ -42,10 +42,65 @@ def engine_dtype(name: str, ps: ParallelState) -> torch.dtype:
     return torch.float32 if ps.device.type == "cpu" else DTYPES[name]
 
 
-class ColocatedRollout:
+class _Queue:
+    """Steps whose prompts were drawn before the step ran: ``asked`` (step -> this rank's prompt
+    indices) and, once taken, ``ready`` (step -> generations, version). A checkpoint keeps both, so a
+    resume -- in either placement -- trains on exactly the prompts and samples the sampler moved past."""
+
+    ps: ParallelState
+
+    def __init__(self) -> None:
+        self.asked: dict[int, list[int]] = {}
+        self.ready: dict[int, tuple[list[list[Generation]], int]] = {}
+
+    def _take_all(self) -> None:
+        """Make every asked step ready (nothing to wait for when colocated)."""
+
+    def queue_state(self) -> dict | None:
+        """Collective: every step asked for and not trained on, in DP order (the same on every rank):
+        {step: {"prompts": [...], "gens": [...], "version": v}} with the prompts of every DP rank."""
+        self._take_all()
+        if not self.asked:
+            return None
+        mine = {k: (self.asked[k], to_plain(self.ready[k][0]), self.ready[k][1]) for k in sorted(self.asked)}
+        parts: list = [None] * self.ps.dp_size
+        dist.all_gather_object(parts, mine, group=self.ps.dp_group)
+        return {
+            k: {
+                "prompts": [i for p in parts for i in p[k][0]],
+                "gens": [g for p in parts for g in p[k][1]],
+                "version": mine[k][2],
+            }
+            for k in mine
+        }
+
+    def load_queue(self, state: dict | None) -> None:
+        """This DP rank's share of a saved queue (the DP size may have changed since)."""
+        ps = self.ps
+        for k, q in (state or {}).items():
+            per = len(q["prompts"]) // ps.dp_size
+            lo, hi = ps.dp_rank * per, (ps.dp_rank + 1) * per
+            self.asked[int(k)] = list(q["prompts"][lo:hi])
+            self.ready[int(k)] = (from_plain(q["gens"][lo:hi]), int(q["version"]))
+
+    def step_metrics(self, step: int) -> dict[str, float]:
+        """Metrics of the role for step ``step`` (the separate rollout's engine time)."""
+        return {}
+
+    def _queued(self, tag: str) -> tuple[list[list[Generation]], int] | None:
+        """A training step's generations if they are ready (the step leaves the queue either way)."""
+        if not tag.startswith("train/"):
+            return None
+        step = int(tag.split("/")[1])
+        self.asked.pop(step, None)
+        return self.ready.pop(step, None)
+
+
+class ColocatedRollout(_Queue):
     """The engine inside the training processes (the hybrid engine)."""
 
     def __init__(self, cfg: Config, ps: ParallelState, models: Models, engine, draw: Callable[[], list[int]]):
+        super().__init__()
         self.cfg, self.ps, self.models, self.engine, self.draw = cfg, ps, models, engine, draw
         self.parking = HostParking(ps.device)
         self.version = 0
@@ -55,13 +110,16 @@ class ColocatedRollout:
         self.version, self.weights_stale = step, True
 
     def prompts(self, step: int) -> list[int]:
-        return self.draw()
+        return self.asked[step] if step in self.asked else self.draw()  # queued by a separate rollout
 
     def generate(
         self, tag: str, prompt_ids: list[list[int]], params: SamplingParams, timer
     ) -> tuple[list[list[Generation]], int]:
         from megatron_rl.rollout.reshard import sync_weights
 
+        queued = self._queued(tag)
+        if queued is not None:
+            return queued
         ps, rollout = self.ps, self.cfg.actor_rollout_ref.rollout
         free = rollout.free_cache_engine
         with timer("offload"):
@@ -100,17 +158,11 @@ class ColocatedRollout:
     def policy_updated(self, step: int, timer) -> None:
         self.version, self.weights_stale = step, True
 
-    def queue_state(self) -> dict | None:
-        return None
-
-    def load_queue(self, state: dict | None) -> None:
-        pass
-
     def shutdown(self) -> None:
         self.engine.shutdown()
 
 
-class SeparateRollout:
+class SeparateRollout(_Queue):
     """Engines on ranks of their own, up to ``rollout.max_staleness`` steps ahead of training."""
 
     def __init__(
@@ -126,6 +178,7 @@ class SeparateRollout:
     ):
         from megatron_rl.rollout.remote import RolloutClient
 
+        super().__init__()
         rollout = cfg.actor_rollout_ref.rollout
         self.cfg, self.ps, self.models = cfg, ps, models
         self.draw, self.prompt_ids, self.sampling = draw, prompt_ids, sampling
@@ -134,8 +187,6 @@ class SeparateRollout:
         self.client = RolloutClient(ps, rollout_ranks, engines, cfg.trainer.dist_timeout_minutes)
         self.version = 0  # the weights the engines hold once they reach the next request
         self.trained = 0  # the actor's version
-        self.asked: dict[int, list[int]] = {}  # step -> this rank's prompt indices, asked for
-        self.ready: dict[int, tuple[list[list[Generation]], int]] = {}  # taken early (save) or resumed
         self._val = 0
 
     def _push(self, step: int) -> None:
@@ -166,16 +217,18 @@ class SeparateRollout:
     ) -> tuple[list[list[Generation]], int]:
         with timer("gen"):  # with staleness > 0 mostly done: the engines ran while the last step trained
             if tag.startswith("train/"):
-                step = int(tag.split("/")[1])
-                del self.asked[step]
-                if step in self.ready:
-                    return self.ready.pop(step)
+                queued = self._queued(tag)
+                if queued is not None:
+                    return queued
             else:
                 if self.version != self.trained:  # validation after the last step: its weights
                     self._push(self.trained)
                 self._val += 1
                 tag = f"{tag}/{self._val}"
                 self.client.request(tag, prompt_ids, params, self.version)
+                out = self.client.receive(tag, len(prompt_ids))
+                self.client.engine_seconds.pop(tag, None)
+                return out
             return self.client.receive(tag, len(prompt_ids))
 
     def policy_updated(self, step: int, timer) -> None:
@@ -187,33 +240,16 @@ class SeparateRollout:
             self._push(step)
             self._ask(step + 1 + self.staleness)
 
-    def queue_state(self) -> dict:
-        """Collective: take every generation asked for, return them in DP order (rank 0's copy counts):
-        {step: {"prompts": [...], "gens": [...], "version": v}} with the prompts of every DP rank."""
-        ps = self.ps
+    def step_metrics(self, step: int) -> dict[str, float]:
+        """perf/rollout_engine_busy_s: seconds the engines spent generating this step's samples (absent for
+        generations from a resumed queue). With the step time it gives the rollout GPUs' idle share."""
+        busy = self.client.engine_seconds.pop(f"train/{step}", None)
+        return {} if busy is None else {"perf/rollout_engine_busy_s": busy}
+
+    def _take_all(self) -> None:
         for step in sorted(self.asked):
             if step not in self.ready:
                 self.ready[step] = self.client.receive(f"train/{step}", len(self.asked[step]))
-        mine = {k: (self.asked[k], to_plain(self.ready[k][0]), self.ready[k][1]) for k in sorted(self.asked)}
-        parts: list = [None] * ps.dp_size
-        dist.all_gather_object(parts, mine, group=ps.dp_group)
-        return {
-            k: {
-                "prompts": [i for p in parts for i in p[k][0]],
-                "gens": [g for p in parts for g in p[k][1]],
-                "version": mine[k][2],
-            }
-            for k in mine
-        }
-
-    def load_queue(self, state: dict | None) -> None:
-        """This DP rank's share of a saved queue (the DP size may have changed since)."""
-        ps = self.ps
-        for k, q in (state or {}).items():
-            per = len(q["prompts"]) // ps.dp_size
-            lo, hi = ps.dp_rank * per, (ps.dp_rank + 1) * per
-            self.asked[int(k)] = list(q["prompts"][lo:hi])
-            self.ready[int(k)] = (from_plain(q["gens"][lo:hi]), int(q["version"]))
 
     def shutdown(self) -> None:
         self.client.stop()

@@ -8,7 +8,12 @@
       -> old log-probs (actor), ref log-probs, values (critic)             timing_s/old_log_prob, ref, values
       -> KL-shaped token rewards, advantages                               timing_s/adv
       -> critic update, actor update (after trainer.critic_warmup)         timing_s/update_critic, _actor
+      -> new weights to the engines (separate rollout: then ask for step+1+max_staleness)  timing_s/reshard
       -> metrics; validation every test_freq; checkpoint every save_freq   timing_s/save_checkpoint
+
+The first three lines are the colocated rollout role (rollouts.ColocatedRollout); with
+trainer.placement.rollout on ranks of its own (rollouts.SeparateRollout) generation runs there, up to
+rollout.max_staleness steps ahead, and the step only waits for it (timing_s/gen).
 
 The engine holds GPU memory only while it generates (colocated hybrid engine): it is resumed before
 generation and released right after; with the offload keys on, the training state is in host memory
@@ -265,6 +270,7 @@ class Trainer:
         tokens = TokenStats()  # real and processed tokens of the training passes (perf/padding_fraction)
 
         batch = self.scored_rollout(prompt_indices, more, metrics)
+        metrics.update(self.rollouts.step_metrics(self.global_step))
 
         with timer("old_log_prob"):
             batch.old_log_probs = ppo.compute_log_probs(
@@ -328,7 +334,15 @@ class Trainer:
         metrics["perf/time_per_step"] = metrics["timing_s/step"]
         metrics.update(
             perf_metrics(
-                self.cfg, self.ps, self.models, self.model_args, batch, metrics, self.peak_flops, self.timer
+                self.cfg,
+                self.ps,
+                self.models,
+                self.model_args,
+                batch,
+                metrics,
+                self.peak_flops,
+                self.timer,
+                self.placement.world_size,
             )
         )
         metrics["training/global_step"] = self.global_step

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import datetime
 import pickle
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
@@ -113,6 +114,7 @@ class RolloutClient:
         self.rollout_ranks, self.engines = rollout_ranks, engines
         self.timeout = datetime.timedelta(minutes=timeout_minutes)
         self.posted = 0  # requests posted (leader)
+        self.engine_seconds: dict[str, float] = {}
         self._group = None
 
     @property
@@ -158,7 +160,8 @@ class RolloutClient:
 
     def receive(self, tag: str, per_rank: int) -> tuple[list[list[Generation]], int]:
         """This DP rank's generations of request ``tag`` (``per_rank`` prompts on every DP rank) and the
-        policy version that produced them; waits for the engines."""
+        policy version that produced them; waits for the engines. ``engine_seconds[tag]``: the longest
+        time one of its engines spent generating them."""
         ps = self.ps
         lo, hi = ps.dp_rank * per_rank, (ps.dp_rank + 1) * per_rank
         slices = slice_bounds(per_rank * ps.dp_size, self.engines)
@@ -172,8 +175,9 @@ class RolloutClient:
                 * ps.pp_size
                 * sum(1 for r in range(ps.dp_size) if a < (r + 1) * per_rank and b > r * per_rank)
             )
-            rows, version = self.box.take(f"res/{tag}/{j}", readers)
+            rows, version, seconds = self.box.take(f"res/{tag}/{j}", readers)
             out += from_plain(rows)[max(lo, a) - a : min(hi, b) - a]
+            self.engine_seconds[tag] = max(self.engine_seconds.get(tag, 0.0), seconds)
         return out, version
 
     def stop(self) -> None:
@@ -234,6 +238,8 @@ class RolloutServer:
         params: SamplingParams = msg["params"]
         if params.seed is not None:
             params = replace(params, seed=params.seed + ps.dp_rank)
+        start = time.perf_counter()
         gens = self.engine.generate(msg["prompts"][a:b], params) if b > a else []
+        seconds = time.perf_counter() - start
         if is_dp_leader(ps):
-            self.box.put(f"res/{msg['tag']}/{ps.dp_rank}", (to_plain(gens), msg["version"]))
+            self.box.put(f"res/{msg['tag']}/{ps.dp_rank}", (to_plain(gens), msg["version"], seconds))
