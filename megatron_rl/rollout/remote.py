@@ -113,7 +113,7 @@ class RolloutClient:
         self.ps, self.box = ps, Mailbox(ps.job_store)
         self.rollout_ranks, self.engines = rollout_ranks, engines
         self.timeout = datetime.timedelta(minutes=timeout_minutes)
-        self.posted = 0  # requests posted (leader)
+        self.posted = 0  # requests posted (the leader's count: only it posts)
         self.engine_seconds: dict[str, float] = {}
         self._group = None
 
@@ -124,9 +124,9 @@ class RolloutClient:
     def _post(self, msg: dict) -> None:
         if self.leader:
             self.box.put(f"req/{self.posted}", msg)
-        self.posted += 1  # every rank counts, so any rank could lead
+            self.posted += 1
 
-    def push_weights(self, actor: torch.nn.Module, bucket_megabytes: int, dtype: torch.dtype) -> dict:
+    def push_weights(self, actor: torch.nn.Module, bucket_megabytes: int, dtype: torch.dtype) -> None:
         """Collective over the training world: stream the actor to every engine. Waits until the engines
         have finished the requests posted before (they load weights between generations)."""
         ps = self.ps
@@ -135,12 +135,9 @@ class RolloutClient:
         self._post({"kind": "weights", "plan": plan})
         if self.leader and self._group is None:
             self._group = _pair_group(ps.job_store, 0, 1 + self.rollout_ranks, ps.backend, self.timeout)
-        sent = 0
         for bucket in iter_hf_buckets(actor, ps, plan.bucket_bytes, dtype):
             if self.leader:
                 _broadcast(self._group, bucket.flat)
-                sent += bucket.flat.numel() * bucket.flat.element_size()
-        return {"bytes": float(sent)}
 
     def request(self, tag: str, prompts: list[list[int]], params: SamplingParams, version: int) -> None:
         """Collective over the training world: ask the engines for ``params.n`` responses to every DP
@@ -155,8 +152,6 @@ class RolloutClient:
             self._post(
                 {"kind": "generate", "tag": tag, "prompts": flat, "params": params, "version": version}
             )
-        else:
-            self.posted += 1
 
     def receive(self, tag: str, per_rank: int) -> tuple[list[list[Generation]], int]:
         """This DP rank's generations of request ``tag`` (``per_rank`` prompts on every DP rank) and the
@@ -218,7 +213,7 @@ class RolloutServer:
             self._group = _pair_group(
                 ps.job_store, 1 + self.index, 1 + self.readers, ps.backend, self.timeout
             )
-        dtype = DTYPES[plan.dtype] if ps.device.type == "cuda" else torch.float32
+        dtype = DTYPES[plan.dtype]  # the actor's side chose it (fp32 on CPU)
         itemsize = torch.empty((), dtype=dtype).element_size()
         buckets = plan_buckets(self.args, plan.tp, plan.pp, plan.bucket_bytes, itemsize)
         flat = torch.empty(max(b.numel for b in buckets), dtype=dtype, device=ps.device)
