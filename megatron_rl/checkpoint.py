@@ -39,6 +39,7 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -243,10 +244,12 @@ class CheckpointManager:
         shards: dict[str, Any],
         trainer_state: dict[str, Any],
         shared: dict[str, Any] | None = None,
+        before_publish: Callable[[str], None] | None = None,
     ) -> str:
         """Collective: every rank passes the models, their optimizers (``ModelOptimizer`` by the model's
         name) and its shard's state dicts; rank 0 publishes, with ``shared`` (the same on every rank:
-        plain lists, numbers and strings) in shared_state.pt.
+        plain lists, numbers and strings) in shared_state.pt. ``before_publish(partial_dir)`` runs on
+        every rank after they have written (a critic on ranks of its own writes its part then).
 
         A write that fails on any rank (a full disk included) fails the save on every rank: the
         partial directory is removed, the tracker and earlier checkpoints are left as they were, and
@@ -286,6 +289,11 @@ class CheckpointManager:
                     json.dump({**trainer_state, "global_step": step, "layout": _layout(ps)}, f, indent=1)
         except Exception as e:  # any rank's failure must reach every rank, or they wait at the barrier
             error = e
+        if before_publish is not None and not _any_rank(error is not None):
+            try:
+                before_publish(partial)  # collective on every rank, so only once all have written
+            except Exception as e:
+                error = e
         if not _any_rank(error is not None):
             try:
                 if ps.rank == 0:

@@ -7,7 +7,8 @@
         reward    reward_model.model.path with a score head, frozen; when reward_model.enable
 
 Each role uses its own ``megatron`` section for dtype, attention and activation recompute; the parallel
-layout is the actor's for all of them (validated with the config). LR schedules span the optimizer
+layout (TP x PP) is the actor's for all of them (validated with the config); a critic on ranks of its
+own (trainer.placement.critic) is built there by ``build_critic``. LR schedules span the optimizer
 steps each model will actually take (the actor none during trainer.critic_warmup).
 """
 
@@ -51,24 +52,39 @@ def _model(
     return m
 
 
-def build_models(cfg: Config, ps: ParallelState, model_args, total_steps: int) -> Models:
-    """The run's models (module docstring); ``model_args`` are the actor's."""
+def _optim_steps(cfg: Config, epochs: int, mini_batch: int, ppo_steps: int) -> int:
+    """Optimizer steps of ``ppo_steps`` PPO updates (the length of an LR schedule)."""
+    return ppo_steps * epochs * (cfg.data.train_batch_size // mini_batch)
+
+
+def build_critic(cfg: Config, ps: ParallelState, total_steps: int) -> tuple[torch.nn.Module, object]:
+    """The critic (critic.model.path with a value head) and its optimizer, on ``ps``'s ranks."""
+    from megatron_rl.models.loading import load_model_args_any
+    from megatron_rl.optim import ModelOptimizer
+
+    c = cfg.critic
+    path = c.model.path
+    critic = _model(
+        ps, load_model_args_any(path), "critic", path, c.megatron, c.model.enable_gradient_checkpointing
+    )
+    steps = _optim_steps(cfg, c.ppo_epochs, c.ppo_mini_batch_size, total_steps)
+    return critic, ModelOptimizer(critic, c.optim, c.megatron, ps, steps, key="critic.optim")
+
+
+def build_models(
+    cfg: Config, ps: ParallelState, model_args, total_steps: int, with_critic: bool = True
+) -> Models:
+    """The run's models (module docstring); ``model_args`` are the actor's. ``with_critic=False``: the
+    critic trains on ranks of its own (megatron_rl.critic_role), not here."""
     from megatron_rl.models.loading import load_model_args_any
     from megatron_rl.optim import ModelOptimizer
 
     arr = cfg.actor_rollout_ref
-
-    def args_of(path: str):
-        return model_args if path == arr.model.path else load_model_args_any(path)
-
-    def optim_steps(epochs: int, mini_batch: int, ppo_steps: int) -> int:
-        return ppo_steps * epochs * (cfg.data.train_batch_size // mini_batch)
-
     actor = _model(
         ps, model_args, "actor", arr.model.path, arr.actor.megatron, arr.model.enable_gradient_checkpointing
     )
-    actor_steps = optim_steps(
-        arr.actor.ppo_epochs, arr.actor.ppo_mini_batch_size, total_steps - cfg.trainer.critic_warmup
+    actor_steps = _optim_steps(
+        cfg, arr.actor.ppo_epochs, arr.actor.ppo_mini_batch_size, total_steps - cfg.trainer.critic_warmup
     )
     actor_optim = ModelOptimizer(
         actor, arr.actor.optim, arr.actor.megatron, ps, actor_steps, key="actor_rollout_ref.actor.optim"
@@ -77,20 +93,8 @@ def build_models(cfg: Config, ps: ParallelState, model_args, total_steps: int) -
     if cfg.algorithm.use_kl_in_reward or arr.actor.use_kl_loss:
         ref = _model(ps, model_args, "actor", arr.model.path, arr.ref.megatron).eval()
     critic = critic_optim = None
-    if cfg.critic.enable:
-        path = cfg.critic.model.path
-        critic = _model(
-            ps,
-            args_of(path),
-            "critic",
-            path,
-            cfg.critic.megatron,
-            cfg.critic.model.enable_gradient_checkpointing,
-        )
-        critic_steps = optim_steps(cfg.critic.ppo_epochs, cfg.critic.ppo_mini_batch_size, total_steps)
-        critic_optim = ModelOptimizer(
-            critic, cfg.critic.optim, cfg.critic.megatron, ps, critic_steps, key="critic.optim"
-        )
+    if cfg.critic.enable and with_critic:
+        critic, critic_optim = build_critic(cfg, ps, total_steps)
     reward = None
     if cfg.reward_model.enable:
         rm = cfg.reward_model

@@ -1,7 +1,8 @@
 """Entry point: ``torchrun --nproc_per_node=N -m megatron_rl.train --config yaml/X.yaml key=value ...``
 
 config -> validate (before any process group) -> parallel groups -> Trainer (models, engine) -> fit;
-with trainer.placement.rollout on ranks of their own, those ranks serve generations instead.
+with trainer.placement.rollout (or .critic) on ranks of their own, those ranks serve generations
+(or values and critic updates) to the actor's ranks instead.
 """
 
 from __future__ import annotations
@@ -56,6 +57,12 @@ def main(argv: list[str] | None = None) -> None:
             finally:
                 destroy_parallel()
             return
+        if placement.separate_critic and rank in placement.critic:
+            try:
+                serve_critic(cfg, placement)
+            finally:
+                destroy_parallel()
+            return
         from megatron_rl.trainer import Trainer
 
         mp = cfg.actor_rollout_ref.actor.megatron
@@ -74,6 +81,8 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             if trainer is not None:
                 trainer.rollouts.shutdown()
+                if trainer.critic is not None:
+                    trainer.critic.shutdown()
             destroy_parallel()
 
 
@@ -104,6 +113,27 @@ def serve_rollout(cfg, placement) -> None:
             RolloutServer(engine, args, ps, list(placement.rollout), cfg.trainer.dist_timeout_minutes).serve()
     finally:
         engine.shutdown()
+
+
+def serve_critic(cfg, placement) -> None:
+    """A critic rank of a placement that gives the critic ranks of its own: megatron's groups over the
+    critic's ranks, then values and updates for the actor's ranks until they say stop."""
+    from megatron_rl.critic_role import CriticServer
+    from megatron_rl.lifecycle import PreemptionWatch
+    from megatron_rl.parallel import init_parallel
+
+    mp = cfg.critic.megatron
+    ps = init_parallel(
+        mp.tensor_model_parallel_size,
+        mp.pipeline_model_parallel_size,
+        seed=cfg.actor_rollout_ref.actor.megatron.seed,
+        device=cfg.trainer.device,
+        timeout_minutes=cfg.trainer.dist_timeout_minutes,
+        ranks=placement.critic,
+    )
+    arr = cfg.actor_rollout_ref
+    with PreemptionWatch():  # stop signals are the actor's ranks' to act on
+        CriticServer(cfg, ps, side_file_dirs=(cfg.data.tokenizer, arr.model.path)).serve()
 
 
 if __name__ == "__main__":

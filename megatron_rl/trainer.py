@@ -37,6 +37,8 @@ import torch.distributed as dist
 from megatron_rl.batch import RolloutBatch
 from megatron_rl.config import Config, ConfigError, to_dict
 from megatron_rl.config.placement import Placement, resolve_placement
+from megatron_rl.critic_role import LocalCritic, RemoteCritic
+from megatron_rl.errors import CheckpointError
 from megatron_rl.metrics import (
     MetricsLogger,
     Timer,
@@ -157,7 +159,15 @@ class Trainer:
         # Colocated, the engine starts first, on an empty GPU, so that rollout.gpu_memory_utilization is
         # the share of the whole GPU it takes; it gives that memory back until the first rollout.
         engine = None if self.placement.separate_rollout else start_engine(cfg, ps, self.model_args)
-        self.models = build_models(cfg, ps, self.model_args, self.total_steps)
+        separate_critic = self.placement.separate_critic
+        self.models = build_models(
+            cfg, ps, self.model_args, self.total_steps, with_critic=not separate_critic
+        )
+        self.critic: LocalCritic | RemoteCritic | None = None  # the critic role (critic_role)
+        if separate_critic:
+            self.critic = RemoteCritic(ps, len(self.placement.critic), self.total_steps, self.pad_id)
+        elif self.models.critic is not None:
+            self.critic = LocalCritic(cfg, ps, self.models.critic, self.models.critic_optim, self.passes)
         if self.models.reward is not None:
             self.reward_fn = make_reward_fn(cfg, self.tokenizer, ps, self.models.reward)
         self._batches = iter(self.sampler)
@@ -271,6 +281,8 @@ class Trainer:
 
         batch = self.scored_rollout(prompt_indices, more, metrics)
         metrics.update(self.rollouts.step_metrics(self.global_step))
+        if self.critic is not None:  # a critic on ranks of its own computes values from here on
+            self.critic.begin_values(self.global_step, batch)
 
         with timer("old_log_prob"):
             batch.old_log_probs = ppo.compute_log_probs(
@@ -284,22 +296,18 @@ class Trainer:
                 batch.ref_log_probs = ppo.compute_log_probs(
                     m.ref, ps, batch, self.passes.ref, arr.rollout.temperature, stats=tokens
                 )
-        if m.critic is not None:
+        if self.critic is not None:
             with timer("values"):
-                batch.values = ppo.compute_values(m.critic, ps, batch, self.passes.values, stats=tokens)
+                batch.values = self.critic.values(batch, stats=tokens)
         with timer("adv"):
             metrics.update(self.compute_advantages(batch))
             if self.rejection is not None:
                 metrics.update(reject(batch, self.rejection, ps.dp_group))
 
         n, seed = arr.rollout.n, self.global_step  # seed: mini-batch shuffling (actor/critic .shuffle)
-        if m.critic is not None:
+        if self.critic is not None:  # on ranks of its own, the critic updates while the actor does
             with timer("update_critic"):
-                metrics.update(
-                    ppo.update_critic(
-                        m.critic, m.critic_optim, ps, batch, cfg.critic, n, shuffle_seed=seed, stats=tokens
-                    )
-                )
+                self.critic.begin_update(batch, seed, stats=tokens)
         if self.global_step > cfg.trainer.critic_warmup:
             with timer("update_actor"):
                 temperature = arr.rollout.temperature
@@ -318,6 +326,9 @@ class Trainer:
                 )
             if arr.actor.use_kl_loss:
                 metrics["actor/kl_coef"] = arr.actor.kl_loss_coef
+        if self.critic is not None:
+            with timer("update_critic"):
+                metrics.update(self.critic.update_metrics())
         # the engines get version global_step (separate rollout: then generate step + 1 + max_staleness)
         self.rollouts.policy_updated(self.global_step, timer)
 
@@ -526,6 +537,9 @@ class Trainer:
     def save(self) -> str:
         models, optims = self._checkpointed()
         shards = {f"{k}_optim": o.counters() for k, o in optims.items()}
+        remote = self.critic if isinstance(self.critic, RemoteCritic) else None
+        if remote is not None:  # its counters ride in the actor's shard files, its files come from it
+            shards["critic_optim"] = remote.counters()
         state = {
             "sampler": self.sampler.state_dict(),
             "kl_ctrl": self.kl_ctrl.state_dict(),
@@ -533,7 +547,13 @@ class Trainer:
         }
         queue = self.rollouts.queue_state()  # separate rollout: generations asked for, not trained on
         path = self.ckpt.save(
-            self.global_step, models, optims, shards, state, {"rollout_queue": queue} if queue else None
+            self.global_step,
+            models,
+            optims,
+            shards,
+            state,
+            {"rollout_queue": queue} if queue else None,
+            before_publish=remote.save if remote is not None else None,
         )
         if self.ps.rank == 0:
             log.info("saved checkpoint %s", path)
@@ -552,6 +572,12 @@ class Trainer:
         shards, state = self.ckpt.load(path, models, optims)
         for k, o in optims.items():
             o.load_counters(shards[f"{k}_optim"])
+        if isinstance(self.critic, RemoteCritic):
+            if "critic_optim" not in shards:
+                raise CheckpointError(
+                    f"{path} holds no critic: resume with the same algorithm (critic.enable)."
+                )
+            self.critic.load(path, shards["critic_optim"])
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.global_step = state["global_step"]

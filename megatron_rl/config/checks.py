@@ -306,14 +306,22 @@ def validate(cfg: Config, world_size: int, model_dims: dict[str, int] | None = N
             f"data-parallel size); choose one of {fits}."
         )
     if cfg.critic.enable:
-        crit_mb = cfg.critic.ppo_mini_batch_size
-        divisible("critic.ppo_mini_batch_size", crit_mb, dp, f"data-parallel size {dp}")
+        crit_mb, crit_dp, where = cfg.critic.ppo_mini_batch_size, dp, ""
+        if placement.separate_critic:  # the critic's own ranks: its own data-parallel size
+            where = f" of the critic's ranks trainer.placement.critic={list(placement.critic)}"
+            if len(placement.critic) % (tp * pp):
+                raise ConfigError(
+                    f"trainer.placement.critic={list(placement.critic)}: {len(placement.critic)} ranks are "
+                    f"not a multiple of tensor x pipeline parallel size {tp} x {pp} (critic.megatron.*)."
+                )
+            crit_dp = len(placement.critic) // (tp * pp)
+        divisible("critic.ppo_mini_batch_size", crit_mb, crit_dp, f"data-parallel size {crit_dp}{where}")
         if cfg.data.train_batch_size % crit_mb:
             raise ConfigError(
                 f"data.train_batch_size={cfg.data.train_batch_size} is not a multiple of "
                 f"critic.ppo_mini_batch_size={crit_mb}."
             )
-        crit_seqs = crit_mb * rollout.n // dp
+        crit_seqs = crit_mb * rollout.n // crit_dp
         crit_micro = cfg.critic.ppo_micro_batch_size_per_gpu
         if not cfg.critic.use_dynamic_bsz and (crit_micro <= 0 or crit_seqs % crit_micro):
             raise ConfigError(

@@ -4,7 +4,7 @@
         -> resolve_placement(cfg, world_size)  one line naming the key for a layout that cannot work
         -> Placement                           parallel.init_parallel builds this rank's world from it
 
-Two layouts run:
+Each role is either on the actor's ranks or on ranks of its own:
 
 * colocated (the default): every role on every rank; the rollout engine lives in the training
   processes and takes the GPU only while it generates (the hybrid engine);
@@ -12,7 +12,10 @@ Two layouts run:
   train. Each side has its own torch.distributed world (megatron's groups span exactly the actor's
   ranks); the actor's weights and the generations cross over the job's shared store and a weights
   group (``rollout.remote``), which lets generation of step k+1 overlap training on step k
-  (``actor_rollout_ref.rollout.max_staleness``).
+  (``actor_rollout_ref.rollout.max_staleness``);
+* separate critic: the critic ranks form a world of their own (megatron's TP x PP x DP over them) and
+  compute values and the critic update while the actor computes log-probs and updates
+  (``megatron_rl.critic_role``).
 
 This module imports nothing heavy: it runs before any process group starts (preflight).
 """
@@ -33,6 +36,7 @@ class Placement:
     actor: tuple[int, ...]
     """Global ranks of the actor (reference and reward models too): megatron's TP x PP x DP over them."""
     critic: tuple[int, ...]
+    """Global ranks of the critic: the actor's, or ranks of its own (its own TP x PP x DP)."""
     rollout: tuple[int, ...]
     """Global ranks hosting engines (rollout TP over consecutive ranks of this list)."""
 
@@ -41,9 +45,18 @@ class Placement:
         """The engines run on ranks of their own (not inside the training processes)."""
         return not set(self.rollout) & set(self.actor)
 
+    @property
+    def separate_critic(self) -> bool:
+        """The critic trains on ranks of its own (not on the actor's)."""
+        return not set(self.critic) & set(self.actor)
+
     def world_of(self, rank: int) -> tuple[int, ...]:
-        """The ranks of ``rank``'s torch.distributed world: the training ranks or the rollout ranks."""
-        return self.rollout if self.separate_rollout and rank in self.rollout else self.actor
+        """The ranks of ``rank``'s torch.distributed world: the actor's, the critic's or the rollout's."""
+        if self.separate_rollout and rank in self.rollout:
+            return self.rollout
+        if self.separate_critic and rank in self.critic:
+            return self.critic
+        return self.actor
 
     def describe(self) -> str:
         return f"actor {list(self.actor)}, critic {list(self.critic)}, rollout {list(self.rollout)}"
@@ -94,29 +107,27 @@ def resolve_placement(cfg: Config, world_size: int) -> Placement:
         src = {r: f"trainer.placement.file={p.file} ({r})" for r in ROLES}
     ranks = {r: _ranks(src[r], given[r], world_size) for r in ROLES}
     everyone = tuple(range(world_size))
-    rollout = ranks["rollout"]
-    actor = ranks["actor"] or (
-        tuple(r for r in everyone if r not in rollout) if rollout and ranks["actor"] is None else everyone
-    )
+    taken = set(ranks["rollout"] or ()) | set(ranks["critic"] or ())
+    actor = ranks["actor"] or tuple(r for r in everyone if r not in taken)
     if not actor:
-        raise ConfigError(f"{src['rollout']}={list(rollout)} takes every rank: leave ranks for the actor.")
-    rollout = rollout or actor
-    critic = ranks["critic"] or actor
-    if critic != actor:
+        raise ConfigError(f"{src['rollout']} and {src['critic']} take every rank: leave ranks for the actor.")
+    rollout, critic = ranks["rollout"] or actor, ranks["critic"] or actor
+    for role, own in (("rollout", rollout), ("critic", critic)):
+        if set(own) & set(actor) and set(own) != set(actor):
+            raise ConfigError(
+                f"{src[role]}={list(own)} shares some ranks with the actor's {list(actor)}: give the "
+                f"{role} the actor's ranks (colocated, the default) or ranks of its own."
+            )
+    if set(critic) & set(rollout) and set(critic) != set(actor):
         raise ConfigError(
-            f"{src['critic']}={list(critic)} differs from the actor's ranks {list(actor)}: the critic trains "
-            "on the actor's ranks; leave trainer.placement.critic unset or equal to the actor's."
+            f"{src['critic']}={list(critic)} shares ranks with {src['rollout']}={list(rollout)}: a critic on "
+            "ranks of its own needs ranks no engine uses."
         )
-    if set(rollout) & set(actor) and set(rollout) != set(actor):
-        raise ConfigError(
-            f"{src['rollout']}={list(rollout)} shares some ranks with the actor's {list(actor)}: give the "
-            "rollout the actor's ranks (colocated, the default) or ranks of its own."
-        )
-    idle = [r for r in everyone if r not in actor and r not in rollout]
+    idle = [r for r in everyone if r not in actor and r not in rollout and r not in critic]
     if idle:
         raise ConfigError(
-            f"rank {idle[0]} has no role (actor {list(actor)}, rollout {list(rollout)}): add it to "
-            "trainer.placement.actor or trainer.placement.rollout, or launch "
+            f"rank {idle[0]} has no role (actor {list(actor)}, critic {list(critic)}, rollout "
+            f"{list(rollout)}): add it to one of trainer.placement.actor/critic/rollout, or launch "
             f"{world_size - len(idle)} processes."
         )
     placement = Placement(world_size, actor, critic, rollout)
@@ -126,6 +137,12 @@ def resolve_placement(cfg: Config, world_size: int) -> Placement:
 
 def _check_with_config(cfg: Config, pl: Placement) -> None:
     rollout = cfg.actor_rollout_ref.rollout
+    if pl.separate_critic and not cfg.critic.enable:
+        raise ConfigError(
+            f"trainer.placement.critic={list(pl.critic)} gives ranks to a critic that does not train "
+            f"(critic.enable=false with algorithm.adv_estimator={cfg.algorithm.adv_estimator}): leave "
+            "trainer.placement.critic unset, or use a critic (algorithm.adv_estimator=gae)."
+        )
     if rollout.max_staleness > 0 and not pl.separate_rollout:
         raise ConfigError(
             f"actor_rollout_ref.rollout.max_staleness={rollout.max_staleness} overlaps generation with "

@@ -465,8 +465,8 @@ class PlacementConfig:
     """Global ranks that hold the actor (and the reference and reward models); None = every rank not
     listed in rollout when rollout is given, else every rank."""
     critic: list[int] | None = None
-    """Global ranks that hold the critic; None = the actor's (a critic on ranks of its own is not
-    supported)."""
+    """Global ranks that hold the critic; None = the actor's. Ranks of its own (disjoint from the actor's
+    and the rollout's) compute values and the critic update while the actor trains."""
     rollout: list[int] | None = None
     """Global ranks that host the rollout engines; None = the actor's (colocated hybrid engine). Ranks
     of their own generate while the actor trains; the actor's weights reach them over the network."""

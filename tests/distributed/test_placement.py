@@ -1,9 +1,10 @@
-"""Placement on CPU (gloo, the transformers engine): the rollout on a rank of its own, one-step-off-policy
-rollout (and resume with its queued generations), and re-placement by SIGUSR1 through launch/torchrun.sh.
+"""Placement on CPU (gloo, the transformers engine): the rollout or the critic on ranks of their own,
+one-step-off-policy rollout (and resume with its queued generations), and re-placement by SIGUSR1
+through launch/torchrun.sh.
 
-The oracle of the separate rollout is the colocated loop: with staleness 0 and as many engines as
-training DP ranks, both sample the same prompts with the same seeds from the same weights, so every
-logged number must be equal.
+The oracle of a separate role is the colocated loop: with staleness 0 and as many engines as training
+DP ranks, both sample the same prompts with the same seeds from the same weights, and a critic on its
+own ranks sees the same rows as on the actor's, so every logged number must be equal.
 """
 
 from __future__ import annotations
@@ -42,6 +43,41 @@ def test_separate_rollout_gives_the_colocated_numbers(demo, tmp_path, torchrun):
     for ra, rb in zip(a, b, strict=True):
         assert stable(ra) == stable(rb), f"step {ra['step']} differs"
     assert all(r["rollout/staleness/max"] == 0 for r in b)
+
+
+def test_critic_on_its_own_rank_gives_the_colocated_numbers_and_resumes_across_placements(
+    demo, tmp_path, torchrun
+):
+    """Actor (and engine) on rank 0, critic on rank 1, against both on one rank: three steps equal. A
+    checkpoint written by the colocated run resumes with the critic on its own rank (its weights, Adam
+    state and LR position go there), and step 3 equals again; the separate run's checkpoint has the
+    colocated layout (critic/ and critic_optim/ beside the actor's)."""
+    kw = {
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size": 1,
+        "trainer.total_training_steps": 3,
+        "trainer.save_freq": 2,
+        "trainer.test_freq": -1,
+    }
+    colocated, separate, resumed = (str(tmp_path / d) for d in ("colocated", "separate", "resumed"))
+    own = {"trainer.placement.critic": "[1]"}
+    torchrun("train.py", 1, overrides(demo, colocated, **kw))
+    torchrun("train.py", 2, overrides(demo, separate, **kw, **own))
+    a, b = metrics(colocated), metrics(separate)
+    assert [r["step"] for r in b] == [1, 2, 3]
+    assert "critic/vf_loss" in b[-1]
+    for ra, rb in zip(a, b, strict=True):
+        assert stable(ra) == stable(rb), f"step {ra['step']} differs"
+    for d in ("critic", "critic_optim"):
+        assert os.path.isdir(os.path.join(separate, "global_step_2", d))
+    again = {
+        "trainer.resume_mode": "resume_path",
+        "trainer.resume_from_path": os.path.join(colocated, "global_step_2"),
+        "trainer.save_freq": -1,
+    }
+    torchrun("train.py", 2, overrides(demo, resumed, **{**kw, **own, **again}))
+    c = metrics(resumed)
+    assert [r["step"] for r in c] == [3]
+    assert stable(c[0]) == stable(a[2])
 
 
 def test_one_step_off_policy_rollout_learns_and_resumes_with_its_queue(demo, tmp_path, torchrun):

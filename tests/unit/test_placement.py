@@ -27,6 +27,19 @@ def test_rollout_ranks_of_their_own_leave_the_rest_to_the_actor():
     assert p.world_of(3) == (3,) and p.world_of(0) == (0, 1, 2)
 
 
+def test_a_critic_of_its_own_leaves_the_rest_to_the_actor_and_has_its_own_batch_checks():
+    cfg = cfg_with("trainer.placement.critic=[1, 2, 3]", "trainer.placement.rollout=[4]")
+    p = resolve_placement(cfg, 5)
+    assert p.actor == (0,) and p.critic == (1, 2, 3) and p.separate_critic and p.separate_rollout
+    assert p.world_of(2) == (1, 2, 3) and p.world_of(0) == (0,) and p.world_of(4) == (4,)
+    # the critic's data-parallel size is 3: its mini-batch of 256 prompts (the default) does not split
+    with pytest.raises(
+        ConfigError, match=r"critic\.ppo_mini_batch_size=256 must be a positive multiple of 3"
+    ):
+        validate(cfg, world_size=5, model_dims=DIMS)
+    validate(cfg_with("trainer.placement.critic=[2, 3]"), world_size=4, model_dims=DIMS)
+
+
 def test_the_file_replaces_the_keys(tmp_path):
     f = tmp_path / "placement.yaml"
     f.write_text("actor: [2, 3]\nrollout: [0, 1]\n")
@@ -50,7 +63,18 @@ def test_batch_sizes_are_checked_against_the_actor_ranks_only():
         (["trainer.placement.rollout=[0, 1, 2, 3]", "trainer.placement.actor=[]"], r"non-empty list"),
         (["trainer.placement.actor=[0, 1]", "trainer.placement.rollout=[1, 2, 3]"], r"shares some ranks"),
         (["trainer.placement.actor=[0, 1]", "trainer.placement.rollout=[2]"], r"rank 3 has no role"),
-        (["trainer.placement.critic=[2, 3]"], r"trainer\.placement\.critic=\[2, 3\] differs"),
+        (
+            ["trainer.placement.actor=[0, 1, 2]", "trainer.placement.critic=[2, 3]"],
+            r"trainer\.placement\.critic=\[2, 3\] shares some ranks with the actor's \[0, 1, 2\]",
+        ),
+        (
+            ["trainer.placement.rollout=[3]", "trainer.placement.critic=[2, 3]"],
+            r"critic=\[2, 3\] shares ranks with trainer\.placement\.rollout=\[3\]",
+        ),
+        (
+            ["trainer.placement.critic=[3]", "algorithm.adv_estimator=grpo"],
+            r"trainer\.placement\.critic=\[3\] gives ranks to a critic that does not train",
+        ),
         (["actor_rollout_ref.rollout.max_staleness=1"], r"max_staleness=1 .*trainer\.placement\.rollout"),
         (
             ["trainer.placement.rollout=[3]", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"],
