@@ -6,6 +6,7 @@
     python bench/ppo_step.py --model qwen2.5-1.5b --response-len 1024 --response-spread 32 1024 \
         --compare-dynamic --out bench_out/dynamic   # padded vs token-budget micro-batches
     python bench/ppo_step.py --model qwen2.5-1.5b --nproc 2 --compare-placement --out bench_out/placement
+    python bench/ppo_step.py --model qwen2.5-1.5b --nproc 2 --compare-critic-placement --out bench_out/critic
 
 It prepares a random HF model (Qwen2.5-1.5B shape, or a tiny one), a word-level tokenizer whose
 tokens are ``t0 .. t{V-1}`` (so prompts are plain token ids), and parquet prompts of exactly
@@ -26,7 +27,10 @@ equal to the padded path's micro-batch sizes in tokens ("dynamic"), so that both
 activations; perf/padding_fraction is reported for each. With --compare-placement (2 GPUs) the runs are
 colocated on both GPUs, then actor + critic + reference on GPU 0 with the engine alone on GPU 1
 (trainer.placement.rollout=[1]) at max_staleness 0 and 1; each reports the engines' busy time, both
-GPUs' idle shares and the step time over max(generation, training).
+GPUs' idle shares and the step time over max(generation, training). With --compare-critic-placement
+(2 GPUs) the runs are colocated on both GPUs, then actor + reference + engine on GPU 0 with the critic
+alone on GPU 1 (trainer.placement.critic=[1]); the second reports the critic's busy time
+(perf/critic_busy_s) against the actor's wait for it (timing_s/values + timing_s/update_critic).
 """
 
 from __future__ import annotations
@@ -263,6 +267,11 @@ def summarize(rows: list[dict], nproc: int) -> dict:
             else None
         ),
         "staleness_mean": mean("rollout/staleness/mean"),
+        # a critic on its own ranks: its compute, and how much of it the actor waited for
+        "critic_busy_s": mean("perf/critic_busy_s"),
+        "critic_wait_s": (
+            (phases["values"] or 0) + (phases["update_critic"] or 0) if mean("perf/critic_busy_s") else None
+        ),
         "nproc": nproc,
     }
 
@@ -291,7 +300,7 @@ def main() -> None:
     ap.add_argument("--no-compare", action="store_true", help="skip the non-colocated run")
     ap.add_argument(
         "--only",
-        choices=["colocated", "separate", "padded", "dynamic", "placed_s0", "placed_s1"],
+        choices=["colocated", "separate", "padded", "dynamic", "placed_s0", "placed_s1", "critic_placed"],
         help="run one of the two configurations",
     )
     ap.add_argument("--save", action="store_true", help="save a checkpoint after the last step")
@@ -311,6 +320,11 @@ def main() -> None:
         action="store_true",
         help="--nproc 2: colocated on both GPUs, then actor+critic on GPU 0 and the engine on GPU 1 "
         "at max_staleness 0 and 1",
+    )
+    ap.add_argument(
+        "--compare-critic-placement",
+        action="store_true",
+        help="--nproc 2: colocated on both GPUs, then the critic alone on GPU 1",
     )
     ap.add_argument("--out", required=True)
     ap.add_argument(
@@ -333,11 +347,16 @@ def main() -> None:
     extra = {
         "placed_s0": {**placed, "actor_rollout_ref.rollout.max_staleness": 0},
         "placed_s1": {**placed, "actor_rollout_ref.rollout.max_staleness": 1},
+        "critic_placed": {"trainer.placement.critic": f"[{a.nproc - 1}]"},
     }
     if a.compare_placement:
         if a.nproc != 2 or a.tp != 1:
             ap.error("--compare-placement runs on 2 GPUs at --tp 1 (the actor alone on GPU 0)")
         runs = (("colocated", True, False), ("placed_s0", True, False), ("placed_s1", True, False))
+    elif a.compare_critic_placement:
+        if a.nproc != 2 or a.tp != 1:
+            ap.error("--compare-critic-placement runs on 2 GPUs at --tp 1 (the critic alone on GPU 1)")
+        runs = (("colocated", True, False), ("critic_placed", True, False))
     elif a.compare_dynamic:
         runs = (("padded", True, False), ("dynamic", True, True))
     else:

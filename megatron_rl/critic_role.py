@@ -21,7 +21,8 @@ returns travel the same way, pickled CPU tensors:
                                     rank 0 puts values/<step>/<p> (part p's rows and response width)
     ("update", step, seed)          actor DP rank p put returns and response mask (rejection sampling
                                     may have masked rows since); update_critic on each slice; rank 0
-                                    puts metrics/<step> with the optimizer's counters
+                                    puts metrics/<step> (with perf/critic_busy_s, its seconds of
+                                    values and update) and the optimizer's counters
     ("save", dir) / ("load", path, counters)   critic/ and critic_optim/ in the checkpoint; ack/<i>
     ("stop",)
 
@@ -31,6 +32,8 @@ resumes in either placement. The critic's RNG state is not saved: nothing in it 
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.distributed as dist
@@ -154,6 +157,7 @@ class CriticServer:
         self.mine: RolloutBatch | None = None  # this rank's slice of the step's batch
         self.part_rows: list[tuple[int, int]] = []  # (rows, response width) of each actor DP part
         self.passes = ForwardPasses.from_config(cfg)
+        self.values_seconds = 0.0  # of the step's values request (perf/critic_busy_s adds the update's)
 
     def serve(self) -> int:
         """Handle requests until "stop"; returns how many were served."""
@@ -178,7 +182,7 @@ class CriticServer:
     def _values(self, i: int, msg: dict) -> None:
         from megatron_rl import ppo
 
-        ps, step = self.ps, msg["step"]
+        ps, step, start = self.ps, msg["step"], time.perf_counter()
         parts = [self.box.take(f"batch/{step}/{p}", ps.world_size) for p in range(msg["parts"])]
         self.part_rows = [(len(b), b.response_length) for b in parts]
         full = parts[0] if len(parts) == 1 else RolloutBatch.concat(parts, self.pad_id)
@@ -190,15 +194,16 @@ class CriticServer:
         if ps.tp_rank == 0 and ps.pp_rank == 0:
             dist.gather_object(sent, slices, dst=dist.get_global_rank(ps.dp_group, 0), group=ps.dp_group)
         if ps.rank == 0:
-            values, start = torch.cat(slices), 0  # [B, R]
+            values, first = torch.cat(slices), 0  # [B, R]
             for p, (rows, width) in enumerate(self.part_rows):
-                self.box.put(f"values/{step}/{p}", values[start : start + rows, :width].clone())
-                start += rows
+                self.box.put(f"values/{step}/{p}", values[first : first + rows, :width].clone())
+                first += rows
+        self.values_seconds = time.perf_counter() - start
 
     def _update(self, i: int, msg: dict) -> None:
         from megatron_rl import ppo
 
-        ps, step = self.ps, msg["step"]
+        ps, step, start = self.ps, msg["step"], time.perf_counter()
         width = self.mine.response_length
         parts = [self.box.take(f"returns/{step}/{p}", ps.world_size) for p in range(len(self.part_rows))]
 
@@ -214,6 +219,9 @@ class CriticServer:
         )
         self.mine = None
         if ps.rank == 0:
+            if ps.device.type == "cuda":
+                torch.cuda.synchronize(ps.device)
+            metrics["perf/critic_busy_s"] = self.values_seconds + time.perf_counter() - start
             self.box.put(f"metrics/{step}", (metrics, self.optim.counters()))
 
     def _acknowledge(self, i: int, work) -> None:

@@ -13,7 +13,10 @@
 
 The first three lines are the colocated rollout role (rollouts.ColocatedRollout); with
 trainer.placement.rollout on ranks of its own (rollouts.SeparateRollout) generation runs there, up to
-rollout.max_staleness steps ahead, and the step only waits for it (timing_s/gen).
+rollout.max_staleness steps ahead, and the step only waits for it (timing_s/gen). Likewise the critic
+role (critic_role): with trainer.placement.critic on ranks of its own, values and the critic update
+run there while the actor computes log-probs and updates, and timing_s/values, update_critic are the
+actor's waits for it.
 
 The engine holds GPU memory only while it generates (colocated hybrid engine): it is resumed before
 generation and released right after; with the offload keys on, the training state is in host memory

@@ -31,42 +31,29 @@ def demo(tmp_path_factory):
     return prepare(str(tmp_path_factory.mktemp("demo")))
 
 
-def test_separate_rollout_gives_the_colocated_numbers(demo, tmp_path, torchrun):
-    """Two steps and a validation: 2 colocated ranks vs the same 2 training ranks plus a rollout rank."""
-    kw = {"trainer.total_training_steps": 2, "trainer.test_freq": 2}
-    colocated, separate = str(tmp_path / "colocated"), str(tmp_path / "separate")
-    torchrun("train.py", 2, overrides(demo, colocated, **kw))
-    torchrun("train.py", 3, overrides(demo, separate, **kw, **SEPARATE))
-    a, b = metrics(colocated), metrics(separate)
-    assert [r["step"] for r in b] == [1, 2]
-    assert "val-core/toy/copy_last_digit/reward/mean@1" in b[-1]
-    for ra, rb in zip(a, b, strict=True):
-        assert stable(ra) == stable(rb), f"step {ra['step']} differs"
-    assert all(r["rollout/staleness/max"] == 0 for r in b)
-
-
-def test_critic_on_its_own_rank_gives_the_colocated_numbers_and_resumes_across_placements(
-    demo, tmp_path, torchrun
-):
-    """Actor (and engine) on rank 0, critic on rank 1, against both on one rank: three steps equal. A
-    checkpoint written by the colocated run resumes with the critic on its own rank (its weights, Adam
-    state and LR position go there), and step 3 equals again; the separate run's checkpoint has the
-    colocated layout (critic/ and critic_optim/ beside the actor's)."""
+def test_critic_and_rollout_on_ranks_of_their_own_give_the_colocated_numbers(demo, tmp_path, torchrun):
+    """Actor on rank 0, critic on rank 1, the engine on rank 2, against all three on one rank: three
+    steps and a validation equal. A checkpoint written by the colocated run resumes in the separate
+    placement (the critic's weights, Adam state and LR position go to its rank, the engine gets the
+    actor's weights) and step 3 equals again; the separate run's checkpoint has the colocated layout
+    (critic/ and critic_optim/ beside the actor's)."""
     kw = {
         "actor_rollout_ref.actor.megatron.tensor_model_parallel_size": 1,
         "trainer.total_training_steps": 3,
         "trainer.save_freq": 2,
-        "trainer.test_freq": -1,
+        "trainer.test_freq": 3,
     }
     colocated, separate, resumed = (str(tmp_path / d) for d in ("colocated", "separate", "resumed"))
-    own = {"trainer.placement.critic": "[1]"}
+    own = {"trainer.placement.critic": "[1]", "trainer.placement.rollout": "[2]"}
     torchrun("train.py", 1, overrides(demo, colocated, **kw))
-    torchrun("train.py", 2, overrides(demo, separate, **kw, **own))
+    torchrun("train.py", 3, overrides(demo, separate, **kw, **own))
     a, b = metrics(colocated), metrics(separate)
     assert [r["step"] for r in b] == [1, 2, 3]
-    assert "critic/vf_loss" in b[-1]
+    assert "critic/vf_loss" in b[-1] and "val-core/toy/copy_last_digit/reward/mean@1" in b[-1]
     for ra, rb in zip(a, b, strict=True):
         assert stable(ra) == stable(rb), f"step {ra['step']} differs"
+    assert all(r["rollout/staleness/max"] == 0 for r in b)
+    assert all(r["perf/critic_busy_s"] > 0 for r in b)  # the critic's own time, beside the actor's wait
     for d in ("critic", "critic_optim"):
         assert os.path.isdir(os.path.join(separate, "global_step_2", d))
     again = {
@@ -74,7 +61,7 @@ def test_critic_on_its_own_rank_gives_the_colocated_numbers_and_resumes_across_p
         "trainer.resume_from_path": os.path.join(colocated, "global_step_2"),
         "trainer.save_freq": -1,
     }
-    torchrun("train.py", 2, overrides(demo, resumed, **{**kw, **own, **again}))
+    torchrun("train.py", 3, overrides(demo, resumed, **{**kw, **own, **again}))
     c = metrics(resumed)
     assert [r["step"] for r in c] == [3]
     assert stable(c[0]) == stable(a[2])
@@ -82,8 +69,8 @@ def test_critic_on_its_own_rank_gives_the_colocated_numbers_and_resumes_across_p
 
 def test_one_step_off_policy_rollout_learns_and_resumes_with_its_queue(demo, tmp_path, torchrun):
     """max_staleness=1: step k+1 is generated while step k trains, and the policy still learns. The
-    checkpoint of step 20 holds the generations already asked for (step 21's, sampled by version 19,
-    which no checkpoint holds, and step 22's): resumed from it, steps 21-40 equal the straight run's,
+    checkpoint of step 30 holds the generations already asked for (step 31's, sampled by version 29,
+    which no checkpoint holds, and step 32's): resumed from it, steps 31-40 equal the straight run's,
     bit for bit."""
     straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
     kw = {
@@ -97,7 +84,7 @@ def test_one_step_off_policy_rollout_learns_and_resumes_with_its_queue(demo, tmp
         "actor_rollout_ref.rollout.max_staleness": 1,
         **SEPARATE,
     }
-    torchrun("train.py", 3, overrides(demo, straight, **kw, **{"trainer.save_freq": 20}))
+    torchrun("train.py", 3, overrides(demo, straight, **kw, **{"trainer.save_freq": 30}))
     rows = metrics(straight)
     # step 1 samples with the initial weights (version 0), step k >= 2 with version k - 2
     assert [r["rollout/staleness/max"] for r in rows] == [0.0] + [1.0] * 39
@@ -106,13 +93,13 @@ def test_one_step_off_policy_rollout_learns_and_resumes_with_its_queue(demo, tmp
     assert "training/rollout_probs_diff_mean" in rows[-1]
     assert rows[-1]["perf/rollout_engine_busy_s"] > 0  # the engines' own time, against the step's
 
-    ckpt = os.path.join(straight, "global_step_20")
+    ckpt = os.path.join(straight, "global_step_30")
     assert os.path.isfile(os.path.join(ckpt, "shared_state.pt"))
     again = {"trainer.resume_mode": "resume_path", "trainer.resume_from_path": ckpt, "trainer.save_freq": -1}
     torchrun("train.py", 3, overrides(demo, resumed, **kw, **again))
     b = metrics(resumed)
-    assert [r["step"] for r in b] == list(range(21, 41))
-    for ra, rb in zip(rows[20:], b, strict=True):
+    assert [r["step"] for r in b] == list(range(31, 41))
+    for ra, rb in zip(rows[30:], b, strict=True):
         assert stable(ra) == stable(rb), f"step {ra['step']} differs"
 
 
