@@ -1,11 +1,12 @@
-"""Benchmark: reshard stream (+ SGLang update) of a Qwen2.5-1.5B-shaped actor at TP=2 on 2 GPUs.
+"""Benchmark: reshard stream (+ SGLang update) of a Qwen2.5-1.5B-shaped actor at TP = the GPUs.
 
-    torchrun --nproc_per_node=2 bench/reshard.py --out reshard.json
+    torchrun --nproc_per_node=2 bench/reshard.py --out reshard.json    # TP=2 (rollout TP=2)
+    torchrun --nproc_per_node=1 bench/reshard.py --out reshard.json    # TP=1: the bound is a copy
 
 Same run, same bytes (the HF tensors the stream produces, bf16):
   bound       one NCCL all_gather_into_tensor over the TP group whose output has those bytes;
   reshard     iter_hf_buckets drained with no consumer (pack, TP gather, scatter into HF buckets);
-  sync        sync_weights into an SGLang engine of rollout TP=2 (reshard + update_weights_from_tensor);
+  sync        sync_weights into an SGLang engine of the same TP (reshard + update_weights_from_tensor);
 plus the peak extra device memory of the stream, release/resume times, and a greedy generate after
 the sync (the engine answers with the streamed weights). Weights are random (O(1) scale), built
 directly on the GPU; nothing is read from disk. Rank 0 prints a summary and writes --out (JSON).
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 import zlib
@@ -80,7 +82,7 @@ def main() -> None:
     from megatron_rl.rollout import SamplingParams, create_engine
     from megatron_rl.rollout.reshard import iter_hf_buckets, plan_buckets, sync_weights
 
-    ps = init_parallel(2, 1, device="cuda")
+    ps = init_parallel(int(os.environ.get("WORLD_SIZE", "1")), 1, device="cuda")  # TP over every GPU
     args = qwen_args()
     model = build_model(args, ps, dtype=torch.bfloat16)
     randomize(model, ps)
@@ -126,7 +128,7 @@ def main() -> None:
         cfg = RolloutConfig(
             name="sglang",
             dtype="bfloat16",
-            tensor_model_parallel_size=2,
+            tensor_model_parallel_size=ps.tp_size,
             gpu_memory_utilization=a.gpu_memory_utilization,
             enable_cuda_graph=False,
             max_num_batched_tokens=8192,
