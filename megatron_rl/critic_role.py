@@ -80,9 +80,8 @@ class RemoteCritic:
     """The actor's side of a critic on ranks of its own (module docstring). Every call is collective
     over the actor's ranks; only rank 0 posts requests."""
 
-    def __init__(self, ps: ParallelState, critic_ranks: int, total_steps: int, pad_id: int) -> None:
+    def __init__(self, ps: ParallelState, total_steps: int, pad_id: int) -> None:
         self.ps, self.box = ps, Mailbox(ps.job_store, "critic/")
-        self.readers = critic_ranks
         self.posted = 0
         self.step = 0
         self._counters: dict[str, int] = {"num_steps": 0, "skipped_steps": 0}

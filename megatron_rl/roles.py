@@ -57,16 +57,18 @@ def _optim_steps(cfg: Config, epochs: int, mini_batch: int, ppo_steps: int) -> i
     return ppo_steps * epochs * (cfg.data.train_batch_size // mini_batch)
 
 
-def build_critic(cfg: Config, ps: ParallelState, total_steps: int) -> tuple[torch.nn.Module, object]:
-    """The critic (critic.model.path with a value head) and its optimizer, on ``ps``'s ranks."""
+def build_critic(
+    cfg: Config, ps: ParallelState, total_steps: int, model_args=None
+) -> tuple[torch.nn.Module, object]:
+    """The critic (critic.model.path with a value head) and its optimizer, on ``ps``'s ranks;
+    ``model_args``: critic.model.path's, when the caller has read them already."""
     from megatron_rl.models.loading import load_model_args_any
     from megatron_rl.optim import ModelOptimizer
 
     c = cfg.critic
     path = c.model.path
-    critic = _model(
-        ps, load_model_args_any(path), "critic", path, c.megatron, c.model.enable_gradient_checkpointing
-    )
+    args = model_args or load_model_args_any(path)
+    critic = _model(ps, args, "critic", path, c.megatron, c.model.enable_gradient_checkpointing)
     steps = _optim_steps(cfg, c.ppo_epochs, c.ppo_mini_batch_size, total_steps)
     return critic, ModelOptimizer(critic, c.optim, c.megatron, ps, steps, key="critic.optim")
 
@@ -94,7 +96,8 @@ def build_models(
         ref = _model(ps, model_args, "actor", arr.model.path, arr.ref.megatron).eval()
     critic = critic_optim = None
     if cfg.critic.enable and with_critic:
-        critic, critic_optim = build_critic(cfg, ps, total_steps)
+        same_trunk = cfg.critic.model.path == arr.model.path  # the actor's config, read once
+        critic, critic_optim = build_critic(cfg, ps, total_steps, model_args if same_trunk else None)
     reward = None
     if cfg.reward_model.enable:
         rm = cfg.reward_model

@@ -51,15 +51,14 @@ def main(argv: list[str] | None = None) -> None:
         )
         # Our own level, set on our logger: SGLang reconfigures the root logger when its engine starts.
         logging.getLogger("megatron_rl").setLevel(logging.INFO if lead else logging.WARNING)
+        server = None  # a rank of a role on ranks of its own serves the actor's ranks
         if placement.separate_rollout and rank in placement.rollout:
+            server = serve_rollout
+        elif placement.separate_critic and rank in placement.critic:
+            server = serve_critic
+        if server is not None:
             try:
-                serve_rollout(cfg, placement)
-            finally:
-                destroy_parallel()
-            return
-        if placement.separate_critic and rank in placement.critic:
-            try:
-                serve_critic(cfg, placement)
+                server(cfg, placement)
             finally:
                 destroy_parallel()
             return

@@ -168,7 +168,7 @@ class Trainer:
         )
         self.critic: LocalCritic | RemoteCritic | None = None  # the critic role (critic_role)
         if separate_critic:
-            self.critic = RemoteCritic(ps, len(self.placement.critic), self.total_steps, self.pad_id)
+            self.critic = RemoteCritic(ps, self.total_steps, self.pad_id)
         elif self.models.critic is not None:
             self.critic = LocalCritic(cfg, ps, self.models.critic, self.models.critic_optim, self.passes)
         if self.models.reward is not None:
