@@ -19,9 +19,10 @@ $(STAMP): setup.py pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[dev]' $(CPU_PINS)
 	touch $(STAMP)
 
+# One line per test module (its name as it starts, a mark per test, the share of the run done), then
 # --durations: the slowest tests, so that the run's length stays visible in every log.
 test: install
-	$(PYTEST) -q -m "not slow and not gpu" --durations=10 tests
+	$(PYTEST) -m "not slow and not gpu" --durations=10 tests
 
 # Exit status 5 is pytest's "no test selected": not a failure for an optional group.
 test-slow: install

@@ -13,8 +13,12 @@ setup(
     long_description=open("README.md").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["megatron_rl", "megatron_rl.*", "ckpt_tools", "ckpt_tools.*"]),
-    package_data={"megatron_rl": ["verl_keys.txt"]},
+    # yaml/ ships as megatron_rl/configs/*.yaml: `python -m megatron_rl.config cpu_demo.yaml` (and
+    # --config yaml/cpu_demo.yaml) finds a config there when no such file is in the working directory.
+    packages=find_packages(include=["megatron_rl", "megatron_rl.*", "ckpt_tools", "ckpt_tools.*"])
+    + ["megatron_rl.configs"],
+    package_dir={"megatron_rl.configs": "yaml"},
+    package_data={"megatron_rl": ["verl_keys.txt"], "megatron_rl.configs": ["*.yaml"]},
     install_requires=[
         # Not pinned: clusters bring their own CUDA build of torch. `make install` pins the CPU versions
         # this project is tested with; docs/gpu.md lists the tested GPU set.
@@ -32,11 +36,12 @@ setup(
         # The GPU machine has its own torch build; install SGLang there with --no-deps from the kit.
         "sglang": ["sglang==0.5.17"],
         "dev": ["pytest", "ruff", "matplotlib"],
+        "plot": ["matplotlib"],  # python -m megatron_rl.plot
     },
     entry_points={
         "console_scripts": [
             "megatron-rl-train=megatron_rl.train:main",
-            "megatron-rl-config=megatron_rl.config:main",
+            "megatron-rl-config=megatron_rl.preflight:main",
             "megatron-rl-ckpt=ckpt_tools.__main__:main",
         ]
     },

@@ -76,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf", required=True, help="HF model directory (config.json + safetensors)")
     p.add_argument("--out", required=True, help="output torch_dist checkpoint directory")
     _layout(p)
+    p.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel size of a mixture-of-experts model (default 1; TP x PP x EP processes)",
+    )
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the config's dtype")
 
     p = verb("mcore-to-hf", False)

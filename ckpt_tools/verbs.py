@@ -43,7 +43,7 @@ def _say(ps, msg: str) -> None:
 
 
 @contextlib.contextmanager
-def _parallel(tp: int, pp: int, needed: bool = True) -> Iterator:
+def _parallel(tp: int, pp: int, needed: bool = True, ep: int = 1) -> Iterator:
     """init_parallel on the CPU for the verb's duration (None when not ``needed``); a process group
     that the caller started stays up afterwards."""
     if not needed:
@@ -54,7 +54,7 @@ def _parallel(tp: int, pp: int, needed: bool = True) -> Iterator:
     from megatron_rl.parallel import destroy_parallel, init_parallel
 
     owned = not dist.is_initialized()
-    ps = init_parallel(tp, pp, device="cpu")
+    ps = init_parallel(tp, pp, device="cpu", ep=ep)
     try:
         yield ps
     finally:
@@ -86,6 +86,16 @@ def _check_layout(path: str, tp: int, pp: int) -> None:
         raise SystemExit(f"ckpt_tools: {path}: {e}") from None
 
 
+def _check_experts(path: str, ep: int) -> None:
+    """``--ep`` must divide a mixture-of-experts model's experts (and is 1 for a dense model)."""
+    from megatron_rl.models.loading import load_model_args_any
+
+    args = load_model_args_any(path)
+    if ep < 1 or (args.is_moe and args.num_experts % ep) or (not args.is_moe and ep != 1):
+        what = f"its {args.num_experts} experts" if args.is_moe else "a dense model (use --ep 1)"
+        raise SystemExit(f"ckpt_tools: {path}: --ep {ep} does not divide {what}")
+
+
 def _legacy(path: str):
     from megatron_rl.weights.ckpt_format import LEGACY_FILE, locate_megatron_checkpoint
     from megatron_rl.weights.legacy import LegacyCheckpoint
@@ -99,7 +109,8 @@ def _legacy(path: str):
 def hf_to_mcore(a: argparse.Namespace) -> int:
     """Each rank reads its HF slices into its shard; save_torch_dist writes them."""
     _check_layout(a.hf, a.tp, a.pp)
-    rc = relaunch_if_needed(a.tp * a.pp, a.argv)
+    _check_experts(a.hf, a.ep)
+    rc = relaunch_if_needed(a.tp * a.pp * a.ep, a.argv)
     if rc is not None:
         return rc
     from megatron_rl.model_args import load_model_args
@@ -107,7 +118,7 @@ def hf_to_mcore(a: argparse.Namespace) -> int:
     from megatron_rl.weights.ckpt_write import save_torch_dist
     from megatron_rl.weights.hf_io import HFReader, copy_side_files
 
-    with _parallel(a.tp, a.pp) as ps:
+    with _parallel(a.tp, a.pp, ep=a.ep) as ps:
         args = load_model_args(a.hf)
         dtype = _dtype(a.dtype) if a.dtype else _config_dtype(args)
         model = build_model(args, ps, dtype=dtype, sdpa=False)

@@ -17,6 +17,9 @@
 #                                                                          a port given: a free port, --standalone)
 #   --rdzv-id ID           RDZV_ID         same on every node of one job   default: megatron-rl
 #   --log-dir DIR          LOG_DIR         node logs: DIR/node<R>.log      default: outputs/launch/<date-time>
+#   --max-restarts N       MAX_RESTARTS    restart the node's ranks after a failure (a rank killed, a
+#                                          collective timeout), each time resuming from the last
+#                                          checkpoint (trainer.resume_mode=auto)   default: 0
 #                          ENTRY           what torchrun runs              default: -m megatron_rl.train
 #                          PYTHON          interpreter                     default: .venv/bin/python, else python3
 # Everything else is passed to the trainer (--config and key=value overrides).
@@ -35,10 +38,19 @@
 # SIGKILL. A second Ctrl-C kills torchrun at once, and the ranks with it (they never outlive torchrun).
 # torchrun runs in its own session, so a terminal's Ctrl-C reaches the ranks only through this script.
 #
+# Recovery: with --max-restarts N, this script starts torchrun again (up to N times) when it fails (a
+# rank killed, a collective timeout); the ranks resume from the newest checkpoint (trainer.resume_mode=
+# auto, the default), so a failure loses at most the steps since the last save (trainer.save_freq). On
+# several nodes every node's torchrun ends with the failure and every node's launcher restarts its
+# own: give each the same N. A stop signal is never restarted.
+#
 # Re-placement: SIGUSR1 to this script (Slurm: scancel --signal=USR1 <job>) is forwarded the same way;
 # the ranks finish their step, save a checkpoint and exit, and the script starts torchrun again with
 # the same arguments: the new ranks resume from that checkpoint (trainer.resume_mode=auto) and read
-# trainer.placement.file anew, so editing that file first moves ranks between roles (docs/placement.md).
+# trainer.placement.file anew, so editing that file first moves ranks between roles (docs/placement.md);
+# rank 0 then prints one line with the new placement. A stop signal (TERM, INT, USR2) during a
+# re-placement outranks it: the job stops instead of restarting (so do the ranks among themselves).
+# torchrun's own traceback for the signal it was sent (SignalException) is left out of the output.
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -74,6 +86,7 @@ NODE_RANK="${NODE_RANK:-${SLURM_NODEID:-0}}"
 MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
 MASTER_PORT="${MASTER_PORT:-29500}"
 RDZV_ID="${RDZV_ID:-megatron-rl}"
+MAX_RESTARTS="${MAX_RESTARTS:-0}"
 LOG_DIR="${LOG_DIR:-outputs/launch/$(date +%Y%m%d-%H%M%S)}"
 ENTRY="${ENTRY:--m megatron_rl.train}"
 if [[ -z "${PYTHON:-}" ]]; then
@@ -91,6 +104,7 @@ while [[ $# -gt 0 ]]; do
         --master-port|--master_port) need "$@"; MASTER_PORT="$2"; PORT_GIVEN=1; shift 2 ;;
         --rdzv-id) need "$@"; RDZV_ID="$2"; shift 2 ;;
         --log-dir) need "$@"; LOG_DIR="$2"; shift 2 ;;
+        --max-restarts|--max_restarts) need "$@"; MAX_RESTARTS="$2"; shift 2 ;;
         -h|--help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
         *) break ;;
     esac
@@ -109,7 +123,7 @@ if [[ -z "$NPROC_PER_NODE" ]]; then
         "(with trainer.device=cpu or auto), or run on a GPU node."
     NPROC_PER_NODE=$gpus
 fi
-for v in NPROC_PER_NODE NNODES NODE_RANK MASTER_PORT; do
+for v in NPROC_PER_NODE NNODES NODE_RANK MASTER_PORT MAX_RESTARTS; do
     [[ "${!v}" =~ ^[0-9]+$ ]] || die "$v=${!v} is not a number."
 done
 [[ "$NPROC_PER_NODE" -ge 1 && "$NNODES" -ge 1 ]] || die "--nproc and --nnodes must be at least 1."
@@ -154,6 +168,12 @@ stop_sig=""
 forward() {  # $1: TERM | INT | USR2 | USR1 (a HUP is forwarded as TERM: the ranks save on TERM)
     [[ -n "$pid" ]] || exit $((128 + $(kill -l "$1")))
     if [[ -n "$stop_sig" ]]; then
+        if [[ "$stop_sig" == USR1 && "$1" != USR1 ]]; then  # a stop outranks a re-placement
+            stop_sig="$1"
+            echo "megatron-rl: node $NODE_RANK received SIG$1 during a re-placement: stopping instead of" \
+                 "restarting" | tee -a "$LOG" >&2
+            return
+        fi
         if [[ "$1" == INT ]]; then
             echo "megatron-rl: node $NODE_RANK: second SIGINT: killing torchrun (pid $pid) and its ranks now" \
                 | tee -a "$LOG" >&2
@@ -174,8 +194,27 @@ for sig in TERM INT USR2 USR1; do
 done
 trap "forward TERM" HUP
 
+# torchrun answers the signal it forwards with a traceback of its own (SignalException: Process N got
+# signal: S): routine here, so it is left out (the launcher's lines say what happened; the node log keeps
+# it); every other line and traceback passes unchanged.
+quiet_signal_traceback='
+import sys
+out, block = sys.stdout.buffer, []
+def flush():
+    out.writelines(block); block.clear(); out.flush()
+for line in iter(sys.stdin.buffer.readline, b""):
+    if line.rstrip() == b"Traceback (most recent call last):":
+        flush(); block.append(line); continue
+    if block and line[:1] in (b" ", b"\t"):
+        block.append(line); continue
+    if block and b"SignalException: Process " in line and b" got signal: " in line:
+        block.clear(); continue
+    block.append(line); flush()
+flush()
+'
+
 run_torchrun() {  # one torchrun; sets rc
-    (trap '' TERM INT USR2 USR1 HUP; exec tee -a "$LOG") < "$fifo_dir/out" &
+    (trap '' TERM INT USR2 USR1 HUP; tee -a "$LOG" < "$fifo_dir/out" | "$PYTHON" -u -c "$quiet_signal_traceback") &
     local tee_pid=$!
     set +e
     # A background command of a script is not a process-group leader, so setsid execs in place: $! is
@@ -196,12 +235,31 @@ saved_checkpoint() {
     sed -n 's/.*megatron-rl: received SIG[A-Z0-9]* at step [0-9]*; saved \([^;]*\);.*/\1/p' "$LOG" | tail -n 1
 }
 
+explain() {
+    PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m megatron_rl.launch_checks explain-log "$LOG" \
+        --node "$NODE_RANK" --rc "$rc" 2>&1 | tee -a "$LOG" >&2
+}
+
 run_torchrun "$@"
-while [[ "$stop_sig" == USR1 && "$rc" != 0 ]]; do
-    echo "megatron-rl: node $NODE_RANK re-placing: starting torchrun again (resumes from $(saved_checkpoint))" \
-        | tee -a "$LOG" >&2
-    pid="" stop_sig=""
-    run_torchrun "$@"
+restarts=0
+while [[ "$rc" != 0 ]]; do
+    if [[ "$stop_sig" == USR1 ]]; then
+        echo "megatron-rl: node $NODE_RANK re-placing: starting torchrun again (resumes from $(saved_checkpoint))" \
+            | tee -a "$LOG" >&2
+        pid="" stop_sig=""
+        MEGATRON_RL_REPLACED=1 run_torchrun "$@"
+    elif [[ -z "$stop_sig" && "$restarts" -lt "$MAX_RESTARTS" ]]; then
+        # A new torchrun, not torchrun's own restart: its rendezvous store starts empty (torchrun's
+        # restarts reuse the store, where the last attempt's process-group addresses still sit).
+        explain
+        restarts=$((restarts + 1))
+        echo "megatron-rl: node $NODE_RANK restarting torchrun ($restarts of --max-restarts $MAX_RESTARTS):" \
+             "the ranks resume from the newest checkpoint" | tee -a "$LOG" >&2
+        pid=""
+        run_torchrun "$@"
+    else
+        break
+    fi
 done
 if [[ -n "$stop_sig" && "$rc" != 0 ]]; then
     saved="$(saved_checkpoint)"
@@ -210,7 +268,6 @@ if [[ -n "$stop_sig" && "$rc" != 0 ]]; then
     exit $((128 + $(kill -l "$stop_sig")))
 fi
 if [[ "$rc" != 0 ]]; then
-    PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m megatron_rl.launch_checks explain-log "$LOG" \
-        --node "$NODE_RANK" --rc "$rc" 2>&1 | tee -a "$LOG" >&2
+    explain
 fi
 exit "$rc"

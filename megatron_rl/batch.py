@@ -6,7 +6,9 @@ Shapes (B sequences on this data-parallel rank, P prompt tokens, R response toke
     responses       [B, R]  right padded after EOS
     input_ids       [B, P+R]
     attention_mask  [B, P+R] 1 on real prompt and response tokens
-    response_mask   [B, R]  float, 1 on real response tokens (EOS included)
+    response_mask   [B, R]  float, 1 on the response tokens trained on: the model's (EOS included); 0 on
+                            padding and, in multi-turn episodes, on the tool/user tokens between turns
+                            (those stay in attention_mask: the model reads them, it is not trained on them)
 
 Fields filled as the step proceeds: rollout_log_probs (the engine's, when kept), old_log_probs,
 ref_log_probs, values (each [B, R]), token_level_scores / token_level_rewards / advantages / returns and
@@ -86,13 +88,17 @@ class RolloutBatch:
         responses: torch.Tensor,
         response_mask: torch.Tensor,
         meta: list[SeqMeta],
+        response_attention: torch.Tensor | None = None,
     ) -> RolloutBatch:
-        """Assemble from left-padded prompts [B, P] and right-padded responses [B, R]."""
+        """Assemble from left-padded prompts [B, P] and right-padded responses [B, R];
+        ``response_attention`` [B, R]: the real response tokens when they are more than the trained ones
+        (multi-turn), else ``response_mask``."""
+        real = response_mask if response_attention is None else response_attention
         return cls(
             prompts=prompts,
             responses=responses,
             input_ids=torch.cat([prompts, responses], dim=1),
-            attention_mask=torch.cat([prompt_mask.long(), response_mask.long()], dim=1),
+            attention_mask=torch.cat([prompt_mask.long(), real.long()], dim=1),
             response_mask=response_mask.float(),
             meta=meta,
         )
@@ -103,25 +109,47 @@ class RolloutBatch:
     ) -> RolloutBatch:
         """Prompts (data.PromptItem) and their engine generations (n per prompt) -> [B*n] rows: a prompt's
         samples are adjacent and share the uid ``uid_prefix + item.index`` (the GRPO/RLOO group). When the
-        engine returned log-probs, ``rollout_log_probs`` holds them (NaN where one is missing)."""
+        engine returned log-probs, ``rollout_log_probs`` holds them (NaN where one is missing).
+
+        A multi-turn episode (``g.response_mask`` set) keeps its tool/user tokens in the response with
+        response_mask 0, and its sequence's extra_info gains verl's ``num_turns`` and
+        ``rollout_reward_scores`` (calc_reward per tool), plus ``tool_rewards`` and ``turn_scores``."""
         from megatron_rl.data import collate_left_pad
 
-        prompts, metas, responses, logprobs = [], [], [], []
+        prompts, metas, responses, logprobs, trained = [], [], [], [], []
         for it, samples in zip(items, generations, strict=True):
             for g in samples:
                 prompts.append(it)
                 responses.append(g.token_ids[:max_response_length])
+                trained.append(None if g.response_mask is None else g.response_mask[:max_response_length])
                 logprobs.append(g.logprobs)
                 uid = f"{uid_prefix}{it.index}"
-                metas.append(SeqMeta(uid, it.data_source, it.ground_truth, it.extra_info, it.messages))
+                extra = it.extra_info
+                if g.info is not None:  # a copy per sample: the n samples of a prompt share its dict
+                    extra = {
+                        **extra,
+                        "num_turns": g.info.get("num_turns", 1),
+                        "rollout_reward_scores": dict(g.info.get("reward_scores", {})),
+                        "tool_rewards": list(g.info.get("tool_rewards", [])),
+                        "turn_scores": list(g.info.get("turn_scores", [])),
+                        "tool_reward": float(g.info.get("tool_reward", 0.0)),
+                    }
+                metas.append(SeqMeta(uid, it.data_source, it.ground_truth, extra, it.messages))
         prompt_ids, prompt_mask = collate_left_pad(prompts, pad_id)
         width = max(1, max(len(r) for r in responses))
         resp = torch.full((len(responses), width), pad_id, dtype=torch.long)
         resp_mask = torch.zeros(len(responses), width)
-        for i, r in enumerate(responses):
+        resp_real = torch.zeros(len(responses), width)
+        for i, (r, m) in enumerate(zip(responses, trained, strict=True)):
             resp[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-            resp_mask[i, : len(r)] = 1.0
-        batch = cls.from_tokens(prompt_ids, prompt_mask, resp, resp_mask, metas)
+            resp_real[i, : len(r)] = 1.0
+            if m is None:
+                resp_mask[i, : len(r)] = 1.0
+            else:
+                if len(m) != len(r):
+                    raise ValueError(f"sequence {i}: response_mask has {len(m)} entries for {len(r)} tokens")
+                resp_mask[i, : len(r)] = torch.tensor(m, dtype=torch.float32)
+        batch = cls.from_tokens(prompt_ids, prompt_mask, resp, resp_mask, metas, resp_real)
         if any(lp is not None for lp in logprobs):
             lp = torch.full((len(responses), width), math.nan)
             for i, (r, got) in enumerate(zip(responses, logprobs, strict=True)):
@@ -215,12 +243,19 @@ class RolloutBatch:
                 for b in batches
             ]
         )
+        response_attention = torch.cat(
+            [
+                torch.nn.functional.pad(b.attention_mask[:, b.prompts.shape[1] :], (0, r - b.response_length))
+                for b in batches
+            ]
+        )
         out = cls.from_tokens(
             cat("prompts", p, True, pad_id),
             prompt_mask,
             cat("responses", r, False, pad_id),
             cat("response_mask", r, False, 0),
             [m for b in batches for m in b.meta],
+            response_attention,
         )
         for name in _TENSOR_FIELDS[5:]:
             setattr(out, name, cat(name, r, False, 0))

@@ -9,7 +9,9 @@ Layout of ``trainer.default_local_dir``::
     run.lock                                held (flock) by rank 0 of the run using the directory;
                                             it says which host, pid and start time
     global_step_{N}/
-        trainer_state.json                  step, sampler position, KL controller, layout
+        trainer_state.json                  step, sampler position, KL controller, layout, the step's
+                                            metrics row (written to metrics.jsonl on resume if a death
+                                            between the publish and the row lost it)
         actor/  critic/                     model weights, megatron-core torch_dist (any TP/PP loads them;
                                             ckpt_tools mcore-to-hf exports them), with the tokenizer
                                             and generation_config.json files of the run's model
@@ -45,6 +47,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_rl.ckpt_files import (
     DirLock,
@@ -58,6 +61,7 @@ from megatron_rl.ckpt_files import (
 from megatron_rl.errors import COLLATERAL, CheckpointError
 from megatron_rl.parallel import ParallelState
 from megatron_rl.weights.hf_io import copy_side_files
+from megatron_rl.weights.safe_load import safe_dist_load, safe_torch_load
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +70,9 @@ ORDER_FILE = "checkpoint_order.txt"
 SHARED_FILE = "shared_state.pt"
 """Rank 0's state that every rank reads on resume (the separate rollout's queued generations)."""
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
+_SAVE_ERRORS: tuple[type[BaseException], ...] = (Exception, CheckpointException)
+"""What a failed write raises: torch DCP gathers every rank's write failures (a full disk included) into
+a CheckpointException, which is a BaseException, not an Exception."""
 
 
 def rng_state() -> dict[str, Any]:
@@ -101,6 +108,23 @@ def _layout(ps: ParallelState) -> dict[str, int]:
 
 def _shard_file(path: str, ps: ParallelState) -> str:
     return os.path.join(path, f"mp_rank_{ps.tp_rank:02d}_{ps.pp_rank:03d}.pt")
+
+
+def write_in_process() -> None:
+    """Make megatron-core's torch_dist writer hand its results back through an in-process queue.
+
+    Its default is a ``multiprocessing`` Manager queue, which starts two processes of its own (the
+    manager's server and its resource tracker) at the first save, in the rank's process group. torchrun
+    delivers a stop signal to that whole group, so a SIGTERM / SIGUSR1 / SIGUSR2 after the first save
+    killed the server and, with it, the save of the step the signal asked to keep; a ``kill -9`` of the
+    rank left both behind for minutes. Our saves are synchronous (the writer's function runs in this
+    process), so a plain queue carries the results and no helper process exists."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not isinstance(filesystem_async._results_queue, queue.Queue):
+        filesystem_async._results_queue = queue.Queue()
 
 
 def _any_rank(flag: bool) -> bool:
@@ -258,6 +282,7 @@ class CheckpointManager:
         from megatron_rl.weights.ckpt_write import save_torch_dist
 
         ps = self.ps
+        write_in_process()
         final = self.step_dir(step)
         partial = os.path.join(self.root, f".global_step_{step}.partial")
         error: BaseException | None = None
@@ -287,12 +312,12 @@ class CheckpointManager:
             if ps.rank == 0:
                 with open_private(os.path.join(partial, "trainer_state.json"), self.file_mode, False) as f:
                     json.dump({**trainer_state, "global_step": step, "layout": _layout(ps)}, f, indent=1)
-        except Exception as e:  # any rank's failure must reach every rank, or they wait at the barrier
+        except _SAVE_ERRORS as e:  # any rank's failure must reach every rank, or they wait at the barrier
             error = e
         if before_publish is not None and not _any_rank(error is not None):
             try:
                 before_publish(partial)  # collective on every rank, so only once all have written
-            except Exception as e:
+            except _SAVE_ERRORS as e:
                 error = e
         if not _any_rank(error is not None):
             try:
@@ -421,11 +446,11 @@ class CheckpointManager:
             load_torch_dist(model, self.ps, os.path.join(path, name))
         for name, opt in optimizers.items():
             load_optimizer(opt, os.path.join(path, f"{name}_optim"))
-        shards = torch.load(_shard_file(path, self.ps), map_location="cpu", weights_only=True)
+        shards = safe_torch_load(_shard_file(path, self.ps))
         set_rng_state(shards.pop("rng"))
         shared = os.path.join(path, SHARED_FILE)
         if os.path.isfile(shared):
-            trainer_state["shared"] = torch.load(shared, map_location="cpu", weights_only=True)
+            trainer_state["shared"] = safe_torch_load(shared)
         return shards, trainer_state
 
 
@@ -442,10 +467,5 @@ def save_optimizer(opt: Any, ps: ParallelState, path: str) -> None:
 
 def load_optimizer(opt: Any, path: str) -> None:
     """Fill ``opt`` from :func:`save_optimizer`'s directory, at any data-parallel size. Collective."""
-    from megatron.core import dist_checkpointing
-
-    from megatron_rl.weights.safe_load import safe_globals
-
     state = opt.sharded_state_dict(opt.model.sharded_state_dict(), is_loading=True)
-    with torch.serialization.safe_globals(safe_globals()):
-        opt.load_sharded_state_dict(dist_checkpointing.load(state, path))
+    opt.load_sharded_state_dict(safe_dist_load(state, path))

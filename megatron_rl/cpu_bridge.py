@@ -19,6 +19,23 @@ megatron-core assumes CUDA in three ways that matter for our models and schedule
    around the recomputed forward (``random._get_cuda_rng_state`` / ``_set_cuda_rng_state``); on CPU
    that state is the CPU generator's, which the tracker of 3. uses too.
 
+6. The MoE alltoall token dispatcher moves its split sizes to the host on a side stream
+   (``torch.cuda.Stream``, ``current_stream``, ``stream(...)``, ``record_stream``). On CPU there is
+   one stream: :class:`CpuStream` answers those calls, and a tensor's ``record_stream`` is a no-op.
+   Its ``maybe_move_tensor_to_cpu(..., as_numpy=True)`` leaves a tensor already on the host as a
+   tensor, which ``all_to_all_single`` refuses as split sizes: on CPU it returns the numpy array a
+   GPU run gets (:func:`_host_tensor`).
+
+7. ``moe_utils.router_gating_linear`` tests a name (``te_general_gemm``) that megatron-core 0.16.1
+   binds only when Transformer Engine is installed; without it the name is bound to None (the plain
+   matmul path), on CPU and GPU alike.
+
+8. With TP > 1 the MoE token dispatcher gathers / reduce-scatters a different number of tokens per
+   TP rank (``mappings._gather_along_first_dim`` / ``_reduce_scatter_along_first_dim`` with split
+   sizes), as lists of uneven tensors, which gloo refuses. On CPU the uneven case is an all-gather of
+   tensors padded to the largest split (then trimmed), and an all-reduce of which each rank keeps
+   its split: the same results.
+
 Causal masks are always passed explicitly (``get_default_causal_mask`` allocates on "cuda").
 Everything here is inert when CUDA is available; :func:`install` checks the megatron-core version it
 was written against and refuses another one.
@@ -102,6 +119,71 @@ class CpuRNGStatesTracker:
             torch.set_rng_state(outer)
 
 
+class CpuStream:
+    """The CPU's one stream behind ``torch.cuda.Stream``'s interface (every wait is already met)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, CpuStream)
+
+    def __hash__(self) -> int:
+        return 0
+
+    def wait_stream(self, stream: object) -> None:
+        pass
+
+    def wait_event(self, event: object) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def record_event(self, event: object = None) -> CpuStream:
+        return self  # an event of the one stream: synchronize() and query() as above
+
+
+def _host_tensor(tensor: object, as_numpy: bool = False, record_stream: bool = False) -> object:
+    """megatron's ``maybe_move_tensor_to_cpu`` for tensors that are already on the host."""
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.numpy()
+    return tensor
+
+
+def _uneven_collectives() -> None:
+    """Point 8 of the module docstring."""
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import mappings
+
+    gather, reduce_scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+
+    def gather_uneven(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in output_split_sizes]
+        padded = input_.new_zeros((max(sizes), *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(parts, padded, group=group)
+        return torch.cat([part[:n] for part, n in zip(parts, sizes, strict=True)])
+
+    def reduce_scatter_uneven(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in input_split_sizes]
+        total = input_.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        start = sum(sizes[: group.rank()])
+        return total[start : start + sizes[group.rank()]].clone()
+
+    mappings._gather_along_first_dim = gather_uneven
+    mappings._reduce_scatter_along_first_dim = reduce_scatter_uneven
+
+
 def install() -> None:
     """Check the megatron-core version and, without CUDA, patch the two torch.cuda calls it makes."""
     global _installed
@@ -115,11 +197,23 @@ def install() -> None:
             f"megatron-rl is written against megatron-core {SUPPORTED_MCORE}, found {version}: "
             f"pip install megatron-core=={SUPPORTED_MCORE}"
         )
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
     if not torch.cuda.is_available():
         from megatron.core.tensor_parallel import random as mrandom
 
         torch.cuda.current_device = lambda: torch.device("cpu")
         torch.cuda.synchronize = lambda device=None: None
+        torch.cuda.Stream = CpuStream
+        torch.cuda.current_stream = lambda device=None: CpuStream()
+        torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+        torch.Tensor.record_stream = lambda self, stream: None
+        from megatron.core.transformer.moe import token_dispatcher
+
+        moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = _host_tensor
+        _uneven_collectives()
         mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: (
             torch.get_rng_state()
         )
@@ -129,17 +223,18 @@ def install() -> None:
     _installed = True
 
 
-def seed_model_parallel_rng(seed: int, tp_rank: int) -> None:
+def seed_model_parallel_rng(seed: int, tp_rank: int, ep_rank: int = 0, etp_rank: int = 0) -> None:
     """Megatron's named RNG streams (data-parallel, tensor-parallel, expert) for this rank."""
     from megatron.core.tensor_parallel import random as mrandom
 
     if torch.cuda.is_available():
-        mrandom.model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank, ep_rank=0, etp_rank=0)
+        mrandom.model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank, ep_rank=ep_rank, etp_rank=etp_rank)
         return
     tracker = CpuRNGStatesTracker()
     tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
     tracker.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
-    tracker.add(mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024)
+    # megatron's offsets: expert streams differ by EP and expert-TP rank
+    tracker.add(mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + 100 * ep_rank + etp_rank)
     mrandom._CUDA_RNG_STATE_TRACKER = tracker
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
 

@@ -13,7 +13,7 @@ computes log-probs and updates while the actor updates.
 
 On ranks of its own the critic is a server (``CriticServer``) working through requests the actor's
 rank 0 posts in the job's store (``rollout.remote.Mailbox`` under "critic/"); batches, values and
-returns travel the same way, pickled CPU tensors:
+returns travel the same way, CPU tensors in the store's wire format (``rollout.wire``, never pickle):
 
     ("init", total_steps, pad_id)   build the critic and its optimizer (LR schedule over the run)
     ("values", step, parts)         actor DP rank p put batch/<step>/<p>; the critic concatenates the
@@ -36,14 +36,17 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.distributed as dist
 
-from megatron_rl.batch import RolloutBatch
+from megatron_rl.batch import RolloutBatch, SeqMeta
 from megatron_rl.config import Config
 from megatron_rl.errors import CheckpointError
 from megatron_rl.microbatches import ForwardPasses, TokenStats
 from megatron_rl.parallel import ParallelState
 from megatron_rl.rollout.remote import Mailbox, slice_bounds
+from megatron_rl.rollout.wire import all_gather_objects, broadcast_object
+
+MESSAGE_TYPES = (RolloutBatch, SeqMeta)
+"""The dataclasses the critic's messages carry."""
 
 
 class LocalCritic:
@@ -81,7 +84,7 @@ class RemoteCritic:
     over the actor's ranks; only rank 0 posts requests."""
 
     def __init__(self, ps: ParallelState, total_steps: int, pad_id: int) -> None:
-        self.ps, self.box = ps, Mailbox(ps.job_store, "critic/")
+        self.ps, self.box = ps, Mailbox(ps.job_store, "critic/", MESSAGE_TYPES)
         self.posted = 0
         self.step = 0
         self._counters: dict[str, int] = {"num_steps": 0, "skipped_steps": 0}
@@ -127,11 +130,11 @@ class RemoteCritic:
     def _ask(self, msg: dict) -> None:
         """Post ``msg``, wait for the critic ranks' acknowledgement; their error is raised on every rank."""
         i = self._post(msg)
-        box = [self.box.take(f"ack/{i}", 1) if self.ps.rank == 0 else None]
+        error = self.box.take(f"ack/{i}", 1) if self.ps.rank == 0 else None
         if self.ps.world_size > 1:
-            dist.broadcast_object_list(box, src=0)
-        if box[0] is not None:
-            raise CheckpointError(f"the critic ranks: {box[0]}")
+            error = broadcast_object(error, 0, None, self.ps.device)
+        if error is not None:
+            raise CheckpointError(f"the critic ranks: {error}")
 
     def save(self, directory: str) -> None:
         """The critic ranks write critic/ and critic_optim/ into ``directory`` (the partial checkpoint)."""
@@ -150,7 +153,7 @@ class CriticServer:
 
     def __init__(self, cfg: Config, ps: ParallelState, side_file_dirs: tuple[str, ...] = ()) -> None:
         self.cfg, self.ps, self.side_file_dirs = cfg, ps, side_file_dirs
-        self.box = Mailbox(ps.job_store, "critic/")
+        self.box = Mailbox(ps.job_store, "critic/", MESSAGE_TYPES)
         self.model = self.optim = None
         self.pad_id = 0
         self.mine: RolloutBatch | None = None  # this rank's slice of the step's batch
@@ -188,10 +191,9 @@ class CriticServer:
         self.mine = full.select(self._slice(len(full))).to(ps.device)
         self.mine.values = ppo.compute_values(self.model, ps, self.mine, self.passes.values)  # [b, R]
         # rank 0 collects every DP replica's slice and hands each actor DP rank its part
-        sent = self.mine.values.cpu() if ps.tp_rank == 0 and ps.pp_rank == 0 else None
-        slices: list = [None] * ps.dp_size if ps.rank == 0 else None
-        if ps.tp_rank == 0 and ps.pp_rank == 0:
-            dist.gather_object(sent, slices, dst=dist.get_global_rank(ps.dp_group, 0), group=ps.dp_group)
+        slices: list = []
+        if ps.tp_rank == 0 and ps.pp_rank == 0:  # no pickle: the store's wire format over the group
+            slices = all_gather_objects(self.mine.values.cpu(), ps.dp_group, ps.device)
         if ps.rank == 0:
             values, first = torch.cat(slices), 0  # [B, R]
             for p, (rows, width) in enumerate(self.part_rows):
@@ -230,8 +232,7 @@ class CriticServer:
             error = None
         except Exception as e:  # reported to the actor's ranks, which fail the save or load
             error = f"{type(e).__name__}: {e}"
-        errors: list = [None] * self.ps.world_size
-        dist.all_gather_object(errors, error)
+        errors = all_gather_objects(error, None, self.ps.device)
         if self.ps.rank == 0:
             self.box.put(f"ack/{i}", next((e for e in errors if e is not None), None))
 

@@ -67,8 +67,15 @@ class PromptItem:
 
 def _as_file_list(files: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[str]:
     if isinstance(files, (str, os.PathLike)):
-        return [os.fspath(files)]
-    return [os.fspath(f) for f in files]
+        files = [files]
+    return [os.path.expanduser(os.fspath(f)) for f in files]  # "~/data/x.parquet" as in a shell
+
+
+def check_files(files: Sequence[str], prompt_key: str) -> None:
+    """Each file exists, is parquet and has the columns a prompt file needs (no tokenizing): the dry
+    run's check of data.train_files / data.val_files. Raises :class:`DataError`."""
+    for path in _as_file_list(files):
+        _read_rows(path, prompt_key)
 
 
 def _read_rows(path: str, prompt_key: str) -> list[dict[str, Any]]:
@@ -106,9 +113,12 @@ class PromptDataset(torch.utils.data.Dataset):
         filter_overlong_prompts: bool = True,
         prompt_key: str = "prompt",
         rule_sources: Collection[str] | None = None,
+        tools: list[dict] | None = None,
     ) -> None:
         """``rule_sources``: when rewards come from the built-in rules, the data_source values they know;
-        a row with another data_source, or with a null ground truth, is then a DataError naming it."""
+        a row with another data_source, or with a null ground truth, is then a DataError naming it.
+        ``tools``: OpenAI function schemas handed to the chat template (multi-turn tool calling)."""
+        self.tools = tools or None
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"data.truncation must be one of {TRUNCATION_MODES}, got {truncation!r}")
         if max_prompt_length < 1:
@@ -204,7 +214,8 @@ class PromptDataset(torch.utils.data.Dataset):
                 f"{path}: row {row} column {self.prompt_key!r} is {messages!r}, expected a list of "
                 f"{{'role', 'content'}} chat messages. {_FORMAT_HINT}"
             )
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        kw = {"tools": self.tools} if self.tools else {}
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kw)
 
     def _truncate(self, ids: list[int], row: int, path: str) -> list[int]:
         limit = self.max_prompt_length

@@ -275,8 +275,14 @@ def explain(exc: BaseException) -> str | None:
 
     Looks through the exception's cause chain (innermost first: a RendezvousConnectionError caused by
     EADDRINUSE is a busy port); the rank comes from the process group or RANK, the collective from the
-    traceback.
+    traceback. A config with several bad keys (``ConfigErrors``) gives one line per key.
     """
+    hit = _explain(exc)
+    return hit[0] if hit else None
+
+
+def _explain(exc: BaseException) -> tuple[str, bool] | None:
+    """(explanation, collateral) of ``explain``."""
     chain: list[BaseException] = []
     e: BaseException | None = exc
     while e is not None and e not in chain:
@@ -284,17 +290,17 @@ def explain(exc: BaseException) -> str | None:
         e = e.__cause__ or e.__context__
     for e in reversed(chain):
         if isinstance(e, LaunchError):
-            return str(e)
+            return str(e), False
         if isinstance(e, ConfigError):
-            return f"config error: {e}"
+            return "\n".join(f"config error: {p}" for p in getattr(e, "problems", None) or [e]), False
         if isinstance(e, DataError):
-            return f"data error: {e}"
+            return f"data error: {e}", False
     ctx = _context(exc)
     for e in reversed(chain):
         notes = "".join(f"\n{n}" for n in getattr(e, "__notes__", ()))
         hit = _match(f"{type(e).__name__}: {e}{notes}", ctx)
         if hit:
-            return hit[0]
+            return hit
     return None
 
 
@@ -312,24 +318,32 @@ def explain_failures() -> Iterator[None]:
     try:
         yield
     except Exception as exc:
-        msg = explain(exc)
-        if msg is None:
+        hit = _explain(exc)
+        if hit is None:  # its traceback follows; torchrun's summary gets its last line
+            _write_torchelastic_error_file(
+                f"{type(exc).__name__}: {exc}".splitlines()[0], traceback.format_exc()
+            )
             raise
+        msg, collateral = hit
         if os.environ.get("MEGATRON_RL_TRACEBACK") == "1":
             traceback.print_exc()
-        line = PREFIX + msg
+        line = "\n".join(PREFIX + part for part in msg.splitlines())
         if not _same_on_all_ranks(exc) or os.environ.get("LOCAL_RANK", "0") == "0":
             print(line, file=sys.stderr, flush=True)
-        _write_torchelastic_error_file(line)
+        # torchrun's summary names the failure with the earliest error file as the root cause; a rank
+        # that only lost its peer writes none, so the rank whose failure caused it is named instead.
+        if not collateral:
+            _write_torchelastic_error_file(line)
         raise SystemExit(1) from None
 
 
-def _write_torchelastic_error_file(line: str) -> None:
-    """torchrun's per-worker error file (its documented JSON layout): its failure summary shows ``line``."""
+def _write_torchelastic_error_file(line: str, callstack: str | None = None) -> None:
+    """torchrun's per-worker error file (its documented JSON layout): its failure summary shows ``line``
+    (and ``callstack`` where given, else how to get the traceback)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    hint = f"{line}\n(full traceback: rerun with MEGATRON_RL_TRACEBACK=1)"
+    hint = callstack or f"{line}\n(full traceback: rerun with MEGATRON_RL_TRACEBACK=1)"
     data = {
         "message": {"message": line, "extraInfo": {"py_callstack": hint, "timestamp": str(int(time.time()))}}
     }

@@ -35,6 +35,15 @@ Time. Each attempt runs on its own daemon thread and is abandoned after ``timeou
 DNS lookup, upload and reply together), so one request takes at most
 ``(retries + 1) * timeout_s + backoff_s * (2**retries - 1)`` seconds and one call at most
 ceil(batches / concurrency) times that. After the first definitive failure no new attempt starts.
+An abandoned thread stops reading at its own deadline (it ends within about one more ``timeout_s``);
+those still alive are counted (logged as reward/http_abandoned/mean) and bounded: with
+``max_abandoned_threads`` of them alive, the next attempt stops the run instead of starting another.
+
+Bounds and network. A reply is read in chunks up to ``max_response_bytes`` (a longer one, or a
+Content-Length above it, fails the batch without reading the rest); the body of an error status is
+read up to a few hundred bytes. Requests go straight to the server: the environment's http_proxy /
+https_proxy are ignored unless ``proxy`` names one (the samples and ground truths pass through it).
+Redirects are not followed.
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ import math
 import numbers
 import socket
 import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -64,6 +74,7 @@ SAMPLE_KEYS = ("data_source", "prompt", "response", "ground_truth", "extra_info"
 """The keys of each sample in a request."""
 
 _BODY_SNIPPET_CHARS = 200
+_CHUNK_BYTES = 1 << 16
 _PROTOCOL = 'the reply must be {"scores": [one finite number per sample]} (see docs/rewards.md)'
 
 
@@ -107,8 +118,18 @@ class HttpReward:
         self.cfg = cfg
         self.url = url
         # A redirected POST turns into a GET in urllib (301/302/303): refuse redirects instead, so the
-        # server's answer is reported as an HTTP error that names the status.
-        self._opener = urllib.request.build_opener(_NoRedirect)
+        # server's answer is reported as an HTTP error that names the status. ProxyHandler({}) keeps
+        # urllib from picking a proxy out of the environment.
+        proxies = {"http": cfg.proxy, "https": cfg.proxy} if cfg.proxy else {}
+        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler(proxies), _NoRedirect)
+        self._abandoned: list[threading.Thread] = []  # attempts that timed out, maybe still running
+        self._lock = threading.Lock()
+
+    def abandoned_threads(self) -> int:
+        """Threads of timed-out attempts still alive (each ends at its own read deadline)."""
+        with self._lock:
+            self._abandoned = [t for t in self._abandoned if t.is_alive()]
+            return len(self._abandoned)
 
     # ------------------------------------------------------------------------------------------ calls
 
@@ -224,21 +245,31 @@ class HttpReward:
     def _attempt(self, body: bytes) -> bytes | _Failure:
         """One POST, abandoned after timeout_s: the reply body of a 2xx status, or why it failed."""
         box: list[bytes | _Failure] = []
+        alive, bound = self.abandoned_threads(), self.cfg.max_abandoned_threads
+        if alive >= bound:
+            raise HttpRewardError(
+                f"reward_model.http.url={self.url}: {alive} requests that timed out are still running "
+                f"(reward_model.http.max_abandoned_threads={bound}): the server accepts connections but "
+                "does not answer; fix the server, or raise reward_model.http.timeout_s."
+            )
+        deadline = time.monotonic() + self.cfg.timeout_s
 
         def run() -> None:
-            box.append(self._post(body))
+            box.append(self._post(body, deadline))
 
         # urllib's timeout bounds each socket operation, not the request (nor the DNS lookup), so a
         # server that trickles its reply could hold a call far longer; a daemon thread that is left
-        # behind on timeout bounds the attempt itself.
+        # behind on timeout bounds the attempt itself (and stops reading at the deadline).
         thread = threading.Thread(target=run, name="http-reward-request", daemon=True)
         thread.start()
         thread.join(self.cfg.timeout_s)
         if not box:
+            with self._lock:
+                self._abandoned.append(thread)
             return _Failure("timeout", "", retry=True)
         return box[0]
 
-    def _post(self, body: bytes) -> bytes | _Failure:
+    def _post(self, body: bytes, deadline: float = math.inf) -> bytes | _Failure:
         request = urllib.request.Request(
             self.url,
             data=body,
@@ -247,13 +278,38 @@ class HttpReward:
         )
         try:
             with self._opener.open(request, timeout=self.cfg.timeout_s) as reply:
-                return reply.read()
+                return self._read_bounded(reply, deadline)
         except urllib.error.HTTPError as exc:
             return self._http_failure(exc)
         except urllib.error.URLError as exc:
             return _connection_failure(exc.reason)
         except Exception as exc:  # reset, IncompleteRead, ...: the connection broke
             return _connection_failure(exc)
+
+    def _read_bounded(self, reply, deadline: float) -> bytes | _Failure:
+        """The reply body, at most max_response_bytes, read in chunks until ``deadline``."""
+        limit = self.cfg.max_response_bytes
+        too_big = _Failure(
+            "http",
+            f"the reply is larger than reward_model.http.max_response_bytes={limit} bytes; return one "
+            "score per sample (and small extras), or raise reward_model.http.max_response_bytes",
+            retry=False,
+        )
+        length = reply.headers.get("Content-Length")
+        if length is not None and length.strip().isdigit() and int(length) > limit:
+            return too_big
+        chunks, size = [], 0
+        while True:
+            if time.monotonic() > deadline:
+                return _Failure("timeout", "", retry=True)
+            # read1: what has arrived (up to the size), so a trickling reply still meets the deadline
+            chunk = reply.read1(min(_CHUNK_BYTES, limit + 1 - size))
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > limit:
+                return too_big
 
     def _http_failure(self, exc: urllib.error.HTTPError) -> _Failure:
         try:
@@ -368,7 +424,10 @@ class HttpRewardManager:
         responses = decode([list(r) for r in response_ids], skip_special_tokens=True)
         prompts = decode([list(p) for p in prompt_ids], skip_special_tokens=True)
         scores, extras = self.http(data_sources, prompts, responses, ground_truths, extra_infos)
-        return RewardOutput.from_rows(torch.tensor(scores, dtype=torch.float32).reshape(n), extras, 0)
+        out = RewardOutput.from_rows(torch.tensor(scores, dtype=torch.float32).reshape(n), extras, 0)
+        # logged as reward/http_abandoned/mean: timed-out attempts whose threads are still alive
+        out.extras["http_abandoned"] = torch.full((n,), float(self.http.abandoned_threads()))
+        return out
 
 
 class _NoRedirect(urllib.request.HTTPRedirectHandler):

@@ -2,11 +2,12 @@
 
 * :func:`die_with_parent` (called first thing in every rank): the kernel sends the rank SIGKILL when
   its parent (torchrun's agent) dies, so ``kill -9`` of torchrun, or of a node's launcher, leaves no
-  rank behind holding GPU memory or the checkpoint directory's lock.
+  rank behind holding GPU memory or the checkpoint directory's lock; what the rank forks dies with it.
 * :class:`PreemptionWatch` (installed by ``Trainer.fit`` for the training loop): SIGTERM, SIGINT,
   SIGUSR2 and SIGUSR1 (re-placement: the same save, then the launcher restarts the job) only set a
   flag; after each step every rank asks :meth:`PreemptionWatch.requested`, which
-  agrees over the world (an all-reduce), so all ranks save the same step together and leave with
+  agrees over the world (an all-reduce, in which a stop signal on any rank outranks a re-placement:
+  :func:`precedence`), so all ranks save the same step together and leave with
   :class:`Preempted` (exit status 128 + the signal number: 143 for SIGTERM, 140 for SIGUSR2, 130 for
   SIGINT). A second SIGINT more than :data:`SECOND_INT_AFTER_S` after the first interrupts at once
   (KeyboardInterrupt); one closer to the first is the same Ctrl-C seen twice (the terminal sends it
@@ -18,6 +19,7 @@ The signal flow of a launch is: Slurm or the user -> ``launch/torchrun.sh`` (for
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -33,6 +35,17 @@ REPLACE = signal.SIGUSR1
 """The re-placement request: save like a stop, then ``launch/torchrun.sh`` starts the job again, which
 reads trainer.placement.file anew (docs/placement.md). A stop signal on any rank outranks it."""
 SECOND_INT_AFTER_S = 2.0
+_STOP_RANK = 64
+"""Added to a stop signal's number in the ranks' agreement, above every signal number (< 64 on Linux)."""
+
+
+def precedence(signum: int | None) -> int:
+    """The value the ranks agree on by maximum: 0 for none, a re-placement's number, a stop signal's
+    number + 64. So SIGINT on one rank and SIGUSR1 on another stop the job (a plain maximum of signal
+    numbers would restart it: 2 < 10); between stop signals the larger number wins, the same on all."""
+    if not signum:
+        return 0
+    return signum if signum == REPLACE else signum + _STOP_RANK
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> bool:
@@ -49,7 +62,31 @@ def die_with_parent(sig: int = signal.SIGKILL) -> bool:
         return False
     if os.getppid() != parent:  # the parent died before prctl took effect: nobody will signal us
         os.kill(os.getpid(), sig)
+    global _children_die_with_us
+    if not _children_die_with_us:
+        # Processes this one forks (megatron-core's checkpoint writer forks one per file it writes)
+        # die with it too: a kill -9 mid-save leaves no writer behind. Only forks of the main thread:
+        # the kernel signals a child when the *thread* that forked it ends.
+        os.register_at_fork(before=_note_forking_thread, after_in_child=lambda: _child_dies_with_parent(sig))
+        _children_die_with_us = True
     return True
+
+
+_children_die_with_us = False
+_fork_from_main = False
+
+
+def _note_forking_thread() -> None:
+    global _fork_from_main
+    import threading
+
+    _fork_from_main = threading.current_thread() is threading.main_thread()
+
+
+def _child_dies_with_parent(sig: int) -> None:
+    if _fork_from_main:
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
 
 
 class Preempted(SystemExit):
@@ -116,11 +153,12 @@ class PreemptionWatch:
 
         if not (dist.is_available() and dist.is_initialized()):
             return self.signum is not None
-        t = torch.tensor([self.signum or 0], dtype=torch.int32, device=device)
+        t = torch.tensor([precedence(self.signum)], dtype=torch.int32, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         got = int(t.item())
-        if got and self.signum is None:
-            self.signum = got  # another rank's signal: name it in the log line
+        if got:
+            # every rank leaves for the same signal: a stop anywhere outranks a re-placement
+            self.signum = got - _STOP_RANK if got > _STOP_RANK else got
         return got > 0
 
     @property

@@ -87,7 +87,8 @@ def data_metrics(
 ) -> dict[str, float]:
     """critic/score, critic/rewards, critic/advantages, critic/returns, critic/values, response_length,
     prompt_length (each /mean, /max, /min, lengths with /clip_ratio: the share at the data.max_*_length
-    limit), response/aborted_ratio (empty responses), critic/vf_explained_var.
+    limit), response/aborted_ratio (empty responses), response_length_non_aborted/* (the lengths of the
+    others), training/num_turns/* (1: single-turn), critic/vf_explained_var.
 
     ``critic/vf_explained_var`` is 1 - Var[returns - values] / Var[returns] over the response tokens
     of all data-parallel ranks (its moments ride along as five more "mean" statistics).
@@ -106,6 +107,10 @@ def data_metrics(
         ("prompt_length", prompt_len),
         ("prompt_length/clip", (prompt_len >= max_prompt_length).double()),
         ("response/aborted", (resp_len == 0).double()),
+        # verl's response_length_non_aborted/*: the lengths without the empty (aborted) responses
+        ("response_length_non_aborted", resp_len[resp_len > 0]),
+        ("response_length_non_aborted/clip", (resp_len[resp_len > 0] >= max_response_length).double()),
+        ("training/num_turns", torch.ones_like(resp_len)),  # single-turn rollouts: one turn each
     ]
     if batch.values is not None:
         ret, res = batch.returns[keep].double(), (batch.returns - batch.values)[keep].double()
@@ -115,8 +120,17 @@ def data_metrics(
     out = {
         k: v
         for k, v in stats.items()
-        if not k.startswith(("ev/", "response_length/clip/", "prompt_length/clip/", "response/"))
+        if not k.startswith(
+            (
+                "ev/",
+                "response_length/clip/",
+                "prompt_length/clip/",
+                "response/",
+                "response_length_non_aborted/clip/",
+            )
+        )
     }
+    out["response_length_non_aborted/clip_ratio"] = stats["response_length_non_aborted/clip/mean"]
     out["response_length/clip_ratio"] = stats["response_length/clip/mean"]
     out["prompt_length/clip_ratio"] = stats["prompt_length/clip/mean"]
     out["response/aborted_ratio"] = stats["response/aborted/mean"]
@@ -201,7 +215,9 @@ def set_aside(path: str) -> str | None:
 class MetricsLogger:
     """Fan-out of one metrics dict per step to the sinks named in trainer.logger (rank 0 only).
 
-    ``metrics.jsonl`` belongs to one run: :meth:`begin` keeps the rows of the steps a resumed run
+    ``log_dir/metrics.jsonl`` is written whatever the sinks (the console is for people, the file for
+    tools such as ``python -m megatron_rl.plot``); ``jsonl`` in trainer.logger asks for nothing more.
+    It belongs to one run: :meth:`begin` keeps the rows of the steps a resumed run
     continues from (those after it are dropped, so no step appears twice) and moves the file of an
     earlier, unrelated run aside (``metrics.1.jsonl``, ...) rather than appending to it. The console
     gets one line per step and the grouped block every ``block_freq`` steps (and at the last one).
@@ -249,7 +265,7 @@ class MetricsLogger:
     def begin(self, start_step: int) -> None:
         """Open the run's metrics.jsonl: a fresh run (``start_step`` 0) starts a new file, a run
         resumed at ``start_step`` continues the rows up to that step."""
-        if not self.enabled or "jsonl" not in self.sinks:
+        if not self.enabled:
             return
         path = self.jsonl_path
         kept: list[str] = []
@@ -271,7 +287,8 @@ class MetricsLogger:
         if "console" in self.sinks:
             block = step == 0 or last or (self.block_freq > 0 and step % self.block_freq == 0)
             echo(format_console(step, metrics) if block else format_console_line(step, metrics))
-        if "jsonl" in self.sinks and self._jsonl is None:
+            sys.stdout.flush()  # a redirected stdout (Slurm, a pipe) is block-buffered: one step, one flush
+        if self._jsonl is None:
             self.begin(0)  # not begun by the trainer: a fresh run
         if self._jsonl:
             self._jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
@@ -293,14 +310,17 @@ class MetricsLogger:
 
 
 def progress_bar(total: int, initial: int, enabled: bool):
+    """The step bar on stderr; off when stderr or stdout is not a terminal (a Slurm log, a pipe), where
+    its frames would be glued to the step lines. ``write`` prints a line either way."""
     from tqdm import tqdm
 
+    tty = sys.stderr.isatty() and sys.stdout.isatty()
     return tqdm(
         total=total,
         initial=initial,
         desc="ppo",
         unit="step",
-        disable=not enabled,
+        disable=not (enabled and tty),
         file=sys.stderr,
         dynamic_ncols=True,
     )
@@ -328,16 +348,18 @@ def write_config_record(cfg, fresh: bool) -> None:
 
 def write_summary(cfg, global_step: int, last: dict[str, float], checkpoint: str | None, jsonl: str) -> None:
     """Final scores and where everything is: printed, and summary.json beside the checkpoints."""
+    from megatron_rl.optim import precision_record
+
     t = cfg.trainer
     scores = {k: v for k, v in last.items() if k.startswith(("val", "critic/score/mean"))}
-    logged = "jsonl" in t.logger
     summary = {
         "global_step": global_step,
         "final": scores,
         "checkpoint": checkpoint,
         "config": os.path.join(t.default_local_dir, "config.yaml"),
-        "metrics": jsonl if logged else None,
-        "plot": f"python -m megatron_rl.plot {t.log_dir}" if logged else None,
+        "metrics": jsonl,  # written whatever trainer.logger says
+        "plot": f"python -m megatron_rl.plot {t.log_dir}",
+        "precision": precision_record(cfg),
     }
     with open(os.path.join(t.default_local_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
@@ -345,6 +367,5 @@ def write_summary(cfg, global_step: int, last: dict[str, float], checkpoint: str
     lines += [f"  {k} = {v:.4g}" for k, v in sorted(scores.items())]
     lines.append(f"  checkpoint: {checkpoint or 'none saved'}")
     lines.append(f"  config:     {summary['config']}")
-    if summary["metrics"]:
-        lines.append(f"  metrics:    {summary['metrics']}   plot: {summary['plot']}")
+    lines.append(f"  metrics:    {summary['metrics']}   plot: {summary['plot']}")
     print("\n".join(lines), flush=True)

@@ -22,7 +22,18 @@ HF_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
+# Architectures recognised but refused: the class -> the piece this trainer does not build.
+REFUSED_ARCHITECTURES = {
+    "DeepseekV3ForCausalLM": (
+        "multi-latent attention (q_a/q_b/kv_a/kv_b projections) has no weight table here, and the "
+        "sigmoid noaux_tc router with grouped top-k is not wired up"
+    ),
+}
+# Mixture-of-experts architectures (ModelArgs.num_experts > 0).
+MOE_ARCHS = ("qwen3_moe", "mixtral")
 # HF sequence-classification classes (reward models): the same trunk with a ``score`` linear head
 # [num_labels, hidden] instead of the LM head (transformers' GenericForSequenceClassification).
 HF_SEQ_CLS_ARCHITECTURES = {
@@ -37,7 +48,7 @@ HF_SEQ_CLS_ARCHITECTURES = {
 @dataclass(frozen=True)
 class ModelArgs:
     arch: str
-    """Key of the HF<->Megatron table: llama | mistral | qwen2 | qwen3 | phi3."""
+    """Key of the HF<->Megatron table: llama | mistral | qwen2 | qwen3 | phi3 | qwen3_moe | mixtral."""
     num_layers: int
     hidden_size: int
     ffn_hidden_size: int
@@ -58,6 +69,18 @@ class ModelArgs:
     sliding_window: int | None = None
     """The attention window HF applies (each token sees the last ``sliding_window`` tokens), or None.
     Our attention is full causal: see :func:`check_sliding_window`."""
+    num_experts: int = 0
+    """Routed experts per MoE layer (0: a dense model)."""
+    moe_top_k: int = 0
+    """Experts each token is routed to."""
+    moe_ffn_hidden_size: int = 0
+    """Intermediate size of one expert's SwiGLU MLP."""
+    moe_norm_topk_prob: bool = True
+    """Renormalise the top-k softmax probabilities to sum to 1 (Mixtral always; Qwen3-MoE's
+    ``norm_topk_prob``). False: the top-k of the softmax over all experts, as they are."""
+    moe_layers: tuple[bool, ...] = ()
+    """Per layer: True for an MoE layer, False for a dense MLP of ``ffn_hidden_size`` (Qwen3-MoE's
+    ``mlp_only_layers`` / ``decoder_sparse_step``); empty for a dense model."""
     hf_config: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
     """The original config.json, written back unchanged when exporting to HF."""
 
@@ -65,6 +88,13 @@ class ModelArgs:
     def is_sequence_classifier(self) -> bool:
         """True for an HF ``...ForSequenceClassification`` (reward model: ``score`` head, no LM head)."""
         return any(a in HF_SEQ_CLS_ARCHITECTURES for a in self.hf_config.get("architectures") or [])
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, i: int) -> bool:
+        return bool(self.moe_layers) and self.moe_layers[i]
 
     @property
     def heads_per_group(self) -> int:
@@ -77,9 +107,23 @@ class ModelArgs:
     def num_params(self) -> int:
         h, f, hd = self.hidden_size, self.ffn_hidden_size, self.head_dim
         attn = h * hd * (self.num_heads * 2 + self.num_kv_heads * 2)
-        layer = attn + 3 * h * f + 2 * h
+        total = 0
+        for i in range(self.num_layers):
+            if self.is_moe_layer(i):
+                mlp = self.num_experts * (3 * h * self.moe_ffn_hidden_size + h)  # experts + router rows
+            else:
+                mlp = 3 * h * f
+            total += attn + mlp + 2 * h
         emb = self.vocab_size * h * (1 if self.tie_embeddings else 2)
-        return self.num_layers * layer + emb + h
+        return total + emb + h
+
+    def num_active_params(self) -> int:
+        """Parameters a token passes through: top-k experts of each MoE layer (all of a dense model)."""
+        if not self.is_moe:
+            return self.num_params()
+        idle = self.num_experts - self.moe_top_k
+        moe = sum(self.is_moe_layer(i) for i in range(self.num_layers))
+        return self.num_params() - moe * idle * 3 * self.hidden_size * self.moe_ffn_hidden_size
 
 
 # megatron-core's RotaryEmbedding applies Llama 3.x scaling with these values fixed; only the
@@ -121,7 +165,7 @@ def _sliding_window(hf: dict, arch: str, num_layers: int) -> int | None:
     window = hf.get("sliding_window", _DEFAULT_SLIDING_WINDOW.get(arch))
     if window is None or arch == "llama":
         return None
-    if arch in ("qwen2", "qwen3"):
+    if arch in ("qwen2", "qwen3", "qwen3_moe"):
         if not hf.get("use_sliding_window", False):
             return None
         layer_types = hf.get("layer_types")
@@ -136,6 +180,9 @@ def _sliding_window(hf: dict, arch: str, num_layers: int) -> int | None:
 def model_args_from_hf_config(hf: dict, source: str | None = None) -> ModelArgs:
     """``source`` (the model's path) names the model in errors; the architecture does otherwise."""
     archs = hf.get("architectures") or []
+    for a in archs:
+        if a in REFUSED_ARCHITECTURES:
+            raise ValueError(f"{source or a}: {a} is not supported: {REFUSED_ARCHITECTURES[a]}.")
     known = {**HF_ARCHITECTURES, **HF_SEQ_CLS_ARCHITECTURES}
     arch = next((known[a] for a in archs if a in known), None)
     if arch is None:
@@ -163,6 +210,7 @@ def model_args_from_hf_config(hf: dict, source: str | None = None) -> ModelArgs:
     heads = hf["num_attention_heads"]
     hidden = hf["hidden_size"]
     rope_theta = hf.get("rope_theta") or rope.get("rope_theta", 10000.0)
+    moe = _moe_fields(hf, arch, where) if arch in MOE_ARCHS else {}
     return ModelArgs(
         arch=arch,
         num_layers=hf["num_hidden_layers"],
@@ -176,12 +224,43 @@ def model_args_from_hf_config(hf: dict, source: str | None = None) -> ModelArgs:
         rope_theta=float(rope_theta),
         norm_eps=hf.get("rms_norm_eps", 1e-6),
         qkv_bias=arch == "qwen2",
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "qwen3_moe"),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         rope_scaling=rope_scaling,
         rope_scaling_factor=rope_scaling_factor,
         sliding_window=_sliding_window(hf, arch, hf["num_hidden_layers"]),
         hf_config=hf,
+        **moe,
+    )
+
+
+def _moe_fields(hf: dict, arch: str, where: str) -> dict:
+    """The ModelArgs MoE fields of a Qwen3-MoE / Mixtral config.json (refusing what is not built)."""
+    n = hf["num_hidden_layers"]
+    # Qwen3-MoE's Hub files say num_experts; transformers 5 writes num_local_experts (Mixtral's name).
+    experts = hf.get("num_local_experts", hf.get("num_experts"))
+    top_k = hf.get("num_experts_per_tok", 2)
+    if not experts or not 0 < top_k <= experts:
+        raise ValueError(f"{where}: num_experts={experts}, num_experts_per_tok={top_k} is not an MoE layout.")
+    if arch == "mixtral":
+        return dict(
+            num_experts=experts,
+            moe_top_k=top_k,
+            moe_ffn_hidden_size=hf["intermediate_size"],
+            moe_norm_topk_prob=True,
+            moe_layers=(True,) * n,
+        )
+    if hf.get("shared_expert_intermediate_size"):
+        raise ValueError(f"{where}: shared experts (shared_expert_intermediate_size) are not supported.")
+    dense = set(hf.get("mlp_only_layers") or [])
+    step = hf.get("decoder_sparse_step", 1)
+    layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(n))
+    return dict(
+        num_experts=experts,
+        moe_top_k=top_k,
+        moe_ffn_hidden_size=hf["moe_intermediate_size"],
+        moe_norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        moe_layers=layers,
     )
 
 

@@ -15,9 +15,12 @@ micro-batches' backward passes (``run_pipeline`` on :attr:`ModelOptimizer.ddp`):
 2. ``finalize_model_grads`` (megatron) then sums what TP or PP ranks hold in pieces: layernorm weights
    under sequence parallelism, Qwen3's q/k-norm weights (each TP rank sees only its own heads), the two
    copies of a tied embedding on the first and last pipeline stages.
-3. Global gradient norm over all TP/PP (and, sharded, DP) ranks, each element counted once. A
-   non-finite norm skips the update: counted in :attr:`ModelOptimizer.skipped_steps`, the LR schedule
-   does not advance, and the returned norm shows it.
+3. fp16 only: unscale by megatron's dynamic loss scale; an overflow skips the update and backs the
+   scale off (:attr:`ModelOptimizer.loss_scale_skips`: routine, the scaler's own business). Then the
+   global gradient norm over all TP/PP (and, sharded, DP) ranks, each element counted once. A
+   non-finite norm the scaler cannot fix (bf16/fp32, or fp16 with the scale at its minimum) skips the
+   update: counted in :attr:`ModelOptimizer.skipped_steps`. Either way the LR schedule does not
+   advance, and the returned norm is inf.
 4. Clip to ``clip_grad``, set the scheduled LR, Adam on the fp32 main parameters (bf16/fp16 models keep
    fp32 masters; the distributed optimizer shards masters and moments over DP), copy back into the
    model's parameters (all-gathered over DP when sharded).
@@ -106,7 +109,9 @@ class ModelOptimizer:
         ps: ParallelState,
         total_steps: int,
         key: str = "optim",
+        seed: int = 0,
     ) -> None:
+        """``seed`` (the run's seed) and the step count seed stochastic rounding's noise."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -115,7 +120,9 @@ class ModelOptimizer:
         self.ps, self.cfg, self.model = ps, cfg, model
         self.schedule = LRSchedule(cfg, total_steps, key)
         self.num_steps = 0
-        self.skipped_steps = 0
+        self.skipped_steps = 0  # updates skipped for a non-finite norm the loss scaler cannot fix
+        self.loss_scale_skips = 0  # fp16: updates skipped by the dynamic loss scaler (an overflow)
+        self.seed = seed
         # At DP = 1 the distributed optimizer holds the whole state, as the plain one would; using it at
         # every DP size gives checkpoints one format that any DP size loads.
         self.distributed = distributed = mcfg.use_distributed_optimizer
@@ -141,6 +148,12 @@ class ModelOptimizer:
             bf16=dtype == torch.bfloat16,
             fp16=dtype == torch.float16,
             params_dtype=dtype,
+            # fp16's dynamic loss scale (megatron's scaler; ignored for bf16/fp32)
+            loss_scale=cfg.loss_scale,
+            initial_loss_scale=cfg.initial_loss_scale,
+            min_loss_scale=cfg.min_loss_scale,
+            loss_scale_window=cfg.loss_scale_window,
+            hysteresis=cfg.hysteresis,
             use_distributed_optimizer=distributed,
             overlap_param_gather=self.overlap_param_gather,
         )
@@ -196,12 +209,17 @@ class ModelOptimizer:
         is 6e-5): rounded to nearest, the parameter does not move at all and the policy (and the engine,
         which receives these parameters) learns only from the few large updates. Stochastic rounding
         rounds up with probability (distance to the lower value / ulp): unbiased, so small updates move
-        the parameter on average. The noise stream is seeded by the step, and replicas walk the same
-        parameters in the same order, so TP and DP replicas of a parameter round alike.
+        the parameter on average. The noise stream is seeded by (run seed, step): a resumed run rounds
+        as the uninterrupted one did. Replicas walk the same parameters in the same order, so TP and
+        DP replicas of a parameter draw the same noise and round alike; with the distributed optimizer
+        each DP rank rounds only its own shard (other elements), and the all-gather that follows
+        copies the rounded bits, so the replicas stay bit-identical.
         """
         gen = None
         if self.stochastic_rounding:
-            gen = torch.Generator(device=self.ps.device).manual_seed(1_000_003 * self.num_steps + 17)
+            gen = torch.Generator(device=self.ps.device).manual_seed(
+                (self.seed * 1_000_003 + self.num_steps) % (1 << 63)
+            )
         for main, model in pairs:
             new = _stochastic_round(main, model.dtype, gen) if gen is not None else main.to(model.dtype)
             self._changed += (new != model).sum()
@@ -233,8 +251,18 @@ class ModelOptimizer:
 
         lr = self.schedule.lr_at(self.num_steps)
         with cpu_bridge.device_mode():
-            # Main grads ready; with fp16, unscaled and checked for overflow (the loss scale backs off).
+            # Main grads ready; with fp16, unscaled and checked for overflow (the scaler updates itself
+            # here: an overflow backs the scale off once per `hysteresis` overflows in a row).
+            scale = self.loss_scale
             found_inf = self.optimizer.prepare_grads()
+            if (
+                found_inf
+                and scale is not None
+                and self.cfg.loss_scale is None
+                and scale > self.cfg.min_loss_scale
+            ):
+                self.loss_scale_skips += 1  # the scaler handled it: a smaller scale next time
+                return float("inf"), lr
             norm = float("inf") if found_inf else float(self.optimizer.get_grad_norm())
             if not math.isfinite(norm):
                 self.skipped_steps += 1
@@ -260,6 +288,13 @@ class ModelOptimizer:
     def lr(self) -> float:
         """The LR the next step will use."""
         return self.schedule.lr_at(self.num_steps)
+
+    @property
+    def loss_scale(self) -> float | None:
+        """fp16's current loss scale (None for bf16/fp32 models, which have none)."""
+        if self.model.config.params_dtype != torch.float16:
+            return None
+        return float(self.optimizer.get_loss_scale())
 
     # -- offloading (see megatron_rl.offload) ------------------------------------------------------
 
@@ -311,12 +346,18 @@ class ModelOptimizer:
         self.zero_grad()
 
     def counters(self) -> dict[str, int]:
-        """The LR schedule's position and the skipped-step count (saved beside the sharded state)."""
-        return {"num_steps": self.num_steps, "skipped_steps": self.skipped_steps}
+        """The LR schedule's position (which also seeds stochastic rounding) and the skipped-step
+        counts, saved beside the sharded state (the fp16 loss scale is in megatron's own state)."""
+        return {
+            "num_steps": self.num_steps,
+            "skipped_steps": self.skipped_steps,
+            "loss_scale_skips": self.loss_scale_skips,
+        }
 
     def load_counters(self, counters: dict[str, int]) -> None:
         self.num_steps = int(counters["num_steps"])
         self.skipped_steps = int(counters.get("skipped_steps", 0))
+        self.loss_scale_skips = int(counters.get("loss_scale_skips", 0))
 
 
 def _zero_padding(state: Any) -> None:
@@ -373,9 +414,14 @@ class NonFiniteError(LaunchError):
     same_on_all_ranks = True  # the gradient norms are reduced: every rank counts the same
 
 
+NONFINITE_ADVANTAGES = "critic/advantages/nonfinite"
+"""The metric counting a step's response tokens with a non-finite advantage."""
+
+
 class NonFiniteGuard:
-    """Counts PPO steps in a row with a skipped update (a non-finite loss or gradient norm: the optimizer
-    skipped those steps, so the weights stay finite). Each such step is logged; ``limit`` of them in a row
+    """Counts PPO steps in a row with a skipped update (a non-finite loss or gradient norm that the
+    fp16 loss scaler could not fix: the optimizer skipped those steps, so the weights stay finite) or
+    with non-finite advantages. Each such step is logged; ``limit`` of them in a row
     (trainer.max_nonfinite_steps, 0 = never) stop the run before that step's save, keeping the last
     checkpoint as it was."""
 
@@ -387,6 +433,8 @@ class NonFiniteGuard:
             phase: int(metrics.get(f"{role}/nonfinite_grad_steps", 0))
             for phase, role in (("update_actor", "actor"), ("update_critic", "critic"))
         }
+        # NaN/inf advantages: no loss scale or skipped update fixes what the step would learn from
+        skipped["advantages (tokens)"] = int(metrics.get(NONFINITE_ADVANTAGES, 0))
         if not any(skipped.values()):
             self.streak = 0
             return
@@ -394,8 +442,8 @@ class NonFiniteGuard:
         where = ", ".join(f"{phase}: {n}" for phase, n in skipped.items() if n)
         if self.log is not None:
             self.log.warning(
-                "step %d: optimizer steps skipped for a non-finite loss or gradient norm (%s); %d step(s) "
-                "in a row",
+                "step %d: optimizer steps skipped for a non-finite loss or gradient norm, or non-finite "
+                "advantages (%s); %d step(s) in a row",
                 step,
                 where,
                 self.streak,
@@ -403,8 +451,43 @@ class NonFiniteGuard:
         if self.limit > 0 and self.streak >= self.limit:
             latest = latest_checkpoint()
             raise NonFiniteError(
-                f"{self.streak} steps in a row (the last: step {step}, {where}) had a non-finite loss or "
-                f"gradient norm, so the run stopped (trainer.max_nonfinite_steps={self.limit}); the last "
-                f"checkpoint is {latest or 'none (nothing was saved)'}. Lower "
+                f"{self.streak} steps in a row (the last: step {step}, {where}) had a non-finite loss, "
+                f"gradient norm or advantage, so the run stopped (trainer.max_nonfinite_steps={self.limit}); "
+                f"the last checkpoint is {latest or 'none (nothing was saved)'}. Lower "
                 "actor_rollout_ref.actor.optim.lr / critic.optim.lr or set *.optim.clip_grad, then resume."
             )
+
+
+def count_nonfinite(values: torch.Tensor, mask: torch.Tensor, group) -> int:
+    """Response tokens ([B, R] ``values`` where ``mask``) whose value is NaN or inf, summed over
+    ``group``: the advantages' count makes a step a non-finite one for :class:`NonFiniteGuard` whatever
+    the optimizer did (an fp16 scaler would take their NaN gradients for an overflow and back off)."""
+    bad = (~torch.isfinite(values) & mask.bool()).sum().to(torch.float64)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(bad, group=group)
+    return int(bad.item())
+
+
+def precision_record(cfg) -> dict[str, dict[str, object]]:
+    """What precision each trained model and the engine ran at (summary.json): the dtypes as built
+    (fp32 on CPU, whatever params_dtype says), the rounding of the fp32 masters into them and fp16's
+    loss scale."""
+    from megatron_rl.parallel import resolve_device
+
+    cpu = resolve_device(cfg.trainer.device).type == "cpu"
+    arr = cfg.actor_rollout_ref
+
+    def trained(mcfg: MegatronConfig, optim: OptimConfig) -> dict[str, object]:
+        dtype = "float32" if cpu else mcfg.params_dtype
+        rec: dict[str, object] = {"params_dtype": dtype}
+        if dtype == "bfloat16":
+            rec["rounding"] = "stochastic" if optim.stochastic_rounding else "nearest"
+        if dtype == "float16":
+            rec["loss_scale"] = optim.loss_scale or f"dynamic from {optim.initial_loss_scale:g}"
+        return rec
+
+    out = {"actor": trained(arr.actor.megatron, arr.actor.optim)}
+    if cfg.critic.enable:
+        out["critic"] = trained(cfg.critic.megatron, cfg.critic.optim)
+    out["rollout"] = {"dtype": "float32" if cpu else arr.rollout.dtype}
+    return out

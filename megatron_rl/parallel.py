@@ -5,7 +5,10 @@
 global ``parallel_state`` for sizes or ranks except through this object).
 
 Rank order is megatron's default "tp-cp-ep-dp-pp": tensor-parallel ranks are adjacent (same node,
-fast links), pipeline stages are furthest apart.
+fast links), pipeline stages are furthest apart. Experts of a mixture-of-experts model have a grid of
+their own over the same ranks (megatron's "expert" decomposition): expert TP (ETP) x expert parallel
+(EP) x expert DP x PP, so that within one pipeline stage EP x ETP ranks share out the experts and the
+remaining ``world / (PP x EP x ETP)`` are expert data-parallel copies.
 """
 
 from __future__ import annotations
@@ -39,6 +42,14 @@ class ParallelState:
     """Model-parallel group (TP x PP): every shard of one model replica."""
     embedding_group: dist.ProcessGroup | None
     """First and last pipeline stage, for tied embeddings."""
+    ep_size: int = 1
+    """Expert-parallel size: experts are distributed whole over this many ranks."""
+    ep_rank: int = 0
+    etp_size: int = 1
+    """Expert tensor-parallel size: each expert's matrices are split over this many ranks."""
+    etp_rank: int = 0
+    expert_dp_group: dist.ProcessGroup | None = None
+    """The ranks holding copies of the same experts (their gradients are reduced over it)."""
     global_rank: int = 0
     """This process's rank in the whole job (``rank`` is its rank in its world: trainer.placement)."""
     job_store: dist.Store | None = None
@@ -100,8 +111,13 @@ def init_parallel(
     device: str = "auto",
     timeout_minutes: int = 30,
     ranks: tuple[int, ...] | None = None,
+    ep: int = 1,
+    etp: int | None = None,
 ) -> ParallelState:
     """Start torch.distributed (nccl on GPU, gloo on CPU) and megatron's groups; seed every stream.
+
+    ``ep`` / ``etp``: expert-parallel and expert tensor-parallel sizes (``etp=None``: TP, megatron's
+    default); they only matter for a mixture-of-experts model.
 
     Launched by torchrun the job comes from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT; a plain
     ``python`` process runs as a world of one. ``ranks`` (global ranks, this one among them) makes
@@ -149,11 +165,19 @@ def init_parallel(
     world = dist.get_world_size()
     if world % (tp * pp):
         raise RuntimeError(f"world size {world} is not divisible by TP x PP = {tp} x {pp}")
+    etp = tp if etp is None else etp
+    if world % (etp * ep * pp):
+        raise RuntimeError(
+            f"world size {world} is not divisible by expert TP x EP x PP = {etp} x {ep} x {pp}: "
+            "set *.megatron.expert_model_parallel_size / expert_tensor_parallel_size so that it is"
+        )
     if mps.model_parallel_is_initialized():
         mps.destroy_model_parallel()
     mps.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
         distributed_timeout_minutes=timeout_minutes,
         create_gloo_process_groups=True,
     )
@@ -174,6 +198,11 @@ def init_parallel(
         dp_group=mps.get_data_parallel_group(),
         mp_group=mps.get_model_parallel_group(),
         embedding_group=mps.get_embedding_group(check_initialized=False),
+        ep_size=ep,
+        ep_rank=mps.get_expert_model_parallel_rank(),
+        etp_size=etp,
+        etp_rank=mps.get_expert_tensor_parallel_rank(),
+        expert_dp_group=mps.get_expert_data_parallel_group(),
         global_rank=job_rank,
         job_store=job_store,
     )
@@ -192,7 +221,7 @@ def seed_all(seed: int, state: ParallelState) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    cpu_bridge.seed_model_parallel_rng(seed, state.tp_rank)
+    cpu_bridge.seed_model_parallel_rng(seed, state.tp_rank, state.ep_rank, state.etp_rank)
 
 
 def destroy_parallel() -> None:

@@ -7,6 +7,7 @@ perf/mfu/actor, perf/mfu/critic             model FLOPs of the update (train_flo
 perf/optimizer_state_gb                     fp32 main weights + Adam moments on this rank
 perf/max_memory_*_gb                        torch's and the device's peaks (the engine allocates
                                             outside torch's caching allocator)
+actor/perf/*_gb, critic/perf/*_gb           the same peaks under verl's per-role names
 """
 
 from __future__ import annotations
@@ -77,6 +78,11 @@ def perf_metrics(
         import resource
 
         out["perf/max_memory_allocated_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    # verl logs each worker's memory under its role: the roles share these processes, so the same peaks
+    for role in [r for r, *_ in trained]:
+        for name in ("max_memory_allocated_gb", "max_memory_reserved_gb"):
+            if f"perf/{name}" in out:
+                out[f"{role}/perf/{name}"] = out[f"perf/{name}"]
     return out
 
 

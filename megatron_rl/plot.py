@@ -1,7 +1,8 @@
 """Plot a run: ``python -m megatron_rl.plot RUN_DIR [--out file.png]``.
 
-Reads RUN_DIR/metrics.jsonl (or RUN_DIR/logs/metrics.jsonl, written by trainer.logger=[..., jsonl])
-and draws reward, KL, losses and response length against the step.
+Reads RUN_DIR/metrics.jsonl (or RUN_DIR/logs/metrics.jsonl: every run writes it to trainer.log_dir)
+and draws reward, KL, losses and response length against the step. Needs matplotlib
+(``pip install matplotlib``, or ``pip install -e '.[dev]'``).
 """
 
 from __future__ import annotations
@@ -23,12 +24,19 @@ def find_metrics(run_dir: str) -> str:
         if os.path.isfile(cand):
             return cand
     raise FileNotFoundError(
-        f"No metrics.jsonl in {run_dir} or {run_dir}/logs: run with trainer.logger=[console,jsonl]"
+        f"no metrics.jsonl in {run_dir} or {run_dir}/logs: give the run's trainer.log_dir "
+        "(default trainer.default_local_dir/logs); a run writes it from its first step on"
     )
 
 
 def plot(run_dir: str, out: str | None = None) -> str:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit(
+            "megatron-rl: plotting needs matplotlib, which is not installed: pip install matplotlib "
+            "(or pip install -e '.[plot]' in a checkout)"
+        ) from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -58,7 +66,10 @@ def main() -> None:
     ap.add_argument("run_dir")
     ap.add_argument("--out")
     a = ap.parse_args()
-    print(plot(a.run_dir, a.out))
+    try:
+        print(plot(a.run_dir, a.out))
+    except FileNotFoundError as e:
+        raise SystemExit(f"megatron-rl: {e}") from None
 
 
 if __name__ == "__main__":

@@ -64,6 +64,7 @@ from megatron_rl.models.forward import (
     sequence_multiple,
 )
 from megatron_rl.models.logprobs import vocab_parallel_log_probs_and_entropy
+from megatron_rl.models.moe_metrics import RouterStats
 from megatron_rl.optim import ModelOptimizer
 from megatron_rl.parallel import ParallelState
 
@@ -228,7 +229,8 @@ def _run_update(
         raise ConfigError(f"{key}.ppo_epochs must be >= 1, got {epochs}")
     model.train()
     shares = torch.zeros(len(names), dtype=torch.float32, device=ps.device)
-    grad_norms, lrs, nonfinite = [], [], 0
+    grad_norms, lrs = [], []
+    skipped0, scaler_skips0 = optimizer.skipped_steps, optimizer.loss_scale_skips
     n_mini = len(batch) // rows
     for epoch in range(epochs):
         if shuffle:
@@ -251,21 +253,26 @@ def _run_update(
             )
             for m in outs:  # last stage only
                 shares += m
-            norm, lr = optimizer.step()  # a non-finite norm skips the step
+            norm, lr = optimizer.step()  # a non-finite norm (or an fp16 overflow) skips the step
             if math.isfinite(norm):
                 grad_norms.append(norm)
-            else:
-                nonfinite += 1
             lrs.append(lr)
     # Mini-batch values = shares summed over DP; then the mean over mini-batches and epochs.
     if ps.dp_size > 1:
         dist.all_reduce(shares, op=dist.ReduceOp.SUM, group=ps.dp_group)
     shares = broadcast_from_last_stage(shares, ps, shares.shape, shares.dtype) / (epochs * n_mini)
     metrics = {f"{prefix}/{name}": v for name, v in zip(names, shares.tolist(), strict=True)}
+    for alias, name in (("actor/entropy_loss", "actor/entropy"), ("critic/loss", "critic/vf_loss")):
+        if name in metrics:  # verl's other names for the same values
+            metrics[alias] = metrics[name]
     metrics[f"{prefix}/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0
     metrics[f"{prefix}/lr"] = sum(lrs) / len(lrs)
-    # optimizer steps skipped for a non-finite loss or gradient (the norm is the same on every rank)
-    metrics[f"{prefix}/nonfinite_grad_steps"] = float(nonfinite)
+    # optimizer steps skipped for a non-finite loss or gradient that the fp16 loss scaler could not
+    # fix (the norm and the scale are the same on every rank, so are these counts)
+    metrics[f"{prefix}/nonfinite_grad_steps"] = float(optimizer.skipped_steps - skipped0)
+    if optimizer.loss_scale is not None:  # fp16: the scaler's own skips are routine, not failures
+        metrics[f"{prefix}/loss_scale"] = optimizer.loss_scale
+        metrics[f"{prefix}/loss_scale_skips"] = float(optimizer.loss_scale_skips - scaler_skips0)
     updated = optimizer.pop_update_fraction()
     if updated is not None:  # bf16/fp16 models: how much of the model the update actually moved
         metrics[f"{prefix}/param_update_frac"] = updated
@@ -375,23 +382,26 @@ def update_actor(
 
         return loss_fn
 
-    return _run_update(
-        model,
-        optimizer,
-        ps,
-        batch,
-        rows=rows,
-        micro=micro,
-        epochs=cfg.ppo_epochs,
-        shuffle=cfg.shuffle,
-        shuffle_seed=shuffle_seed,
-        names=names,
-        make_loss_fn=make_loss_fn,
-        prefix="actor",
-        key=key,
-        positions=_response_positions,
-        stats=stats,
-    )
+    with RouterStats(model, ps, "actor") as router:  # MoE: aux/z-loss and expert load; dense: nothing
+        metrics = _run_update(
+            model,
+            optimizer,
+            ps,
+            batch,
+            rows=rows,
+            micro=micro,
+            epochs=cfg.ppo_epochs,
+            shuffle=cfg.shuffle,
+            shuffle_seed=shuffle_seed,
+            names=names,
+            make_loss_fn=make_loss_fn,
+            prefix="actor",
+            key=key,
+            positions=_response_positions,
+            stats=stats,
+        )
+    metrics.update(router.metrics())
+    return metrics
 
 
 def update_critic(

@@ -41,15 +41,43 @@ def _model(
     from megatron_rl.models.loading import load_weights
 
     dtype = torch.float32 if ps.device.type == "cpu" else DTYPES[mcfg.params_dtype]
+    ep = mcfg.expert_model_parallel_size
+    if args.is_moe and ep is not None and ep != ps.ep_size:
+        raise ValueError(
+            f"*.megatron.expert_model_parallel_size={ep} but the process groups were started with EP="
+            f"{ps.ep_size}: pass it to parallel.init_parallel(ep=...)."
+        )
     options = TrainingOptions(
         sequence_parallel=mcfg.sequence_parallel,
         recompute_granularity=mcfg.recompute_granularity if recompute else None,
         recompute_method=mcfg.recompute_method,
         recompute_num_layers=mcfg.recompute_num_layers,
+        # its moe_* keys are read by moe_options
+        transformer_overrides=tuple(
+            (k, v) for k, v in mcfg.override_transformer_config.items() if not k.startswith("moe_")
+        ),
+        **moe_options(mcfg),
     )
     m = build_model(args, ps, role=role, dtype=dtype, sdpa=mcfg.use_sdpa_attention, options=options)
     load_weights(m, path, ps)
     return m
+
+
+def moe_options(mcfg: MegatronConfig) -> dict:
+    """Router-loss settings from verl's ``*.megatron.override_transformer_config.moe_*`` keys, where the
+    config holds them (``moe_aux_loss_coeff``, ``moe_z_loss_coeff``, ``moe_router_dtype``: fp32 only)."""
+    override = getattr(mcfg, "override_transformer_config", None) or {}
+    get = override.get if isinstance(override, dict) else lambda k, d=None: getattr(override, k, d)
+    dtype = get("moe_router_dtype", None)
+    if dtype not in (None, "fp32"):
+        raise ValueError(
+            f"*.megatron.override_transformer_config.moe_router_dtype={dtype!r}: the router runs in fp32 "
+            "(accepted: fp32)."
+        )
+    return {
+        "moe_aux_loss_coeff": float(get("moe_aux_loss_coeff", 0.0) or 0.0),
+        "moe_z_loss_coeff": float(get("moe_z_loss_coeff", 0.0) or 0.0),
+    }
 
 
 def _optim_steps(cfg: Config, epochs: int, mini_batch: int, ppo_steps: int) -> int:
@@ -70,7 +98,8 @@ def build_critic(
     args = model_args or load_model_args_any(path)
     critic = _model(ps, args, "critic", path, c.megatron, c.model.enable_gradient_checkpointing)
     steps = _optim_steps(cfg, c.ppo_epochs, c.ppo_mini_batch_size, total_steps)
-    return critic, ModelOptimizer(critic, c.optim, c.megatron, ps, steps, key="critic.optim")
+    seed = cfg.actor_rollout_ref.actor.megatron.seed + 1  # the critic's rounding noise: its own stream
+    return critic, ModelOptimizer(critic, c.optim, c.megatron, ps, steps, key="critic.optim", seed=seed)
 
 
 def build_models(
@@ -82,6 +111,11 @@ def build_models(
     from megatron_rl.optim import ModelOptimizer
 
     arr = cfg.actor_rollout_ref
+    if model_args.is_moe:
+        raise ValueError(
+            f"{arr.model.path}: a mixture-of-experts actor ({model_args.arch}) trains, but its experts "
+            "cannot yet be streamed into the rollout engine (rollout.reshard has no expert path)."
+        )
     actor = _model(
         ps, model_args, "actor", arr.model.path, arr.actor.megatron, arr.model.enable_gradient_checkpointing
     )
@@ -89,7 +123,13 @@ def build_models(
         cfg, arr.actor.ppo_epochs, arr.actor.ppo_mini_batch_size, total_steps - cfg.trainer.critic_warmup
     )
     actor_optim = ModelOptimizer(
-        actor, arr.actor.optim, arr.actor.megatron, ps, actor_steps, key="actor_rollout_ref.actor.optim"
+        actor,
+        arr.actor.optim,
+        arr.actor.megatron,
+        ps,
+        actor_steps,
+        key="actor_rollout_ref.actor.optim",
+        seed=arr.actor.megatron.seed,
     )
     ref = None
     if cfg.algorithm.use_kl_in_reward or arr.actor.use_kl_loss:

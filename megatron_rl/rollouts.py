@@ -31,15 +31,20 @@ from megatron_rl.config import Config
 from megatron_rl.offload import HostParking
 from megatron_rl.parallel import ParallelState
 from megatron_rl.roles import Models, park_for_generation
-from megatron_rl.rollout import Generation, SamplingParams
+from megatron_rl.rollout import Generation, SamplingParams, engine_dtype
 from megatron_rl.rollout.remote import from_plain, to_plain
 
 
-def engine_dtype(name: str, ps: ParallelState) -> torch.dtype:
-    """The dtype of the weights streamed into the engine (fp32 on CPU)."""
-    from megatron_rl.model_args import DTYPES
+def make_agent(cfg: Config, ps: ParallelState, tokenizer):
+    """The multi-turn agent loop and its step statistics, or (None, None) without multi_turn.enable."""
+    mt = cfg.actor_rollout_ref.rollout.multi_turn
+    if not mt.enable:
+        return None, None
+    from megatron_rl.rollout.agent_loop import AgentLoop, EpisodeStats
 
-    return torch.float32 if ps.device.type == "cpu" else DTYPES[name]
+    if tokenizer is None:
+        raise ValueError("actor_rollout_ref.rollout.multi_turn.enable needs ColocatedRollout(tokenizer=...)")
+    return AgentLoop(mt, ps, tokenizer), EpisodeStats()
 
 
 class _Queue:
@@ -99,12 +104,22 @@ class _Queue:
 class ColocatedRollout(_Queue):
     """The engine inside the training processes (the hybrid engine)."""
 
-    def __init__(self, cfg: Config, ps: ParallelState, models: Models, engine, draw: Callable[[], list[int]]):
+    def __init__(
+        self,
+        cfg: Config,
+        ps: ParallelState,
+        models: Models,
+        engine,
+        draw: Callable[[], list[int]],
+        tokenizer=None,
+    ):
         super().__init__()
         self.cfg, self.ps, self.models, self.engine, self.draw = cfg, ps, models, engine, draw
         self.parking = HostParking(ps.device)
         self.version = 0
         self.weights_stale = True  # the engine starts without the actor's weights
+        # multi_turn.enable: episodes of turns with tools / a simulated user (rollout/agent_loop.py)
+        self.agent, self.episode_stats = make_agent(cfg, ps, tokenizer)
 
     def start(self, step: int) -> None:
         self.version, self.weights_stale = step, True
@@ -113,8 +128,10 @@ class ColocatedRollout(_Queue):
         return self.asked[step] if step in self.asked else self.draw()  # queued by a separate rollout
 
     def generate(
-        self, tag: str, prompt_ids: list[list[int]], params: SamplingParams, timer
+        self, tag: str, prompt_ids: list[list[int]], params: SamplingParams, timer, items: list | None = None
     ) -> tuple[list[list[Generation]], int]:
+        """``items``: the prompts' data.PromptItem rows (a multi-turn episode reads its tools_kwargs,
+        interaction_kwargs and chat messages from them)."""
         from megatron_rl.rollout.reshard import sync_weights
 
         queued = self._queued(tag)
@@ -145,7 +162,12 @@ class ColocatedRollout(_Queue):
         if params.seed is not None:
             params = replace(params, seed=params.seed + ps.dp_rank)
         with timer("gen"):
-            gens = self.engine.generate(prompt_ids, params)
+            if self.agent is None:
+                gens = self.engine.generate(prompt_ids, params)
+            else:
+                gens = self.agent.run(self.engine, prompt_ids, params, items)
+                if tag.startswith("train/"):
+                    self.episode_stats.add(gens)
         if free:
             with timer("engine"):
                 # SGLang drops its weights with its memory: the next rollout streams them again.
@@ -158,7 +180,13 @@ class ColocatedRollout(_Queue):
     def policy_updated(self, step: int, timer) -> None:
         self.version, self.weights_stale = step, True
 
+    def step_metrics(self, step: int) -> dict[str, float]:
+        """multi_turn/*: the episodes of this step's training rollouts (rollout/agent_loop.EpisodeStats)."""
+        return {} if self.agent is None else self.episode_stats.pop(self.ps)
+
     def shutdown(self) -> None:
+        if self.agent is not None:
+            self.agent.shutdown()
         self.engine.shutdown()
 
 
@@ -196,7 +224,9 @@ class SeparateRollout(_Queue):
         self.version = step
 
     def _ask(self, step: int) -> None:
-        if step > self.total_steps or step in self.asked:
+        # Up to `staleness` steps past the last are asked for too: the run's final checkpoint then holds
+        # the queue a longer run would have had, so resuming it to more steps repeats that run exactly.
+        if step > self.total_steps + self.staleness or step in self.asked:
             return
         indices = self.draw()
         self.asked[step] = indices
@@ -213,7 +243,7 @@ class SeparateRollout(_Queue):
         return self.asked[step]
 
     def generate(
-        self, tag: str, prompt_ids: list[list[int]], params: SamplingParams, timer
+        self, tag: str, prompt_ids: list[list[int]], params: SamplingParams, timer, items: list | None = None
     ) -> tuple[list[list[Generation]], int]:
         with timer("gen"):  # with staleness > 0 mostly done: the engines ran while the last step trained
             if tag.startswith("train/"):

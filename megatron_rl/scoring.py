@@ -67,8 +67,25 @@ def reward_scores(
     reward_fn: RewardManager | HttpRewardManager, batch: RolloutBatch, ps: ParallelState, cfg: Config
 ) -> tuple[torch.Tensor, int]:
     """Per-sequence scores [B] on ``ps.device`` (overlong shaping included) and the number of reward
-    errors on this replica; sets ``meta[i].reward_extras`` on every rank of the replica."""
-    lengths = batch.response_mask.sum(-1).long().cpu()
+    errors on this replica; sets ``meta[i].reward_extras`` on every rank of the replica. Multi-turn
+    episodes: the response text includes the tool/user turns, and ``multi_turn.tool_reward_weight`` x
+    the episode's tool rewards (extra_info["tool_reward"]) is added to its score."""
+    lengths = batch.attention_mask[:, batch.prompts.shape[1] :].sum(-1).long().cpu()  # tool tokens too
+    scores, n_err = _reward_scores(reward_fn, batch, ps, cfg, lengths)
+    weight = cfg.actor_rollout_ref.rollout.multi_turn.tool_reward_weight
+    if weight:
+        tool = torch.tensor([float(mt.extra_info.get("tool_reward", 0.0)) for mt in batch.meta])
+        scores = scores + weight * tool.to(scores.device, scores.dtype)
+    return scores, n_err
+
+
+def _reward_scores(
+    reward_fn: RewardManager | HttpRewardManager,
+    batch: RolloutBatch,
+    ps: ParallelState,
+    cfg: Config,
+    lengths: torch.Tensor,
+) -> tuple[torch.Tensor, int]:
     if getattr(reward_fn, "collective", False):  # a reward model: every rank runs its forward
         scores, extras = _overlong_shaped(reward_fn(batch).float().cpu(), {}, lengths, cfg)
         for i, mt in enumerate(batch.meta):
@@ -129,11 +146,13 @@ def _overlong_shaped(
 
 
 def place_scores(batch: RolloutBatch, scores: torch.Tensor) -> None:
-    """Each score on its response's last real token: batch.token_level_scores [B, R]."""
-    lengths = batch.response_mask.sum(-1).long()
-    token_scores = torch.zeros_like(batch.response_mask)
-    last = (lengths - 1).clamp(min=0)
-    token_scores[torch.arange(len(batch), device=last.device), last] = scores * (lengths > 0)
+    """Each score on its response's last trained token (the model's last; in a multi-turn episode
+    tool tokens may follow it): batch.token_level_scores [B, R]."""
+    mask = batch.response_mask
+    cols = torch.arange(mask.shape[1], device=mask.device)
+    last = torch.where(mask > 0, cols, -1).amax(-1)  # [B]; -1: nothing trained on
+    token_scores = torch.zeros_like(mask)
+    token_scores[torch.arange(len(batch), device=last.device), last.clamp(min=0)] = scores * (last >= 0)
     batch.token_level_scores = token_scores
 
 

@@ -12,13 +12,51 @@ import logging
 import os
 
 
+def hide_known_benign_warnings() -> None:
+    """Filter, by message and module, the warnings a correct run raises on every start or resume; each
+    entry says why it is benign. Anything else still shows."""
+    import warnings
+
+    # megatron-core's distributed optimizer keeps the shards of fp32 parameters as views of them
+    # (non-leaf tensors) and assigns their .grad itself; its zero_grad reads that attribute, which torch
+    # flags for any non-leaf tensor. The gradients are right (tests/distributed/test_ppo_layouts.py
+    # compares every layout's update with the unsharded run's).
+    warnings.filterwarnings(
+        "ignore",
+        message=r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed",
+        category=UserWarning,
+        module=r"megatron\.core\.optimizer\.optimizer",
+    )
+    # Loading a torch_dist checkpoint (every resume): megatron-core 0.16.1's strategy calls torch's
+    # load_state_dict and builds ShardedTensors, APIs torch deprecates; the checkpoint format is theirs,
+    # the warnings are addressed to megatron-core, not to the run.
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`load_state_dict` is deprecated and will be removed in future versions",
+        category=FutureWarning,
+        module=r"megatron\.core\.dist_checkpointing\.strategies\.torch",
+    )
+    warnings.filterwarnings(
+        "ignore",
+        message=r"Please use DTensor instead and we are deprecating ShardedTensor",
+        category=FutureWarning,
+        module=r"torch\.distributed\.checkpoint\.(planner_helpers|default_planner)",
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
+    hide_known_benign_warnings()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", help="YAML file (see yaml/)")
     ap.add_argument(
         "overrides", nargs="*", help="dotted overrides, e.g. actor_rollout_ref.actor.optim.lr=1e-6"
     )
-    a = ap.parse_args(argv)
+    import sys
+
+    from megatron_rl.verl_compat import hydra_config_args
+
+    hydra_notices: list[str] = []  # Hydra's --config-path/--config-name, as verl's scripts pass them
+    a = ap.parse_args(hydra_config_args(list(sys.argv[1:] if argv is None else argv), hydra_notices))
     if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun: never outlive it (kill -9 included)
         from megatron_rl.lifecycle import die_with_parent
 
@@ -33,16 +71,20 @@ def main(argv: list[str] | None = None) -> None:
     # Known failures (bad config, layout vs world size, no GPU, busy port, timeouts) end in one line
     # saying what to change; anything else keeps its traceback.
     with explain_failures():
-        notices: list[str] = []
-        cfg = load_config(a.config, a.overrides, notices)
+        notices: list[str] = hydra_notices
+        typed: dict = {}  # values as the user wrote them, where verl_compat rewrote them
+        cfg = load_config(a.config, a.overrides, notices, typed)
         if rank == 0:
             for line in notices:  # verl keys this trainer accepts without acting on them
                 print(f"megatron-rl: {line}", flush=True)
-        preflight(cfg, world)
+        preflight(cfg, world, typed=typed)
+        from megatron_rl.config.checks import expert_layout
         from megatron_rl.config.placement import resolve_placement
         from megatron_rl.parallel import destroy_parallel, init_parallel
 
         placement = resolve_placement(cfg, world)
+        if rank == 0 and os.environ.get("MEGATRON_RL_REPLACED"):  # set by launch/torchrun.sh after SIGUSR1
+            print(f"megatron-rl: placement after the restart: {placement.describe()}", flush=True)
         lead = rank == placement.actor[0]  # rank 0 of the training ranks speaks for the job
         logging.basicConfig(
             level=logging.INFO if lead else logging.WARNING,
@@ -65,9 +107,12 @@ def main(argv: list[str] | None = None) -> None:
         from megatron_rl.trainer import Trainer
 
         mp = cfg.actor_rollout_ref.actor.megatron
+        ep, etp = expert_layout(mp)
         ps = init_parallel(
             mp.tensor_model_parallel_size,
             mp.pipeline_model_parallel_size,
+            ep=ep,
+            etp=etp,
             seed=mp.seed,
             device=cfg.trainer.device,
             timeout_minutes=cfg.trainer.dist_timeout_minutes,
@@ -117,14 +162,21 @@ def serve_rollout(cfg, placement) -> None:
 def serve_critic(cfg, placement) -> None:
     """A critic rank of a placement that gives the critic ranks of its own: megatron's groups over the
     critic's ranks, then values and updates for the actor's ranks until they say stop."""
+    from megatron_rl.checkpoint import write_in_process
+    from megatron_rl.config.checks import expert_layout
     from megatron_rl.critic_role import CriticServer
     from megatron_rl.lifecycle import PreemptionWatch
     from megatron_rl.parallel import init_parallel
 
+    write_in_process()  # its saves start no helper process that a stop signal to the group would kill
+
     mp = cfg.critic.megatron
+    ep, etp = expert_layout(mp, cfg.actor_rollout_ref.actor.megatron)
     ps = init_parallel(
         mp.tensor_model_parallel_size,
         mp.pipeline_model_parallel_size,
+        ep=ep,
+        etp=etp,
         seed=cfg.actor_rollout_ref.actor.megatron.seed,
         device=cfg.trainer.device,
         timeout_minutes=cfg.trainer.dist_timeout_minutes,

@@ -52,12 +52,14 @@ from megatron_rl.metrics import (
 )
 from megatron_rl.microbatches import ForwardPasses, TokenStats
 from megatron_rl.mismatch import correct_mismatch, reject
-from megatron_rl.optim import NonFiniteGuard
+from megatron_rl.optim import NONFINITE_ADVANTAGES, NonFiniteGuard, count_nonfinite
 from megatron_rl.parallel import ParallelState
 from megatron_rl.perf import measure_peak_flops, perf_metrics
 from megatron_rl.roles import build_models
 from megatron_rl.rollout import SamplingParams
+from megatron_rl.rollout.reshard import WeightSyncError
 from megatron_rl.rollouts import ColocatedRollout, SeparateRollout
+from megatron_rl.sync_check import SyncProbe
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +76,7 @@ class Trainer:
         from megatron_rl.models.loading import load_model_args_any
         from megatron_rl.reward import RULE_DATA_SOURCES
         from megatron_rl.rollout.base import stop_token_ids
+        from megatron_rl.rollout.tools import prompt_tool_schemas
         from megatron_rl.scoring import make_reward_fn
 
         self.cfg, self.ps = cfg, ps
@@ -100,6 +103,7 @@ class Trainer:
         check_sliding_window(
             self.model_args, cfg.data.max_prompt_length + cfg.data.max_response_length, arr.model.path
         )
+        tool_schemas = prompt_tool_schemas(arr.rollout.multi_turn)
 
         def dataset(files):
             return PromptDataset(
@@ -111,6 +115,7 @@ class Trainer:
                 prompt_key=cfg.data.prompt_key,
                 # built-in rules: every row's data_source and ground truth are checked up front
                 rule_sources=None if self._rewards_not_by_rule() else RULE_DATA_SOURCES,
+                tools=tool_schemas,  # multi-turn: the chat template shows the tools
             )
 
         if not cfg.data.train_files:
@@ -175,7 +180,9 @@ class Trainer:
             self.reward_fn = make_reward_fn(cfg, self.tokenizer, ps, self.models.reward)
         self._batches = iter(self.sampler)
         if engine is not None:
-            self.rollouts = ColocatedRollout(cfg, ps, self.models, engine, lambda: next(self._batches))
+            self.rollouts = ColocatedRollout(
+                cfg, ps, self.models, engine, lambda: next(self._batches), tokenizer=self.tokenizer
+            )
         else:
             self.rollouts = SeparateRollout(
                 cfg,
@@ -187,6 +194,7 @@ class Trainer:
                 lambda step: self.sampling(step, validate=False),
                 self.total_steps,
             )
+        self.sync_probe = SyncProbe(cfg, ps, self.train_data, self.pad_id, self.stop_ids)
         self.timer = Timer(ps.device)
         self.logger = MetricsLogger(
             cfg.trainer.logger,
@@ -198,6 +206,7 @@ class Trainer:
             block_freq=cfg.trainer.console_block_freq,
         )
         self.global_step = 0
+        self._resumed_row: dict[str, float] | None = None  # the resumed step's metrics (Trainer.save)
         self.nonfinite = NonFiniteGuard(cfg.trainer.max_nonfinite_steps, log if ps.rank == 0 else None)
         self.peak_flops = measure_peak_flops(ps.device)
 
@@ -223,10 +232,13 @@ class Trainer:
                 )
             return last
         self.logger.begin(self.global_step)
+        self._replay_row()
         if self.ps.rank == 0:
             write_config_record(self.cfg, fresh=self.global_step == 0)
-        if self.val_data is not None and cfg.val_before_train and self.global_step == 0:
-            self.logger.log(0, self.validate())
+        if self.val_data is not None and (cfg.val_only or (cfg.val_before_train and self.global_step == 0)):
+            self.logger.log(self.global_step, self.validate())
+        if cfg.val_only:  # verl's trainer.val_only: validate, train nothing
+            return last
         bar = progress_bar(
             self.total_steps, self.global_step, enabled=self.ps.rank == 0 and "console" in cfg.logger
         )
@@ -244,7 +256,7 @@ class Trainer:
                 every = cfg.save_freq > 0 and self.global_step % cfg.save_freq == 0
                 if every or (is_last and cfg.save_at_end):
                     with self.timer("save_checkpoint"):
-                        saved = self.save()
+                        saved = self.save(last)
                     last.update(self.timer.pop())
                 self.logger.log(self.global_step, last, echo=bar.write, last=is_last)
                 bar.update(1)
@@ -284,6 +296,9 @@ class Trainer:
 
         batch = self.scored_rollout(prompt_indices, more, metrics)
         metrics.update(self.rollouts.step_metrics(self.global_step))
+        if self.sync_probe.due(self.global_step):  # the engine's policy == the actor's (sync_check)
+            with timer("sync_check"):
+                metrics.update(self.sync_probe.run(self.global_step, self.rollouts, m.actor, self.passes))
         if self.critic is not None:  # a critic on ranks of its own computes values from here on
             self.critic.begin_values(self.global_step, batch)
 
@@ -395,7 +410,11 @@ class Trainer:
             items = [data[i] for i in prompt_indices]
         tag = f"val/{self.global_step}" if validate else f"train/{self.global_step}"
         params = self.sampling(self.global_step, validate)
-        gens, version = self.rollouts.generate(tag, [it.prompt_ids for it in items], params, timer)
+        try:
+            gens, version = self.rollouts.generate(tag, [it.prompt_ids for it in items], params, timer, items)
+        except WeightSyncError as e:  # the weights synced for this step's rollout: name the step
+            e.args = (f"step {self.global_step}: {e}",)
+            raise
         with timer("batch"):
             batch = RolloutBatch.from_generations(
                 items, gens, self.pad_id, cfg.data.max_response_length, f"{self.global_step}-"
@@ -499,6 +518,8 @@ class Trainer:
         estimator = adv.get_adv_estimator(alg.adv_estimator)
         wanted = inspect.signature(estimator).parameters
         batch.advantages, batch.returns = estimator(**{k: v for k, v in available.items() if k in wanted})
+        bad = count_nonfinite(batch.advantages, batch.response_mask, ps.dp_group)
+        metrics[NONFINITE_ADVANTAGES] = float(bad)  # read by the NonFiniteGuard after the update
         return metrics
 
     def validate(self) -> dict[str, float]:
@@ -537,7 +558,9 @@ class Trainer:
             models["critic"], optims["critic"] = m.critic, m.critic_optim
         return models, optims
 
-    def save(self) -> str:
+    def save(self, row: dict[str, float] | None = None) -> str:
+        """``row``: the step's metrics (without the save's own time), kept in the checkpoint so that a
+        death between publishing it and writing the row loses no row (:meth:`_replay_row`)."""
         models, optims = self._checkpointed()
         shards = {f"{k}_optim": o.counters() for k, o in optims.items()}
         remote = self.critic if isinstance(self.critic, RemoteCritic) else None
@@ -547,6 +570,7 @@ class Trainer:
             "sampler": self.sampler.state_dict(),
             "kl_ctrl": self.kl_ctrl.state_dict(),
             "train_data": self.train_data.fingerprint(),
+            "metrics_row": row,
         }
         queue = self.rollouts.queue_state()  # separate rollout: generations asked for, not trained on
         path = self.ckpt.save(
@@ -584,10 +608,25 @@ class Trainer:
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.global_step = state["global_step"]
+        # The row is replayed only into the run directory that wrote the checkpoint (its metrics file
+        # may lack it); a run resumed from another directory's checkpoint starts its record after it.
+        own = os.path.dirname(os.path.abspath(path)) == os.path.abspath(self.cfg.trainer.default_local_dir)
+        self._resumed_row = state.get("metrics_row") if own else None
         self.rollouts.load_queue(state.get("shared", {}).get("rollout_queue"))
         self.ckpt.resumed_from = path  # pruning never deletes it
         if self.ps.rank == 0:
             log.info("resumed from %s at step %d", path, self.global_step)
+
+    def _replay_row(self) -> None:
+        """After a resume: the resumed step's metrics row, from its checkpoint, if metrics.jsonl lacks it
+        (the run died after publishing the checkpoint, before writing the row)."""
+        row, log_ = self._resumed_row, self.logger
+        if row is None or not (log_.enabled and "jsonl" in log_.sinks and os.path.isfile(log_.jsonl_path)):
+            return
+        with open(log_.jsonl_path) as f:
+            if any(json.loads(line).get("step") == self.global_step for line in f if line.strip()):
+                return
+        log_.log(self.global_step, row, echo=lambda _line: None)
 
     def _check_same_data(self, path: str) -> None:
         """Resuming continues the sampler's position in the same prompts: other prompts (even as many)

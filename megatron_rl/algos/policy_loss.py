@@ -10,7 +10,8 @@ the clip ratios, sg() a stop-gradient):
 
     vanilla   max(-A r, -A clip(r, 1-eps_l, 1+eps_h)), capped at -A c for A < 0 (dual-clip, c = clip_ratio_c)
     gspo      the clipped surrogate with a sequence ratio s = exp(mean_t delta) whose gradient is
-              s * grad(log_prob) per token (GSPO); aggregated seq-mean-token-mean
+              s * grad(log_prob) per token (GSPO); aggregated by loss_agg_mode (GSPO's paper:
+              seq-mean-token-mean)
     sapo      -sigmoid(tau (r - 1)) * 4/tau * A, tau = tau_pos for A > 0 else tau_neg (soft gate, SAPO);
               aggregated seq-mean-token-mean
     gpg       -A log_prob (plain policy gradient, GPG)
@@ -21,13 +22,15 @@ the clip ratios, sg() a stop-gradient):
     kl_cov    -A r, plus ppo_kl_coef |delta| on the kl_cov_ratio share of tokens with the largest
               covariance (KL-Cov)
     geo_mean  per sequence -mean_t(A) exp(mean_t clip_A(delta)), where clip_A clips delta in log space
-              to eps_h from above for A > 0 and to -eps_l from below for A < 0 (GMPO); mean over sequences
+              to eps_h from above for A > 0 and to -eps_l from below for A < 0 (GMPO); mean over sequences.
+              Its pg_clipfrac / pg_clipfrac_lower count the tokens whose delta lies outside
+              [-eps_l, eps_h] (either side) among those with A > 0 / A < 0, as verl counts them
 
 Rollout importance weights (the mismatch correction, see ``rollout_corr``) multiply the per-token loss
 before aggregation; geo_mean takes their per-sequence geometric mean.
 
-Aggregation: see ``losses.agg_loss``. ``effective_agg_mode`` says which aggregation a mode uses (gspo,
-sapo and geo_mean fix their own), so that the caller computes the matching global denominator.
+Aggregation: see ``losses.agg_loss``. ``effective_agg_mode`` says which aggregation a mode uses (sapo
+and geo_mean fix their own), so that the caller computes the matching global denominator.
 """
 
 from __future__ import annotations
@@ -72,11 +75,11 @@ class _Inputs:
 # mode -> (per-token loss [B, T] or per-sequence loss [B], pg_clipfrac, ppo_kl, pg_clipfrac_lower)
 _LossFn = Callable[[_Inputs], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
 
-_FIXED_AGG = {"gspo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean", "geo_mean": "seq-mean-token-mean"}
+_FIXED_AGG = {"sapo": "seq-mean-token-mean", "geo_mean": "seq-mean-token-mean"}
 
 
 def effective_agg_mode(loss_mode: str, loss_agg_mode: str) -> str:
-    """The aggregation ``loss_mode`` applies: its own for gspo/sapo/geo_mean, else ``loss_agg_mode``."""
+    """The aggregation ``loss_mode`` applies: its own for sapo/geo_mean, else ``loss_agg_mode``."""
     return _FIXED_AGG.get(loss_mode, loss_agg_mode)
 
 
@@ -187,8 +190,10 @@ def _geo_mean(x: _Inputs):
     seq_ratio = torch.exp((gated * m).sum(-1) / n)  # [B]
     seq_adv = (a * m).sum(-1) / n
     seq_losses = -seq_adv * seq_ratio  # [B]
-    clipfrac = masked_mean(((delta > x.high) & (a > 0)).float().detach(), x.mask)
-    clipfrac_lower = masked_mean(((delta < -x.low) & (a < 0)).float().detach(), x.mask)
+    # A token counts as clipped when its delta leaves [-eps_l, eps_h] on either side (verl's count).
+    outside = (delta != clipped).detach()
+    clipfrac = masked_mean((outside & (a > 0)).float(), x.mask)
+    clipfrac_lower = masked_mean((outside & (a < 0)).float(), x.mask)
     return seq_losses, clipfrac, masked_mean(-delta.detach(), x.mask), clipfrac_lower
 
 
@@ -230,7 +235,7 @@ def compute_policy_loss(
         advantages, response_mask: [B, T].
         clip_ratio: default for both sides; ``clip_ratio_low`` / ``clip_ratio_high`` override one side.
         clip_ratio_c: dual-clip bound of ``vanilla``, must be > 1.
-        loss_agg_mode, global_denominator, loss_scale_factor: see ``agg_loss``; for gspo, sapo and
+        loss_agg_mode, global_denominator, loss_scale_factor: see ``agg_loss``; for sapo and
             geo_mean the denominator must count sequences (``effective_agg_mode``).
         rollout_is_weights: [B, T] detached importance weights, or None.
         generator: the random source of clip_cov's token choice (the same on the tensor-parallel peers

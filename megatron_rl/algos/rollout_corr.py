@@ -15,8 +15,9 @@ pi_rollout`` per token (``log rho = old_log_prob - rollout_log_prob``), over the
 
     importance_weights   (``algorithm.rollout_correction.rollout_is``: token | sequence)
         truncated IS (TIS): w = min(rho, T) per token, or min(prod_t rho_t, T) per sequence, detached,
-        multiplied into the per-token policy loss; T = rollout_is_threshold. Optionally rescaled to
-        batch mean 1 (rollout_is_batch_normalize).
+        multiplied into the per-token policy loss; T = rollout_is_threshold. A threshold "L_U" is
+        IcePop instead: w = rho inside [L, U], 0 outside. Optionally divided by the batch mean
+        (rollout_is_batch_normalize: over tokens, or over sequences at sequence level).
 
     rejection_mask       (``algorithm.rollout_correction.rollout_rs``: a comma list)
         masked IS (MIS) / rejection sampling: tokens or whole sequences whose divergence statistic
@@ -40,7 +41,14 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["RS_OPTIONS", "importance_weights", "mismatch_metrics", "parse_rs", "rejection_mask"]
+__all__ = [
+    "RS_OPTIONS",
+    "importance_weights",
+    "mismatch_metrics",
+    "parse_is_threshold",
+    "parse_rs",
+    "rejection_mask",
+]
 
 RS_OPTIONS = tuple(
     [f"token_k{i}" for i in (1, 2, 3)]
@@ -110,7 +118,8 @@ def mismatch_metrics(
     return {
         "training/rollout_probs_diff_mean": mean_diff,
         "training/rollout_probs_diff_max": peak.item(),
-        "training/rollout_probs_diff_std": math.sqrt(max(d2 / n - mean_diff**2, 0.0)),
+        # unbiased (n - 1), as torch.std
+        "training/rollout_probs_diff_std": math.sqrt(max((d2 - n * mean_diff**2) / max(n - 1, 1.0), 0.0)),
         "training/rollout_actor_probs_pearson_corr": cov / math.sqrt(max(var_t * var_r, 1e-30)),
         "rollout_corr/kl": kl / n,
         "rollout_corr/k3_kl": k3 / n,
@@ -123,51 +132,106 @@ def mismatch_metrics(
     }
 
 
+def parse_is_threshold(threshold: str | float) -> tuple[float | None, float]:
+    """``rollout_is_threshold`` -> (lower, upper): a number U is truncation at U (TIS, lower None);
+    "lower_upper" zeroes the weights outside [lower, upper] (IcePop). ValueError naming the key."""
+    text = str(threshold).strip()
+    try:
+        bounds = [float(x) for x in text.split("_")]
+    except ValueError:
+        bounds = []
+    if len(bounds) == 1 and bounds[0] > 0 and not isinstance(threshold, bool):
+        return None, bounds[0]
+    if len(bounds) == 2 and 0 < bounds[0] <= bounds[1]:
+        return bounds[0], bounds[1]
+    raise ValueError(
+        f"algorithm.rollout_correction.rollout_is_threshold={threshold!r}: expected a number U > 0 "
+        "(truncate at U) or 'lower_upper' with 0 < lower <= upper (IcePop: zero outside the bounds)."
+    )
+
+
 @torch.no_grad()
 def importance_weights(
     old_log_prob: torch.Tensor,
     rollout_log_prob: torch.Tensor,
     mask: torch.Tensor,
     level: str,
-    threshold: float,
+    threshold: str | float,
     batch_normalize: bool = False,
     group: ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Truncated importance weights [B, T] (0 off the mask) for ``level`` token | sequence, and
-    ``rollout_corr/rollout_is_{mean,max,min,ratio_fraction_high,ratio_fraction_low}`` of the weights
-    before truncation (token-weighted), plus ``rollout_is_batch_norm_factor`` when normalising."""
+    """Importance weights [B, T] (0 off the mask) for ``level`` token | sequence, and their metrics,
+    defined as verl defines them:
+
+    - ``rollout_is_mean``: token-weighted mean of the weights after truncation (IcePop: zeroing);
+      ``rollout_is_max``/``_min``: token level, of the weights after truncation; sequence level, of
+      the raw sequence ratios (what truncation hides).
+    - ``rollout_is_ratio_fraction_high``/``_low``: share of the raw ratios above the upper bound /
+      below the lower one (1/upper for TIS): of the tokens (token level) or of the sequences
+      (sequence level). ``rollout_is_oob_ratio`` (IcePop): share of the tokens zeroed.
+    - ``rollout_is_batch_norm_factor`` (``batch_normalize``): the mean the weights are divided by:
+      over tokens (token level) or over sequences, one weight each (sequence level).
+    """
     if level not in ("token", "sequence"):
         raise ValueError(
             f"algorithm.rollout_correction.rollout_is={level!r}: use token, sequence or null (off)."
         )
+    lower, upper = parse_is_threshold(threshold)
     m = mask.double()
+    has = m.sum(-1) > 0  # [B] sequences with response tokens
     lr = _log_rho(old_log_prob, rollout_log_prob) * m
     if level == "sequence":
-        lr = torch.clamp(lr.sum(-1, keepdim=True), -20.0, 20.0).expand_as(m)
-    w = lr.exp() * m
-    big = torch.finfo(torch.float64).max
-    sums = _sum(
-        torch.stack([m.sum(), w.sum(), ((w > threshold) * m).sum(), ((w < 1 / threshold) * m).sum()]), group
-    )
+        seq_lr = torch.clamp(lr.sum(-1), -20.0, 20.0)  # [B]
+        lr = seq_lr[:, None].expand_as(m)
+    raw = lr.exp() * m
+    if lower is None:
+        w = torch.clamp(raw, max=upper)
+        oob = torch.zeros_like(m)
+    else:
+        keep = (raw >= lower) & (raw <= upper)
+        w = torch.where(keep, raw, torch.zeros_like(raw))
+        oob = (~keep).double() * m
+    low_bound = 1.0 / upper if lower is None else lower
+    if level == "token":
+        units, high, low = m, (raw > upper) * m, (raw < low_bound) * m
+        peak, floor = torch.where(m > 0, w, -math.inf), torch.where(m > 0, w, math.inf)
+    else:
+        seq_raw = seq_lr.exp()
+        units = has.double()
+        high, low = ((seq_raw > upper) & has).double(), ((seq_raw < low_bound) & has).double()
+        peak, floor = torch.where(has, seq_raw, -math.inf), torch.where(has, seq_raw, math.inf)
+    sums = _sum(torch.stack([m.sum(), w.sum(), units.sum(), high.sum(), low.sum(), oob.sum()]), group)
     ext = _sum(
-        torch.stack([torch.where(m > 0, w, -big).max(), -torch.where(m > 0, w, big).min()]),
+        torch.stack(
+            [
+                peak.max() if peak.numel() else peak.new_tensor(-math.inf),
+                -(floor.min() if floor.numel() else floor.new_tensor(math.inf)),
+            ]
+        ),
         group,
         dist.ReduceOp.MAX,
     )
-    n = max(sums[0].item(), 1.0)
+    n_tok, w_sum, n_units, n_high, n_low, n_oob = sums.tolist()
+    n_tok, n_units = max(n_tok, 1.0), max(n_units, 1.0)
     metrics = {
-        "rollout_corr/rollout_is_mean": sums[1].item() / n,
+        "rollout_corr/rollout_is_mean": w_sum / n_tok,
         "rollout_corr/rollout_is_max": ext[0].item(),
         "rollout_corr/rollout_is_min": -ext[1].item(),
-        "rollout_corr/rollout_is_ratio_fraction_high": sums[2].item() / n,
-        "rollout_corr/rollout_is_ratio_fraction_low": sums[3].item() / n,
+        "rollout_corr/rollout_is_ratio_fraction_high": n_high / n_units,
+        "rollout_corr/rollout_is_ratio_fraction_low": n_low / n_units,
     }
-    w = torch.clamp(w, max=threshold)
+    if lower is not None:
+        metrics["rollout_corr/rollout_is_oob_ratio"] = n_oob / n_tok
     if batch_normalize:
-        mean = _sum(torch.stack([w.sum(), m.sum()]), group)
-        factor = (mean[0] / mean[1].clamp_min(1)).item()
-        if factor > 1e-8:
-            w = w / factor
+        if level == "token":
+            mean = w_sum / n_tok
+        else:  # one weight per sequence: the sequence's (constant) weight, averaged over sequences
+            seq_w = w.sum(-1) / m.sum(-1).clamp_min(1)
+            mean = _sum(seq_w[has].sum().reshape(1), group).item() / n_units
+        factor = 1.0
+        if mean > 1e-8:
+            w = w / mean
+            factor = mean
         metrics["rollout_corr/rollout_is_batch_norm_factor"] = factor
     return w.to(old_log_prob.dtype), metrics
 

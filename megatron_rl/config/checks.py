@@ -49,6 +49,8 @@ _CHOICES = {
     "critic.megatron.recompute_granularity": ("full", "selective"),
     "critic.megatron.recompute_method": ("uniform", "block"),
     "actor_rollout_ref.rollout.dtype": ("float32", "bfloat16", "float16"),
+    "actor_rollout_ref.rollout.multi_turn.format": ("hermes",),
+    "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side": ("left", "middle", "right"),
 }
 
 
@@ -85,8 +87,15 @@ RANGES: dict[str, str] = {
     "*.optim.weight_decay": ">=0",
     "*.optim.eps": ">0",
     "*.optim.clip_grad": ">=0",
+    "*.optim.loss_scale": ">0",
+    "*.optim.initial_loss_scale": ">0",
+    "*.optim.min_loss_scale": ">0",
+    "*.optim.loss_scale_window": ">=1",
+    "*.optim.hysteresis": ">=1",
     "*.megatron.tensor_model_parallel_size": ">=1",
     "*.megatron.pipeline_model_parallel_size": ">=1",
+    "*.megatron.expert_model_parallel_size": ">=1",
+    "*.megatron.expert_tensor_parallel_size": ">=1",
     "actor_rollout_ref.actor.megatron.seed": "any",
     "*.megatron.recompute_num_layers": ">=1",
     "actor_rollout_ref.rollout.n": ">=1",
@@ -102,6 +111,13 @@ RANGES: dict[str, str] = {
     "actor_rollout_ref.rollout.val_kwargs.top_p": "(0,1]",
     "actor_rollout_ref.rollout.val_kwargs.top_k": ">=-1",
     "actor_rollout_ref.rollout.val_kwargs.n": ">=1",
+    "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": ">=1",
+    "actor_rollout_ref.rollout.multi_turn.max_user_turns": ">=0",
+    "actor_rollout_ref.rollout.multi_turn.max_parallel_calls": ">=1",
+    "actor_rollout_ref.rollout.multi_turn.max_tool_response_length": ">=1",
+    "actor_rollout_ref.rollout.multi_turn.tool_timeout_s": ">0",
+    "actor_rollout_ref.rollout.multi_turn.tool_workers": ">=1",
+    "actor_rollout_ref.rollout.multi_turn.tool_reward_weight": "any",
     "critic.cliprange_value": ">0",
     "algorithm.gamma": "[0,1]",
     "algorithm.lam": "[0,1]",
@@ -120,9 +136,12 @@ RANGES: dict[str, str] = {
     "reward_model.http.timeout_s": ">0",
     "reward_model.http.retries": ">=0",
     "reward_model.http.backoff_s": ">=0",
+    "reward_model.http.max_response_bytes": ">=1",
+    "reward_model.http.max_abandoned_threads": ">=1",
     "trainer.total_epochs": ">=1",
     "trainer.total_training_steps": ">=1",
     "trainer.critic_warmup": ">=0",
+    "trainer.sync_check_freq": ">=0",
     "trainer.test_freq": "any",
     "trainer.save_freq": "any",
     "trainer.max_ckpt_to_keep": ">=1",
@@ -205,6 +224,8 @@ def _check_ranges(cfg: Config) -> None:
         value, rule = get_key(cfg, key), range_rule(key)
         if value is None or rule is None or isinstance(value, bool):
             continue
+        if isinstance(value, str) and "str" in str(ftype):  # a number-or-text key: checked by its parser
+            continue
         if not isinstance(value, (int, float)) or not _in_range(value, rule):
             raise ConfigError(f"{key}={value!r} is out of range: it must be {_describe(rule)}.")
 
@@ -250,7 +271,7 @@ def validate(cfg: Config, world_size: int, model_dims: dict[str, int] | None = N
     # The training ranks: every rank unless trainer.placement gives the rollout ranks of its own.
     placement = resolve_placement(cfg, world_size)
     rollout_ranks = len(placement.rollout)
-    world_size = len(placement.actor)
+    job_size, world_size = world_size, len(placement.actor)
 
     mp = actor.megatron
     tp, pp = mp.tensor_model_parallel_size, mp.pipeline_model_parallel_size
@@ -267,10 +288,22 @@ def validate(cfg: Config, world_size: int, model_dims: dict[str, int] | None = N
                 f"{tp}/{pp}; all models share one parallel layout: set them equal."
             )
     if tp < 1 or pp < 1 or world_size % (tp * pp):
+        who = (
+            f"World size {world_size}"
+            if world_size == job_size
+            else f"The {world_size} actor rank{'s' if world_size > 1 else ''} of trainer.placement.actor "
+            f"(of world size {job_size})"
+        )
         raise ConfigError(
-            f"World size {world_size} is not divisible by tensor_model_parallel_size x "
+            f"{who} is not divisible by tensor_model_parallel_size x "
             f"pipeline_model_parallel_size = {tp} x {pp}: change actor_rollout_ref.actor.megatron.* "
             f"or the number of processes."
+        )
+    check_expert_layout(cfg, world_size)
+    if rollout.multi_turn.enable and rollout_ranks and placement.separate_rollout:
+        raise ConfigError(
+            "actor_rollout_ref.rollout.multi_turn.enable=true runs on the colocated engine only; "
+            "multi-turn rollouts on ranks of their own (trainer.placement.rollout) are not built: drop one."
         )
     dp = world_size // (tp * pp)
     rtp = rollout.tensor_model_parallel_size
@@ -375,6 +408,7 @@ def validate(cfg: Config, world_size: int, model_dims: dict[str, int] | None = N
             "reward_model.enable=True needs reward_model.model.path: an HF ...ForSequenceClassification "
             "directory (one score output) or a Megatron checkpoint of one."
         )
+    _check_reward_source(cfg)
     if cfg.reward_model.http.url and (cfg.reward_model.enable or cfg.custom_reward_function.path):
         raise ConfigError(
             "reward_model.http.url is set together with "
@@ -390,7 +424,7 @@ def validate(cfg: Config, world_size: int, model_dims: dict[str, int] | None = N
 
 def _validate_algorithm_options(cfg: Config) -> None:
     """Loss scaling, mismatch correction, dynamic sampling and overlong shaping."""
-    from megatron_rl.algos.rollout_corr import parse_rs
+    from megatron_rl.algos.rollout_corr import parse_is_threshold, parse_rs
 
     actor, alg = cfg.actor_rollout_ref.actor, cfg.algorithm
     if actor.loss_scale_factor is not None and actor.loss_scale_factor <= 0:
@@ -398,9 +432,20 @@ def _validate_algorithm_options(cfg: Config) -> None:
             f"actor_rollout_ref.actor.loss_scale_factor={actor.loss_scale_factor} must be > 0 "
             "(or null for data.max_response_length)."
         )
+    for key, optim in (("actor_rollout_ref.actor.optim", actor.optim), ("critic.optim", cfg.critic.optim)):
+        if optim.min_loss_scale > optim.initial_loss_scale:
+            raise ConfigError(
+                f"{key}.min_loss_scale={optim.min_loss_scale:g} is above {key}.initial_loss_scale="
+                f"{optim.initial_loss_scale:g}: lower the minimum or raise the start."
+            )
     corr = alg.rollout_correction
-    if corr.rollout_is is not None and corr.rollout_is_threshold <= 0:
-        raise ConfigError("algorithm.rollout_correction.rollout_is_threshold must be > 0.")
+    if corr.rollout_is is not None:
+        try:
+            parse_is_threshold(corr.rollout_is_threshold)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    if cfg.trainer.val_only and not cfg.data.val_files:
+        raise ConfigError("trainer.val_only=True validates on data.val_files, which is empty: set it.")
     if corr.rollout_rs:
         try:
             parse_rs(corr.rollout_rs, corr.rollout_rs_threshold)
@@ -420,6 +465,44 @@ def _validate_algorithm_options(cfg: Config) -> None:
         raise ConfigError(
             f"reward_model.overlong_buffer: len={ob.len} must be in (0, data.max_response_length="
             f"{cfg.data.max_response_length}] and penalty_factor={ob.penalty_factor} >= 0."
+        )
+
+
+def _check_reward_source(cfg: Config) -> None:
+    """reward_model.http.url/proxy are http(s) URLs; reward_model.model.path exists and is not a causal
+    LM (its config.json's architectures), so none of it is found after the models are built."""
+    import urllib.parse
+
+    http = cfg.reward_model.http
+    for key, url in (("reward_model.http.url", http.url), ("reward_model.http.proxy", http.proxy)):
+        if url is None:
+            continue
+        parsed = urllib.parse.urlsplit(str(url))
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            raise ConfigError(
+                f"{key}={url!r} is not an http:// or https:// URL; set it to e.g. http://host:8000"
+                f"{'/score' if key.endswith('url') else ''}."
+            )
+    path = cfg.reward_model.model.path
+    if not (cfg.reward_model.enable and path):
+        return
+    if not os.path.exists(path):
+        raise ConfigError(
+            f"reward_model.model.path={path}: no such directory; point it at a local HF "
+            "...ForSequenceClassification directory (one score output) or a Megatron checkpoint of one."
+        )
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_file):
+        return  # a Megatron checkpoint: its own metadata is checked when it is loaded
+    try:
+        with open(cfg_file) as f:
+            archs = list(json.load(f).get("architectures") or [])
+    except (OSError, ValueError, AttributeError) as e:
+        raise ConfigError(f"reward_model.model.path={path}: cannot read config.json ({e}).") from None
+    if archs and all(str(a).endswith("ForCausalLM") for a in archs):
+        raise ConfigError(
+            f"reward_model.model.path={path} is a causal LM ({', '.join(archs)}), not a reward model: give "
+            "an HF ...ForSequenceClassification model with num_labels=1 (a score head)."
         )
 
 
@@ -463,3 +546,45 @@ def check_layout_against_model(
             )
     if layers % pp:
         raise ConfigError(f"{pp_key}={pp} must divide the model's {layers} layers.")
+
+
+EP_KEY = "actor_rollout_ref.actor.megatron.expert_model_parallel_size"
+
+
+def expert_layout(mcfg, actor_mcfg=None) -> tuple[int, int]:
+    """(EP, expert TP) of one model's megatron section: None falls back to the actor's, then to
+    EP = 1 and expert TP = the tensor-parallel size (megatron's default)."""
+    ep = mcfg.expert_model_parallel_size
+    etp = mcfg.expert_tensor_parallel_size
+    if actor_mcfg is not None:
+        ep = ep if ep is not None else actor_mcfg.expert_model_parallel_size
+        etp = etp if etp is not None else actor_mcfg.expert_tensor_parallel_size
+    tp = mcfg.tensor_model_parallel_size or 1
+    return (1 if ep is None else ep), (tp if etp is None else etp)
+
+
+def check_expert_layout(cfg, world_size: int) -> None:
+    """Every model shares the actor's expert layout, and EP x expert TP x PP divides the world.
+    Whether EP divides the number of experts is checked where the model is read (models.builder)."""
+    arr = cfg.actor_rollout_ref
+    am = arr.actor.megatron
+    ep, etp = expert_layout(am)
+    pp = am.pipeline_model_parallel_size or 1
+    others = (
+        ("actor_rollout_ref.ref", arr.ref.megatron),
+        ("critic", cfg.critic.megatron),
+        ("reward_model", cfg.reward_model.megatron),
+    )
+    for name, m in others:
+        if expert_layout(m, am) != (ep, etp):
+            raise ConfigError(
+                f"{name}.megatron.expert_model_parallel_size/expert_tensor_parallel_size = "
+                f"{expert_layout(m, am)} differ from the actor's {(ep, etp)}; all models share one "
+                "parallel layout: set them equal."
+            )
+    if world_size % (ep * etp * pp):
+        raise ConfigError(
+            f"{EP_KEY}={ep}: expert_model_parallel_size x expert_tensor_parallel_size x "
+            f"pipeline_model_parallel_size = {ep} x {etp} x {pp} does not divide the {world_size} training "
+            "ranks: change it or the number of processes."
+        )

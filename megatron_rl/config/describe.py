@@ -1,5 +1,7 @@
-"""The key reference (``python -m megatron_rl.config --keys [PREFIX]``) and the resolved-config printer
-(``python -m megatron_rl.config [[--config] FILE.yaml] [key=value ...]``)."""
+"""The key reference (``python -m megatron_rl.config --keys [PREFIX]``) and a resolved-config printer
+without checks (:func:`main`). ``python -m megatron_rl.config`` itself is the dry run of a launch
+(:func:`megatron_rl.preflight.main`): it also runs the trainer's pre-flight checks, which reach above
+this package (devices, model files)."""
 
 from __future__ import annotations
 
@@ -40,6 +42,37 @@ def _own_field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+# The reference model and the reward model only run forward passes: the keys of the shared megatron
+# section that shape training (gradients, the optimizer, recomputation in the backward pass) say so
+# instead of describing what they do for the actor.
+_FORWARD_ONLY = {
+    "actor_rollout_ref.ref.megatron.": "the reference model",
+    "reward_model.megatron.": "the reward model",
+}
+_TRAINING_KEYS = {
+    "grad_offload": "refused when True: {model} is never trained, so it has no gradients to offload; "
+    "param_offload is the offload key that applies to it.",
+    "optimizer_offload": "refused when True: {model} is never trained, so it has no optimizer state; "
+    "param_offload is the offload key that applies to it.",
+    "use_distributed_optimizer": "no effect: {model} is never trained (no optimizer).",
+    "overlap_grad_reduce": "no effect: {model} is never trained (no gradients).",
+    "overlap_param_gather": "no effect: {model} is never trained (no optimizer).",
+    "grad_reduce_in_fp32": "no effect: {model} is never trained (no gradients).",
+    **dict.fromkeys(
+        ("recompute_granularity", "recompute_method", "recompute_num_layers"),
+        "no effect: {model} runs forward passes only (recomputation serves the backward pass).",
+    ),
+}
+
+
+def _doc_of(path: str, name: str, docs: dict[str, str]) -> str | None:
+    model = _FORWARD_ONLY.get(path)
+    if model is not None and name in _TRAINING_KEYS:
+        text = _TRAINING_KEYS[name].format(model=model)
+        return text[0].upper() + text[1:]
+    return docs.get(name)
+
+
 def describe_keys(prefix: str = "") -> str:
     """Every key under ``prefix`` with its type, default and docstring, section by section."""
     lines: list[str] = []
@@ -55,8 +88,9 @@ def describe_keys(prefix: str = "") -> str:
             lines.append(f"[{path[:-1] or 'config'}]")
             for f, v in shown:
                 lines.append(f"  {path}{f.name}: {f.type} = {v!r}")
-                if docs.get(f.name):
-                    lines.append(f"      {docs[f.name]}")
+                doc = _doc_of(path, f.name, docs)
+                if doc:
+                    lines.append(f"      {doc}")
         for f, v in sections:
             walk(v, f"{path}{f.name}.")
 

@@ -29,22 +29,69 @@ def known_keys(cls: type, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _check_keys(raw: dict, source: str) -> None:
+class ConfigErrors(ConfigError):
+    """Every problem of a config at once (one line each, in ``problems``), raised by :func:`load_config`
+    when a YAML file or command line holds more than one bad key."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = list(problems)
+
+
+def _key_problems(raw: dict, source: str) -> list[tuple[str, str]]:
+    """(key, one-line problem) for every key of ``raw`` this config does not know."""
     known = known_keys(Config)
     # Keys under a dict-typed field (custom_reward_function.reward_kwargs.*) are the user's own.
     free = tuple(k + "." for k, t in known.items() if str(t).startswith("dict"))
     sections = {k.rsplit(".", 1)[0] for k in known if "." in k}
+    out = []
     for key, value in leaves(raw):
         if key in sections and value is not None:
             example = next(k for k in known if k.startswith(key + "."))
-            raise ConfigError(
-                f"'{key}' (from {source}) is a section of keys, not a value: got {value!r}; write its keys "
-                f"under it (e.g. {example}=...)."
+            out.append(
+                (
+                    key,
+                    f"'{key}' (from {source}) is a section of keys, not a value: got {value!r}; write its "
+                    f"keys under it (e.g. {example}=...).",
+                )
             )
-        if key not in known and not key.startswith(free):
+        elif key not in known and not key.startswith(free):
             near = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
             hint = f" Did you mean '{near[0]}'?" if near else ""
-            raise ConfigError(f"Unknown config key '{key}' (from {source}).{hint}")
+            out.append((key, f"Unknown config key '{key}' (from {source}).{hint}"))
+    return out
+
+
+def _merge_into(dst: dict, src: dict) -> None:
+    for k, v in src.items():
+        if isinstance(v, dict) and isinstance(dst.get(k), dict):
+            _merge_into(dst[k], v)
+        else:
+            dst[k] = v
+
+
+def _nest(key: str, value: Any) -> dict:
+    out: dict = {}
+    d = out
+    *path, leaf = key.split(".")
+    for p in path:
+        d = d.setdefault(p, {})
+    d[leaf] = value
+    return out
+
+
+def _drop(raw: dict, key: str) -> None:
+    """Remove ``key`` (dotted) from the nested dict ``raw``, and sections it leaves empty."""
+    *path, leaf = key.split(".")
+    chain = [raw]
+    for p in path:
+        if not isinstance(chain[-1].get(p), dict):
+            return
+        chain.append(chain[-1][p])
+    chain[-1].pop(leaf, None)
+    for d, p in zip(reversed(chain[:-1]), reversed(path), strict=True):
+        if d[p] == {}:
+            del d[p]
 
 
 def _lists_from_scalars(raw: dict, prefix: str = "") -> dict:
@@ -69,26 +116,57 @@ def _strip_hydra_prefix(override: str) -> str:
     return override.lstrip("+")
 
 
+def shipped_config_dirs() -> list[str]:
+    """Where the configs of yaml/ are: megatron_rl/configs in an installed wheel (setup.py ships them
+    there), yaml/ beside the package in a checkout."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    dirs = [os.path.join(package, "configs"), os.path.join(os.path.dirname(package), "yaml")]
+    return [d for d in dirs if os.path.isdir(d)]
+
+
+def find_config(path: str) -> str:
+    """``path`` itself when it exists (``~`` expanded), else a shipped config of that name
+    (``cpu_demo.yaml``, ``yaml/cpu_demo.yaml``); a one-line ConfigError otherwise."""
+    path = os.path.expanduser(path)
+    if os.path.exists(path):
+        return path
+    if not os.path.isabs(path):
+        for d in shipped_config_dirs():
+            cand = os.path.join(d, os.path.basename(path))
+            if os.path.isfile(cand):
+                return cand
+    shipped = sorted({f for d in shipped_config_dirs() for f in os.listdir(d) if f.endswith(".yaml")})
+    hint = f"; the shipped configs are {', '.join(shipped)}" if shipped else ""
+    raise ConfigError(f"Config file not found: {path}{hint}")
+
+
 def load_config(
-    yaml_path: str | None = None, overrides: list[str] | None = None, notices: list[str] | None = None
+    yaml_path: str | None = None,
+    overrides: list[str] | None = None,
+    notices: list[str] | None = None,
+    typed: dict[str, Any] | None = None,
 ) -> Config:
     """Defaults <- YAML file <- dotted overrides; returns a typed, resolved :class:`Config`.
 
     verl's keys that this config does not hold are handled by :mod:`megatron_rl.verl_compat`
-    (aliased, refused in one line, or ignored with a line appended to ``notices``)."""
+    (aliased, refused in one line, or ignored with a line appended to ``notices``). Every bad key of
+    every layer is reported at once: :class:`ConfigErrors`, one line per key. ``typed``, when given,
+    receives the value as written of each key whose value verl_compat rewrote (``rollout.name=vllm``),
+    so that later messages can name what the user typed.
+    """
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from megatron_rl.verl_compat import translate
+    from megatron_rl.verl_compat import VALUE_REWRITES, translate
 
     known = set(known_keys(Config))
     notices = [] if notices is None else notices
+    problems: list[str] = []
 
     merged = OmegaConf.structured(Config)
     layers = []
     if yaml_path:
-        if not os.path.exists(yaml_path):
-            raise ConfigError(f"Config file not found: {yaml_path}")
+        yaml_path = find_config(yaml_path)
         loaded = OmegaConf.load(yaml_path)
         if not isinstance(OmegaConf.to_container(loaded, resolve=False), dict):
             raise ConfigError(f"{yaml_path}: the top level of a config file must be a mapping of sections.")
@@ -100,18 +178,34 @@ def load_config(
         overrides = [_strip_hydra_prefix(o) for o in overrides]
         layers.append((OmegaConf.from_dotlist(list(overrides)), "command line"))
     for layer, source in layers:
-        try:
-            raw = translate(OmegaConf.to_container(layer, resolve=False), known, source, notices)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        _check_keys(raw, source)
-        layer = OmegaConf.create(_lists_from_scalars(raw))
-        try:
-            merged = OmegaConf.merge(merged, layer)
-        except OmegaConfBaseException as e:
-            key = getattr(e, "full_key", None) or "?"
-            why = (e.msg or str(e) or type(e).__name__).splitlines()[0]
-            raise ConfigError(f"Bad value for '{key}' (from {source}): {why}") from None
+        raw: dict = {}
+        # Key by key, so that every refused key of the layer is reported, not only the first.
+        for key, value in leaves(OmegaConf.to_container(layer, resolve=False)):
+            if typed is not None and isinstance(value, str) and (key, value) in VALUE_REWRITES:
+                typed[key] = value
+            try:
+                one = translate(_nest(key, value), known, source, notices)
+            except ValueError as e:
+                problems.append(str(e))
+                continue
+            _merge_into(raw, one)
+        for key, problem in _key_problems(raw, source):
+            problems.append(problem)
+            _drop(raw, key)
+        raw = _lists_from_scalars(raw)
+        while True:  # a value of the wrong type: named, dropped, and the rest of the layer merged
+            try:
+                merged = OmegaConf.merge(merged, OmegaConf.create(raw))
+                break
+            except OmegaConfBaseException as e:
+                key = getattr(e, "full_key", None) or "?"
+                why = (e.msg or str(e) or type(e).__name__).splitlines()[0]
+                problems.append(f"Bad value for '{key}' (from {source}): {why}")
+                if key == "?" or not _has(raw, key):
+                    break
+                _drop(raw, key)
+    if problems:
+        raise ConfigErrors(problems) if len(problems) > 1 else ConfigError(problems[0])
     try:
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
@@ -120,6 +214,15 @@ def load_config(
         ) from None
     _fill_derived(cfg)
     return cfg
+
+
+def _has(raw: dict, key: str) -> bool:
+    d: Any = raw
+    for p in key.split("."):
+        if not isinstance(d, dict) or p not in d:
+            return False
+        d = d[p]
+    return True
 
 
 def _fill_derived(cfg: Config) -> None:
@@ -155,6 +258,21 @@ def _fill_derived(cfg: Config) -> None:
         cfg.critic.enable = cfg.algorithm.adv_estimator == "gae"
     if cfg.data.tokenizer is None:
         cfg.data.tokenizer = arr.model.tokenizer_path or arr.model.path
+    # "~" in paths means the home directory, as in a shell (the paths reach no shell)
+    cfg.data.train_files = [os.path.expanduser(f) for f in cfg.data.train_files]
+    cfg.data.val_files = [os.path.expanduser(f) for f in cfg.data.val_files]
+    for section, key in (
+        (cfg.data, "tokenizer"),
+        (arr.model, "path"),
+        (cfg.critic.model, "path"),
+        (cfg.reward_model.model, "path"),
+        (cfg.custom_reward_function, "path"),
+        (cfg.trainer, "default_local_dir"),
+    ):
+        if isinstance(getattr(section, key), str):
+            setattr(section, key, os.path.expanduser(getattr(section, key)))
+    if arr.rollout.dtype is None:
+        arr.rollout.dtype = arr.actor.megatron.params_dtype
     if arr.actor.loss_scale_factor is None:
         arr.actor.loss_scale_factor = cfg.data.max_response_length
     if arr.actor.clip_ratio_low is None:

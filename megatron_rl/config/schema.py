@@ -93,9 +93,23 @@ class OptimConfig:
     """Adam epsilon."""
     clip_grad: float = 1.0
     """Clip the global gradient norm (over all TP/PP/DP shards) to this value; 0 disables."""
-    stochastic_rounding: bool = False
+    stochastic_rounding: bool = True
     """bf16 models: round the fp32 main weights into the bf16 parameters stochastically (unbiased)
-    instead of to nearest, so that updates smaller than half a bf16 ulp still move the policy."""
+    instead of to nearest, so that updates smaller than half a bf16 ulp (RL learning rates: most of
+    them) still move the policy; seeded by (actor.megatron.seed, optimizer step), so a resumed run
+    rounds as the uninterrupted one. No effect on fp32 models; fp16 rounds to nearest."""
+    loss_scale: float | None = None
+    """fp16 models: a fixed loss scale; None = megatron's dynamic scaler (the keys below)."""
+    initial_loss_scale: float = 65536.0
+    """fp16: the dynamic loss scale's start (2^16). An overflow skips that update and is logged as
+    actor|critic/loss_scale_skips, never as a failure."""
+    min_loss_scale: float = 1.0
+    """fp16: the dynamic scale's floor; an overflow at the floor counts as a non-finite step
+    (trainer.max_nonfinite_steps)."""
+    loss_scale_window: int = 1000
+    """fp16: optimizer steps without an overflow before the scale doubles."""
+    hysteresis: int = 2
+    """fp16: overflows in a row before the scale halves (each one still skips its update)."""
 
 
 @dataclass
@@ -104,6 +118,13 @@ class MegatronConfig:
     """Tensor-parallel size; None: 1 for the actor, the actor's for ref and critic (they must match)."""
     pipeline_model_parallel_size: int | None = None
     """Pipeline-parallel size; None: 1 for the actor, the actor's for ref and critic (they must match)."""
+    expert_model_parallel_size: int | None = None
+    """Mixture-of-experts models: ranks the experts are distributed over (whole experts; must divide
+    the experts and world / (PP x expert_tensor_parallel_size)); None: 1 for the actor, the actor's
+    for ref and critic. No effect on a dense model."""
+    expert_tensor_parallel_size: int | None = None
+    """Mixture-of-experts models: ranks each expert's matrices are split over; None: the
+    tensor-parallel size (megatron's default)."""
     params_dtype: str = "bfloat16"
     """Parameter dtype of the Megatron model: float32 | bfloat16 | float16 (float32 on CPU)."""
     use_sdpa_attention: bool = True
@@ -135,6 +156,11 @@ class MegatronConfig:
     recompute_num_layers layers of each pipeline stage)."""
     recompute_num_layers: int = 1
     """Full recompute: layers per chunk (uniform) or recomputed layers per stage (block)."""
+    override_transformer_config: dict[str, Any] = field(default_factory=dict)
+    """verl's megatron-core TransformerConfig overrides that change what runs here, kept as
+    TransformerConfig keyword arguments: recompute_modules (selective recompute) and moe_* (router
+    dtype, token dispatcher, grouped GEMM, aux losses; MoE models only). The other keys verl's scripts
+    set here are aliased (recompute_*, sequence_parallel) or accepted with a notice (verl_compat)."""
 
 
 @dataclass
@@ -239,6 +265,37 @@ class ValKwargs:
 
 
 @dataclass
+class MultiTurnConfig:
+    enable: bool = False
+    """Multi-turn rollouts: generate -> tool calls / a simulated user -> generate again
+    (docs/multi_turn.md)."""
+    max_assistant_turns: int | None = None
+    """Most model turns per episode; None = until the response budget (data.max_response_length) is spent."""
+    max_user_turns: int | None = None
+    """Most tool/user turns per episode; None = no limit but the response budget."""
+    max_parallel_calls: int = 1
+    """Tool calls of one model turn that are executed (the first ones); the rest are dropped and counted."""
+    max_tool_response_length: int = 256
+    """Characters of a tool's reply kept; longer replies are cut (tool_response_truncate_side)."""
+    tool_response_truncate_side: str = "middle"
+    """Where a long tool reply is cut: left (keep the start) | right (keep the end) | middle (keep both)."""
+    tool_config_path: str | None = None
+    """verl's tool config YAML (tools: - class_name, config, tool_schema); None = no tools."""
+    interaction_config_path: str | None = None
+    """verl's interaction config YAML (interaction: - name, class_name, config); None = no simulated user."""
+    format: str = "hermes"
+    """Tool-call format of the model's turns: hermes
+    (<tool_call>{"name": ..., "arguments": {...}}</tool_call>)."""
+    tool_timeout_s: float = 30.0
+    """Seconds one tool call may take; a slower call becomes an error message to the model."""
+    tool_workers: int = 16
+    """Threads running tool calls concurrently (all episodes of a turn at once)."""
+    tool_reward_weight: float = 0.0
+    """Each episode's tool rewards (execute's step rewards + calc_reward) times this are added to its
+    score."""
+
+
+@dataclass
 class RolloutConfig:
     name: str = "sglang"
     """Rollout engine: sglang (GPU) | hf (transformers, CPU or GPU)."""
@@ -252,8 +309,9 @@ class RolloutConfig:
     """Top-k sampling (-1 = off)."""
     do_sample: bool = True
     """Sample (False = greedy)."""
-    dtype: str = "bfloat16"
-    """Engine weight dtype."""
+    dtype: str | None = None
+    """Engine weight dtype: float32 | bfloat16 | float16; None = the actor's megatron.params_dtype
+    (an fp16 policy samples from fp16 weights: the smallest training-inference mismatch)."""
     tensor_model_parallel_size: int = 1
     """Tensor-parallel size of the rollout engine (may differ from training TP)."""
     gpu_memory_utilization: float = 0.5
@@ -281,6 +339,8 @@ class RolloutConfig:
     (training/rollout_probs_diff_*, rollout_corr/*); on whenever algorithm.rollout_correction corrects."""
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
     """Sampling parameters of validation."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """Multi-turn and tool-calling rollouts (verl's actor_rollout_ref.rollout.multi_turn)."""
 
 
 @dataclass
@@ -342,8 +402,9 @@ class KLCtrlConfig:
 class RolloutCorrectionConfig:
     rollout_is: str | None = None
     """Truncated importance sampling of the policy loss by pi_train / pi_rollout: token | sequence | None."""
-    rollout_is_threshold: float = 2.0
-    """Upper truncation of the importance weights."""
+    rollout_is_threshold: float | int | str = 2.0
+    """Upper truncation of the importance weights (TIS); "lower_upper" (e.g. "0.5_2.0") zeroes the
+    weights outside [lower, upper] instead (IcePop)."""
     rollout_is_batch_normalize: bool = False
     """Rescale the truncated weights to mean 1 over the batch."""
     rollout_rs: str | None = None
@@ -424,6 +485,14 @@ class HttpRewardConfig:
     """Further attempts after a failed request (connection error, timeout, HTTP 5xx/429)."""
     backoff_s: float = 1.0
     """Wait before the first retry; doubled for each further one."""
+    max_response_bytes: int = 16 * 2**20
+    """Largest reply body read (bytes); a longer reply fails the batch without being read whole."""
+    proxy: str | None = None
+    """HTTP(S) proxy for the reward requests (http://host:port); None = straight to the server (the
+    environment's http_proxy/https_proxy are ignored)."""
+    max_abandoned_threads: int = 64
+    """Most threads of timed-out attempts alive at once (per rank that scores); at the bound the next
+    attempt stops the run instead of starting another."""
 
 
 @dataclass
@@ -482,7 +551,8 @@ class TrainerConfig:
     experiment_name: str = "ppo"
     """Run name."""
     logger: list[str] = field(default_factory=lambda: ["console"])
-    """Sinks: console | jsonl | tensorboard | wandb."""
+    """Sinks: console | tensorboard | wandb (jsonl is accepted: trainer.log_dir/metrics.jsonl is written
+    whatever this says)."""
     total_epochs: int = 1
     """Passes over the training prompts."""
     total_training_steps: int | None = None
@@ -493,6 +563,9 @@ class TrainerConfig:
     """Validate every this many steps (-1 = never)."""
     val_before_train: bool = False
     """Validate once before the first step."""
+    val_only: bool = False
+    """Validate the model (the resumed checkpoint's, with trainer.resume_mode) once and stop: no
+    training step, no checkpoint."""
     save_freq: int = -1
     """Save a checkpoint every this many steps (-1 = only at the end if save_at_end)."""
     save_at_end: bool = True
@@ -528,6 +601,10 @@ class TrainerConfig:
     """A non-finite loss or gradient norm skips that optimizer step (logged, counted in
     actor|critic/nonfinite_grad_steps); after this many PPO steps in a row with a skipped update the
     run stops, leaving the last checkpoint as it was. 0 never stops."""
+    sync_check_freq: int = 10
+    """Every this many steps, compare the rollout engine's log-probs with the actor's on a fixed set of
+    prompts (greedy, a few tokens) and stop the run if they differ beyond the rollout precision's
+    tolerance (docs/reliability.md, Sync integrity); 0 = never. The per-sync weight checksums run always."""
 
 
 @dataclass

@@ -3,6 +3,14 @@
     python -m megatron_rl.demo --out .demo
     torchrun --nproc_per_node=2 -m megatron_rl.train --config yaml/cpu_demo.yaml
 
+``--reward-model`` also writes ``OUT/reward_model``: a tiny random Llama ``...ForSequenceClassification``
+(one score output) with the demo's tokenizer, for trying ``reward_model.enable`` (its scores are
+random, so the policy learns nothing from them)::
+
+    python -m megatron_rl.demo --out .demo --reward-model
+    torchrun --nproc_per_node=2 -m megatron_rl.train --config yaml/cpu_demo.yaml \
+        reward_model.enable=true reward_model.model.path=.demo/reward_model trainer.total_training_steps=3
+
 Nothing is downloaded: the model (hidden 64, 2 layers) is initialised in code with HF's default
 init, so the untrained policy is close to uniform and scores near chance on the toy task.
 """
@@ -11,34 +19,41 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 
-def prepare(out: str, seed: int = 0) -> dict[str, str]:
+def prepare(out: str, seed: int = 0, reward_model: bool = False) -> dict[str, str]:
+    """The demo's model, tokenizer and data under ``out`` (kept if already there); with
+    ``reward_model`` also a tiny reward model (``out/reward_model``) at the same layout."""
     from megatron_rl.demo.toy import build_toy_tokenizer, make_toy_dataset
     from megatron_rl.models.random_hf import save_random_hf_model
 
     model_dir = os.path.join(out, "model")
     data_dir = os.path.join(out, "data")
     tok = build_toy_tokenizer(model_dir)
+    dims = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,  # TP=2 divides both models' heads (the reward model runs at the actor's TP)
+        num_key_value_heads=2,
+        vocab_size=len(tok),
+        max_position_embeddings=64,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id,
+    )
     if not os.path.isfile(os.path.join(model_dir, "model.safetensors")):
-        save_random_hf_model(
-            model_dir,
-            "llama",
-            seed=seed,
-            init="hf",
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=len(tok),
-            max_position_embeddings=64,
-            pad_token_id=tok.pad_token_id,
-            eos_token_id=tok.eos_token_id,
-            bos_token_id=tok.bos_token_id,
-        )
+        save_random_hf_model(model_dir, "llama", seed=seed, init="hf", **dims)
     train, test = make_toy_dataset(data_dir, n_train=4096, n_test=256, seed=seed)
-    return {"model": model_dir, "train": str(train), "test": str(test)}
+    paths = {"model": model_dir, "train": str(train), "test": str(test)}
+    if reward_model:
+        rm_dir = os.path.join(out, "reward_model")
+        build_toy_tokenizer(rm_dir)
+        if not os.path.isfile(os.path.join(rm_dir, "model.safetensors")):
+            save_random_hf_model(rm_dir, "llama", seed=seed + 1, head="score", init="hf", **dims)
+        paths["reward_model"] = rm_dir
+    return paths
 
 
 def main() -> None:
@@ -49,6 +64,15 @@ def main() -> None:
     )
     ap.add_argument("--out", default=".demo")
     ap.add_argument("--seed", type=int, default=0, help="seeds the random model and the toy dataset")
+    ap.add_argument(
+        "--reward-model",
+        action="store_true",
+        help="also write OUT/reward_model, a tiny random reward model for trying reward_model.enable",
+    )
     a = ap.parse_args()
-    paths = prepare(a.out, seed=a.seed)
+    if not sys.stderr.isatty():  # transformers' save bars would land in a redirected log as frames
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    paths = prepare(a.out, seed=a.seed, reward_model=a.reward_model)
     print(" ".join(f"{k}={v}" for k, v in paths.items()))

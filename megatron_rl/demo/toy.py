@@ -65,10 +65,21 @@ def build_toy_tokenizer(save_dir: str | os.PathLike[str] | None = None) -> PreTr
     The saved directory loads back with ``transformers.AutoTokenizer.from_pretrained(save_dir)``,
     chat template included.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    return word_tokenizer(toy_vocab(), TOY_CHAT_TEMPLATE, save_dir=save_dir)
+
+
+def word_tokenizer(
+    vocab: dict[str, int],
+    chat_template: str,
+    added: tuple[str, ...] = (),
+    save_dir: str | os.PathLike[str] | None = None,
+) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over ``vocab`` (the toy's special tokens included); ``added`` words are
+    added tokens (matched whole by encode, kept by decode)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    backend = Tokenizer(models.WordLevel(vocab=toy_vocab(), unk_token=UNK_TOKEN))
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
     # Digits are split individually so "371" and "3 7 1" tokenize alike; punctuation such as "="
     # becomes its own word even without surrounding spaces.
     backend.pre_tokenizer = pre_tokenizers.Sequence(
@@ -76,6 +87,8 @@ def build_toy_tokenizer(save_dir: str | os.PathLike[str] | None = None) -> PreTr
     )
     # Words are rejoined with single spaces so decoded responses split back into tokens with str.split().
     backend.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    if added:
+        backend.add_tokens([AddedToken(t, normalized=False, special=False) for t in added])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         pad_token=PAD_TOKEN,
@@ -85,7 +98,7 @@ def build_toy_tokenizer(save_dir: str | os.PathLike[str] | None = None) -> PreTr
         model_max_length=512,
         padding_side="left",
     )
-    tokenizer.chat_template = TOY_CHAT_TEMPLATE
+    tokenizer.chat_template = chat_template
     if save_dir is not None:
         Path(save_dir).mkdir(parents=True, exist_ok=True)
         tokenizer.save_pretrained(str(save_dir))

@@ -4,6 +4,9 @@ Layer spec: megatron-core's local spec (no Transformer Engine needed), RMSNorm, 
 HF's non-interleaved rotation, optionally torch's fused scaled_dot_product_attention as the core
 attention. The critic is the same trunk with its vocabulary head replaced by a scalar value head; the
 reward model (``role="reward"``) likewise, with HF's sequence-classification ``score`` head (no bias).
+A mixture-of-experts model (Qwen3-MoE, Mixtral) has megatron's MoELayer in its sparse layers: the
+TopKRouter (fp32 logits), the alltoall token dispatcher over the expert-parallel group, and the
+SequentialMLP experts (one local SwiGLU MLP per expert of this EP rank).
 
 Each rank builds only its pipeline stage and holds only its TP shard; :func:`load_hf_weights`
 reads exactly those slices from the safetensors files.
@@ -21,7 +24,7 @@ from megatron_rl import cpu_bridge
 from megatron_rl.model_args import ModelArgs
 from megatron_rl.parallel import ParallelState
 from megatron_rl.weights.hf_io import HFReader, assemble_shard
-from megatron_rl.weights.tables import TABLES, global_layer_name, iter_stage_layouts
+from megatron_rl.weights.tables import TABLES, global_expert_name, global_layer_name, iter_stage_layouts
 
 
 class SDPAttention(nn.Module):
@@ -101,6 +104,37 @@ class TrainingOptions:
     """uniform | block (full recompute): which layers are recomputed."""
     recompute_num_layers: int | None = None
     """Layers per recompute chunk (uniform) or recomputed layers per stage (block)."""
+    moe_aux_loss_coeff: float = 0.0
+    """MoE: coefficient of the load-balancing loss (megatron's ``aux_loss``; 0 turns it off)."""
+    moe_z_loss_coeff: float = 0.0
+    """MoE: coefficient of the router z-loss (mean squared logsumexp of the router logits; 0: off)."""
+    transformer_overrides: tuple = ()
+    """(key, value) pairs of TransformerConfig arguments set over the ones built here: the section's
+    megatron.override_transformer_config without its moe_* keys (recompute_modules)."""
+
+
+def moe_config_kwargs(args: ModelArgs, ps: ParallelState, options: TrainingOptions) -> dict:
+    """TransformerConfig fields of an MoE model (empty for a dense one)."""
+    if not args.is_moe:
+        return {}
+    return dict(
+        num_moe_experts=args.num_experts,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_router_topk=args.moe_top_k,
+        # norm_topk_prob: softmax over the top-k logits (= renormalised top-k probabilities);
+        # otherwise the top-k of the softmax over all experts.
+        moe_router_pre_softmax=not args.moe_norm_topk_prob,
+        moe_router_score_function="softmax",
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="aux_loss" if options.moe_aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=options.moe_aux_loss_coeff,
+        moe_z_loss_coeff=options.moe_z_loss_coeff or None,
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=False,
+        moe_layer_freq=[int(x) for x in args.moe_layers],
+        expert_model_parallel_size=ps.ep_size,
+        expert_tensor_parallel_size=ps.etp_size,
+    )
 
 
 def transformer_config(
@@ -148,6 +182,8 @@ def transformer_config(
         recompute_num_layers=options.recompute_num_layers
         if options.recompute_granularity == "full"
         else None,
+        **moe_config_kwargs(args, ps, options),
+        **dict(options.transformer_overrides),
     )
 
 
@@ -169,19 +205,36 @@ def build_model(
 
     if role not in ("actor", "critic", "reward"):
         raise ValueError(f"role must be actor, critic or reward, got {role!r}")
+    if args.is_moe and args.num_experts % ps.ep_size:
+        raise ValueError(
+            f"actor_rollout_ref.actor.megatron.expert_model_parallel_size={ps.ep_size} does not divide the "
+            f"model's {args.num_experts} experts: choose a divisor of {args.num_experts}."
+        )
     config = transformer_config(args, ps, dtype, options)
-    layer = get_gpt_layer_local_spec(qk_layernorm=args.qk_norm, normalization="RMSNorm")
-    sub = layer.submodules
-    sub.input_layernorm = sub.pre_mlp_layernorm = RMSNorm
-    if args.qk_norm:
-        sub.self_attention.submodules.q_layernorm = sub.self_attention.submodules.k_layernorm = RMSNorm
-    if sdpa:
-        sub.self_attention.submodules.core_attention = SDPAttention
+
+    def layer_spec(num_experts: int | None):
+        layer = get_gpt_layer_local_spec(
+            num_experts=num_experts,
+            moe_grouped_gemm=False,
+            qk_layernorm=args.qk_norm,
+            normalization="RMSNorm",
+        )
+        sub = layer.submodules
+        sub.input_layernorm = sub.pre_mlp_layernorm = RMSNorm
+        if args.qk_norm:
+            sub.self_attention.submodules.q_layernorm = sub.self_attention.submodules.k_layernorm = RMSNorm
+        if sdpa:
+            sub.self_attention.submodules.core_attention = SDPAttention
+        return layer
+
+    dense = layer_spec(None)
+    sparse = layer_spec(args.num_experts) if args.is_moe else None
+    per_stage = args.num_layers // ps.pp_size
+    layer_offset = ps.pp_rank * per_stage
+    layers = [sparse if args.is_moe_layer(layer_offset + j) else dense for j in range(per_stage)]
     spec = ModuleSpec(
         module=TransformerBlock,
-        submodules=TransformerBlockSubmodules(
-            layer_specs=[layer] * (args.num_layers // ps.pp_size), layer_norm=RMSNorm
-        ),
+        submodules=TransformerBlockSubmodules(layer_specs=layers, layer_norm=RMSNorm),
     )
     tie = args.tie_embeddings and role == "actor"
     with cpu_bridge.device_mode():
@@ -204,7 +257,8 @@ def build_model(
         model.output_layer = ValueHead(args.hidden_size, dtype, config.sequence_parallel, bias=bias)
     model.args = args
     model.role = role
-    model.layer_offset = ps.pp_rank * (args.num_layers // ps.pp_size)
+    model.layer_offset = layer_offset
+    model.expert_offset = ps.ep_rank * (args.num_experts // ps.ep_size) if args.is_moe else 0
     mark_tensor_parallel(model, ps)
     return model.to(ps.device)
 
@@ -216,16 +270,31 @@ def mark_tensor_parallel(model: nn.Module, ps: ParallelState) -> None:
     that); its grad-norm and DDP code, and ours, tell sharded from replicated parameters by them.
     """
     params = named_global_params(model)
-    for lay in iter_stage_layouts(model.args, ps.tp_size, ps.pp_size, ps.pp_rank, model.role):
+    for lay in stage_layouts(model, ps):
         p = params[lay.name]
-        p.tensor_model_parallel = lay.dim is not None and ps.tp_size > 1
+        p.tensor_model_parallel = (
+            lay.dim is not None and (ps.tp_size if lay.expert is None else ps.etp_size) > 1
+        )
         p.partition_dim = -1 if lay.dim is None else lay.dim
         p.partition_stride = 1
 
 
+def stage_layouts(model: nn.Module, ps: ParallelState) -> list:
+    """The table's layouts of the parameters this rank holds (its stage, its experts)."""
+    return list(
+        iter_stage_layouts(
+            model.args, ps.tp_size, ps.pp_size, ps.pp_rank, model.role, ps.ep_size, ps.ep_rank, ps.etp_size
+        )
+    )
+
+
 def named_global_params(model: nn.Module) -> dict[str, nn.Parameter]:
-    """This stage's parameters under their global (full-model) names."""
-    return {global_layer_name(n, model.layer_offset): p for n, p in model.named_parameters()}
+    """This stage's parameters under their global (full-model) names: global layer and expert index."""
+    off = getattr(model, "expert_offset", 0)
+    return {
+        global_expert_name(global_layer_name(n, model.layer_offset), off): p
+        for n, p in model.named_parameters()
+    }
 
 
 @torch.no_grad()
@@ -235,14 +304,14 @@ def fill_from_reader(model: nn.Module, ps: ParallelState, reader, progress: bool
     from tqdm import tqdm
 
     params = named_global_params(model)
-    layouts = list(iter_stage_layouts(model.args, ps.tp_size, ps.pp_size, ps.pp_rank, model.role))
+    layouts = stage_layouts(model, ps)
     if model.role == "reward" and ps.is_last_stage:
         check_score_head(reader, model.args)
     for lay in tqdm(layouts, desc="loading", disable=None if progress else True, leave=False):
         p = params.get(lay.name)
         if p is None:
             raise KeyError(f"Megatron model has no parameter {lay.name} (table/model mismatch)")
-        p.copy_(assemble_shard(lay, ps.tp_rank, reader.read, p))
+        p.copy_(assemble_shard(lay, lay.shard_rank(ps.tp_rank, ps.etp_rank), reader.read, p))
     value_head = {"output_layer.weight", "output_layer.bias"} if model.role == "critic" else set()
     missing = set(params) - {lay.name for lay in layouts} - value_head
     if missing:

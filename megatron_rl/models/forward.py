@@ -105,6 +105,33 @@ def _variable_shapes(config, on: bool) -> Iterator[None]:
         config.variable_seq_lengths = before
 
 
+_AUX_SCALE = [1.0]
+"""The factor on megatron's MoE aux-loss gradient scale for the micro-batch in flight (see below)."""
+
+
+def _install_aux_loss_scale() -> None:
+    """Make the router losses (load balancing, z-loss) coefficient x their mean over the mini-batch's
+    micro-batches and data-parallel ranks, like the policy loss.
+
+    With ``calculate_per_token_loss`` megatron attaches each router loss times the micro-batch's token
+    count and expects ``finalize_model_grads`` to divide every gradient by the global token count; our
+    losses arrive normalised and that division is skipped (optim._finalize_grads). The schedule sets the
+    aux-loss gradient scale after each micro-batch's forward: it is multiplied here by
+    1 / (tokens x micro-batches x DP) of that micro-batch.
+    """
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    if getattr(MoEAuxLossAutoScaler, "_scaled_per_micro_batch", False):
+        return
+    megatron_set = MoEAuxLossAutoScaler.set_loss_scale
+
+    def set_loss_scale(scale: torch.Tensor) -> None:
+        megatron_set(scale * _AUX_SCALE[0])
+
+    MoEAuxLossAutoScaler.set_loss_scale = staticmethod(set_loss_scale)
+    MoEAuxLossAutoScaler._scaled_per_micro_batch = True
+
+
 def run_pipeline(
     model: torch.nn.Module,
     ps: ParallelState,
@@ -130,6 +157,9 @@ def run_pipeline(
     shapes = {tuple(mb.input_ids.shape) for mb in microbatches}
     b, s = microbatches[0].input_ids.shape
     current: list[Positions] = []  # the response positions of the micro-batch in the forward
+    moe = not forward_only and inner.config.num_moe_experts is not None
+    if moe:
+        _install_aux_loss_scale()
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
@@ -137,6 +167,9 @@ def run_pipeline(
         pad = -ids.shape[1] % multiple
         if pad:
             ids, keep = F.pad(ids, (0, pad)), F.pad(keep, (0, pad))
+        if moe:  # the tokens each router saw: [s/TP * b] under sequence parallelism, [s * b] otherwise
+            tokens = ids.numel() // (ps.tp_size if inner.config.sequence_parallel else 1)
+            _AUX_SCALE[0] = 1.0 / (tokens * len(microbatches) * ps.dp_size)
         if positions is not None:
             current[:] = [positions(mb)]
         out = model(ids, None, causal_padding_mask(keep))

@@ -20,6 +20,8 @@ ARCH_CLASSES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
 }
 SEQ_CLS_CLASSES = {
     arch: f"{cfg[: -len('Config')]}ForSequenceClassification" for arch, (cfg, _) in ARCH_CLASSES.items()
@@ -34,6 +36,18 @@ TINY = dict(
     vocab_size=99,  # odd on purpose: exercises vocabulary padding at TP=2
     max_position_embeddings=256,
 )
+
+# Mixture-of-experts dims on top of TINY: 4 experts, top-2, experts narrower than the dense MLP.
+TINY_MOE = {
+    "qwen3_moe": dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+    ),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+}
 
 QWEN25_1_5B = dict(
     hidden_size=1536,
@@ -61,13 +75,13 @@ def random_hf_model(
     cfg_name, lm_name = ARCH_CLASSES[arch]
     cfg_cls = getattr(transformers, cfg_name)
     model_cls = getattr(transformers, lm_name if head == "lm" else SEQ_CLS_CLASSES[arch])
-    kw = {**TINY, **dims}
+    kw = {**TINY, **TINY_MOE.get(arch, {}), **dims}
     if head == "score":
         kw.setdefault("num_labels", 1)
     kw.setdefault("tie_word_embeddings", False)
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3_moe"):
         kw.setdefault("head_dim", kw["hidden_size"] // kw["num_attention_heads"])
-    if arch == "mistral":
+    if arch in ("mistral", "mixtral"):
         kw.setdefault("sliding_window", None)
     for key, default in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 2)):
         kw.setdefault(key, default)
@@ -83,8 +97,8 @@ def random_hf_model(
         for name, p in model.named_parameters():
             if init != "o1":
                 break
-            if p.ndim == 2:
-                p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
+            if p.ndim >= 2:  # [out, in], or fused experts [E, out, in]
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
             elif name.endswith("bias"):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.5)
             else:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
 from megatron_rl.model_args import DTYPES
 from megatron_rl.rollout.base import Generation, RolloutEngine, RolloutOOMError, SamplingParams
 
@@ -18,7 +20,20 @@ if TYPE_CHECKING:
     from megatron_rl.model_args import ModelArgs
     from megatron_rl.parallel import ParallelState
 
-__all__ = ["Generation", "RolloutEngine", "RolloutOOMError", "SamplingParams", "create_engine"]
+__all__ = [
+    "Generation",
+    "RolloutEngine",
+    "RolloutOOMError",
+    "SamplingParams",
+    "create_engine",
+    "engine_dtype",
+]
+
+
+def engine_dtype(name: str, ps: ParallelState) -> torch.dtype:
+    """The dtype of the engine's weights, and so of the stream into it: ``rollout.dtype`` (``name``),
+    fp32 on CPU (as the trainer's models there: CPU kernels have no bf16 speed-up)."""
+    return torch.float32 if ps.device.type == "cpu" else DTYPES[name]
 
 
 def create_engine(
@@ -30,7 +45,7 @@ def create_engine(
     if cfg.name == "hf":
         from megatron_rl.rollout.hf_engine import HFEngine
 
-        return HFEngine(args, ps, dtype=DTYPES[cfg.dtype], seed=seed)
+        return HFEngine(args, ps, dtype=engine_dtype(cfg.dtype, ps), seed=seed)
     if cfg.name == "sglang":
         from megatron_rl.rollout.sglang_engine import SGLangEngine
 

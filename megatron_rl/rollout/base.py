@@ -92,6 +92,12 @@ class Generation:
     """Engine log-probabilities of ``token_ids`` (when asked), one per token."""
     finish_reason: Literal["stop", "length"]
     """"stop": a stop token ended the response; "length": max_new_tokens was reached."""
+    response_mask: list[int] | None = None
+    """Multi-turn episodes: 1 on the model's tokens, 0 on the tool/user tokens between its turns (one per
+    token of ``token_ids``); None: every token is the model's."""
+    info: dict | None = None
+    """Multi-turn episodes: num_turns, tool_calls, tool_errors, tool_timeouts, tool_rewards, turn_scores
+    (see rollout/agent_loop.py)."""
 
 
 Bucket = list[tuple[str, torch.Tensor]]

@@ -116,6 +116,7 @@ class HFEngine:
         self._mp_group = gloo_twin(ps, ps.mp_group)
         self.pad_id = int(args.hf_config.get("pad_token_id") or 0)
         self._synced = False
+        self._ever_set: set[str] = set()  # parameters some sync has filled
         self._unseeded_calls = 0  # requests without a seed draw from (engine seed, call number)
 
     # -- weights ---------------------------------------------------------------------------------
@@ -136,10 +137,26 @@ class HFEngine:
                 p.copy_(tensor)
                 seen.add(name)
         if self.model is not None:
-            missing = sorted(set(params) - seen)
+            # Never filled by any sync: the stream and the model disagree on names. A parameter a later
+            # sync leaves stale is the integrity check's to report (reshard.check_weights).
+            self._ever_set |= seen
+            missing = sorted(set(params) - self._ever_set)
             if missing:
                 raise RuntimeError(f"weight stream left {len(missing)} parameters unset, e.g. {missing[:5]}")
         self._synced = True
+
+    @property
+    def checks_weights(self) -> bool:
+        """This rank holds a model whose weights :meth:`weight_checksums` reads back."""
+        return self.model is not None
+
+    @torch.no_grad()
+    def weight_checksums(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """[2] float64 checksums (reshard.tensor_checksum) of this engine's copy of ``names``."""
+        from megatron_rl.rollout.reshard import tensor_checksum
+
+        params = dict(self.model.named_parameters())
+        return {n: tensor_checksum(params[n]) for n in names if n in params}
 
     def release_memory(self) -> None:
         if self.model is not None and self.device.type == "cuda":

@@ -8,16 +8,20 @@
       every rank takes res/<tag>/<slice>            <----   the slice's DP leader puts the generations
       leader posts req/<i> = ("stop",)              ---->   leave
 
-Requests and generations travel through the job's key-value store (torchrun's TCPStore), pickled;
-a posted request does not wait for the engines, so the trainer runs on while they generate. The
-server handles requests strictly in the order posted, so a generation request sees the weights of
-every weights request posted before it: that order is the policy version of each sample.
+Requests and generations travel through the job's key-value store (torchrun's TCPStore) in the
+store's wire format (``rollout.wire``: a JSON header and raw tensor bytes, never pickle); a posted
+request does not wait for the engines, so the trainer runs on while they generate. The server handles
+requests strictly in the order posted, so a generation request sees the weights of every weights
+request posted before it: that order is the policy version of each sample.
 
 Weights take the reshard stream unchanged (``reshard.iter_hf_buckets``: TP gather and PP broadcast
 inside the actor's world); the actor's leader (training rank 0) holds every full bucket and
 broadcasts its flat buffer over the *weights group* (the leader and the rollout ranks; NCCL on GPU,
 gloo on CPU). The rollout ranks rebuild each bucket's views from the same plan
-(``reshard.plan_buckets``, a pure function of the tables) and hand it to their engine.
+(``reshard.plan_buckets``, a pure function of the tables) and hand it to their engine. After the
+stream the leader puts each streamed tensor's checksum (``reshard.tensor_checksum``) under
+``sums/<i>``; every rollout rank whose engine holds weights compares its copy with them and stops on
+the first tensor that differs (``reshard.WeightSyncError`` naming bucket, tensor and rank).
 
 Prompts of one request are the training DP ranks' prompts concatenated in DP order; engine ``j`` of
 ``E`` generates the ``j``-th contiguous slice with seed ``seed + j`` (with as many engines as
@@ -27,7 +31,6 @@ training DP ranks, slice j is DP rank j's prompts and its seed is the colocated 
 from __future__ import annotations
 
 import datetime
-import pickle
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -38,7 +41,15 @@ import torch.distributed as dist
 from megatron_rl.model_args import DTYPES, ModelArgs
 from megatron_rl.parallel import ParallelState
 from megatron_rl.rollout.base import Generation, SamplingParams, is_dp_leader
-from megatron_rl.rollout.reshard import Bucket, iter_hf_buckets, plan_buckets
+from megatron_rl.rollout.reshard import (
+    Bucket,
+    WeightSyncError,
+    checksums_match,
+    iter_hf_buckets,
+    plan_buckets,
+    tensor_checksum,
+)
+from megatron_rl.rollout.wire import all_gather_objects, decode, encode
 
 
 def slice_bounds(total: int, parts: int) -> list[tuple[int, int]]:
@@ -53,7 +64,7 @@ def slice_bounds(total: int, parts: int) -> list[tuple[int, int]]:
 
 
 def to_plain(gens: list[list[Generation]]) -> list[list[tuple]]:
-    """Generations as tuples of lists (pickle- and ``torch.load(weights_only=True)``-safe)."""
+    """Generations as tuples of lists (for the store's wire format and ``torch.load(weights_only=True)``)."""
     return [[(g.token_ids, g.logprobs, g.finish_reason) for g in per_prompt] for per_prompt in gens]
 
 
@@ -62,17 +73,20 @@ def from_plain(rows: list[list[tuple]]) -> list[list[Generation]]:
 
 
 class Mailbox:
-    """Pickled objects under keys of the job's store; ``take`` deletes a key after its last reader."""
+    """Values under keys of the job's store in the wire format (``rollout.wire``); ``take`` deletes a
+    key after its last reader. ``types``: the dataclasses the messages may hold (by name)."""
 
-    def __init__(self, store: dist.Store, prefix: str = "rollout/") -> None:
+    def __init__(self, store: dist.Store, prefix: str = "rollout/", types: tuple[type, ...] = ()) -> None:
+        self.prefix, self.types = prefix, types
         self.store = dist.PrefixStore(prefix, store)
 
     def put(self, key: str, obj) -> None:
-        self.store.set(key, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+        self.store.set(key, encode(obj, self.types))
 
     def take(self, key: str, readers: int):
-        """The object under ``key`` (waits for it, up to the store's timeout)."""
-        obj = pickle.loads(self.store.get(key))
+        """The value under ``key`` (waits for it, up to the store's timeout); a value this format does not
+        describe raises rollout.wire.WireError (nothing of it is executed)."""
+        obj = decode(self.store.get(key), self.types, key=self.prefix + key)
         if self.store.add(f"{key}#read", 1) == readers:
             self.store.delete_key(key)
             self.store.delete_key(f"{key}#read")
@@ -104,13 +118,17 @@ class WeightsPlan:
     dtype: str
 
 
+MESSAGE_TYPES = (WeightsPlan, SamplingParams)
+"""The dataclasses the rollout's requests carry."""
+
+
 class RolloutClient:
     """The training ranks' side: post weights and generation requests, take the generations."""
 
     def __init__(self, ps: ParallelState, rollout_ranks: int, engines: int, timeout_minutes: int) -> None:
         if ps.job_store is None:
             raise RuntimeError("a separate rollout needs the job's store (parallel.init_parallel(ranks=...))")
-        self.ps, self.box = ps, Mailbox(ps.job_store)
+        self.ps, self.box = ps, Mailbox(ps.job_store, types=MESSAGE_TYPES)
         self.rollout_ranks, self.engines = rollout_ranks, engines
         self.timeout = datetime.timedelta(minutes=timeout_minutes)
         self.posted = 0  # requests posted (the leader's count: only it posts)
@@ -132,21 +150,25 @@ class RolloutClient:
         ps = self.ps
         name = next(k for k, v in DTYPES.items() if v == dtype)
         plan = WeightsPlan(ps.tp_size, ps.pp_size, int(bucket_megabytes * 2**20), name)
+        index = self.posted
         self._post({"kind": "weights", "plan": plan})
         if self.leader and self._group is None:
             self._group = _pair_group(ps.job_store, 0, 1 + self.rollout_ranks, ps.backend, self.timeout)
+        sums = []
         for bucket in iter_hf_buckets(actor, ps, plan.bucket_bytes, dtype):
             if self.leader:
                 _broadcast(self._group, bucket.flat)
+                sums += [tensor_checksum(t) for _, t in bucket]
+        if self.leader:  # [tensors, 2] float64, in stream order: the engines check their copies
+            self.box.put(f"sums/{index}", torch.stack(sums).cpu())
 
     def request(self, tag: str, prompts: list[list[int]], params: SamplingParams, version: int) -> None:
         """Collective over the training world: ask the engines for ``params.n`` responses to every DP
         rank's ``prompts`` (TP/PP peers pass the same); returns at once."""
         ps = self.ps
-        mine = prompts if ps.tp_rank == 0 and ps.pp_rank == 0 else None
-        everyone: list = [None] * ps.dp_size if self.leader else None
-        if ps.tp_rank == 0 and ps.pp_rank == 0:
-            dist.gather_object(mine, everyone, dst=dist.get_global_rank(ps.dp_group, 0), group=ps.dp_group)
+        everyone: list = []
+        if ps.tp_rank == 0 and ps.pp_rank == 0:  # every DP rank's prompts, in DP order (no pickle)
+            everyone = all_gather_objects(prompts, ps.dp_group, ps.device)
         if self.leader:
             flat = [p for part in everyone for p in part]
             self._post(
@@ -186,7 +208,7 @@ class RolloutServer:
         self, engine, args: ModelArgs, ps: ParallelState, rollout_ranks: list[int], timeout_minutes: int
     ):
         self.engine, self.args, self.ps = engine, args, ps
-        self.box = Mailbox(ps.job_store)
+        self.box = Mailbox(ps.job_store, types=MESSAGE_TYPES)
         self.index = rollout_ranks.index(ps.global_rank)  # this rank's place in the weights group (minus 1)
         self.readers = len(rollout_ranks)
         self.timeout = datetime.timedelta(minutes=timeout_minutes)
@@ -202,10 +224,34 @@ class RolloutServer:
                 return i - 1
             if msg["kind"] == "weights":
                 self.engine.update_weights(self._buckets(msg["plan"]))
+                self._check(i - 1, msg["plan"])
             elif msg["kind"] == "generate":
                 self._generate(msg)
             else:
                 raise RuntimeError(f"unknown rollout request {msg['kind']!r}")
+
+    def _check(self, index: int, plan: WeightsPlan) -> None:
+        """Compare this engine's copy with the checksums the actor's leader sent after weights request
+        ``index``; WeightSyncError (this rank) at the first tensor that differs."""
+        sums = self.box.take(f"sums/{index}", self.readers)  # [tensors, 2]
+        if not getattr(self.engine, "checks_weights", False):
+            return
+        itemsize = torch.empty((), dtype=DTYPES[plan.dtype]).element_size()
+        buckets = plan_buckets(self.args, plan.tp, plan.pp, plan.bucket_bytes, itemsize)
+        names = [(k, t.name, t.numel) for k, b in enumerate(buckets) for s in b.params for t in s.tensors]
+        got = self.engine.weight_checksums([n for _, n, _ in names])
+        missing = torch.full((2,), float("nan"), dtype=torch.float64)
+        have = torch.stack([got.get(n, missing).cpu() for _, n, _ in names])
+        numel = torch.tensor([k for _, _, k in names])
+        bad = (~checksums_match(sums, have, numel)).nonzero()
+        if len(bad):
+            k, name, _ = names[int(bad[0, 0])]
+            raise WeightSyncError(
+                f"weight sync check failed: the rollout engine on rank {self.ps.global_rank} does not hold "
+                f"{name} (bucket {k + 1} of {len(buckets)}) as the actor streamed it, so it would generate "
+                "from another policy; look for a weight-stream or engine-loading bug (docs/reliability.md, "
+                "Sync integrity)."
+            )
 
     def _buckets(self, plan: WeightsPlan) -> Iterator[Bucket]:
         ps = self.ps

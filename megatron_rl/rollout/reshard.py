@@ -28,6 +28,14 @@ Pipeline (identical on every rank, driven by a plan computed from the tables alo
 Peak extra memory per rank: one bucket buffer (engine dtype), plus on the owning stage the TP
 send buffer (this rank's shards of one bucket) and the gather buffer (TP x that). The whole model is
 never materialised on one device. DP replicas run the same stream independently.
+
+Integrity (:func:`sync_weights`, always on). As each bucket is handed over, the stream records a
+checksum of every tensor in it (float64 sum and sum of squares: two reductions per tensor, on the
+device). After ``engine.update_weights`` the engine reads its own copy of the same tensors back
+(``engine.weight_checksums``) and the two are compared on every rank where an engine holds weights
+(``engine.checks_weights``); one all-reduce makes every rank agree on the first mismatch, and all
+raise :class:`WeightSyncError` naming the bucket, the tensor and the rank. An engine that cannot
+read its weights back does not set ``checks_weights`` (docs/reliability.md, Sync integrity).
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron_rl.errors import LaunchError
 from megatron_rl.model_args import ModelArgs
 from megatron_rl.parallel import ParallelState
 from megatron_rl.weights import tables
@@ -77,6 +86,53 @@ class BucketPlan:
     params: tuple[ParamSlot, ...]
     numel: int
     """Elements of the bucket (sum of its HF tensors)."""
+
+
+class WeightSyncError(LaunchError):
+    """The engine does not hold the weights the actor streamed; the message names bucket, tensor, rank."""
+
+
+def tensor_checksum(t: torch.Tensor) -> torch.Tensor:
+    """[2] float64 (sum, sum of squares) of ``t``, on its device: cheap, and a dropped, stale, shifted or
+    scaled tensor changes it."""
+    out = torch.zeros(2, dtype=torch.float64, device=t.device)
+    for chunk in t.detach().reshape(-1).split(_CHECKSUM_CHUNK):  # float64 copies of one chunk at a time
+        x = chunk.to(torch.float64)
+        out[0] += x.sum()
+        out[1] += x.square().sum()
+    return out
+
+
+_CHECKSUM_CHUNK = 1 << 22
+
+
+def checksums_match(want: torch.Tensor, have: torch.Tensor, numel: torch.Tensor) -> torch.Tensor:
+    """[n] bool: rows of [n, 2] checksums equal up to float64 rounding of another summation order
+    (``numel`` [n]: each tensor's elements)."""
+    tol = 1e-9 * numel.to(torch.float64).clamp(min=1).sqrt()[:, None] * (1.0 + want.abs())
+    return ((want - have).abs() <= tol).all(dim=1)
+
+
+SKIP_BUCKET_ENV = "MEGATRON_RL_TEST_SKIP_BUCKET"
+"""Fault injection for the integrity check's tests: ``"S:B"`` drops bucket B (0-based) of this process's
+S-th weight sync (1-based) before the engine sees it; the stream's checksums still cover it."""
+SCRAMBLE_BUCKET_ENV = "MEGATRON_RL_TEST_SCRAMBLE_BUCKET"
+"""Fault injection for the log-prob probe's tests (megatron_rl.sync_check): ``"S:B"`` reverses the rows
+of the first tensor of bucket B in sync S and every later one, before it is checksummed and handed
+over, as a layout bug in the stream would: the checksums agree, the policy is another."""
+
+
+def _fault_bucket(env: str, sync_number: int, onward: bool = False) -> int | None:
+    import os
+
+    spec = os.environ.get(env)
+    if not spec:
+        return None
+    s, _, b = spec.partition(":")
+    return int(b) if sync_number == int(s) or (onward and sync_number > int(s)) else None
+
+
+_syncs = 0  # weight syncs of this process (for SKIP_BUCKET_ENV)
 
 
 class Bucket(list):
@@ -199,16 +255,33 @@ def iter_hf_buckets(
 def sync_weights(
     model: nn.Module, ps: ParallelState, engine, bucket_megabytes: int, dtype: torch.dtype | None = None
 ) -> dict[str, float]:
-    """Stream the actor into ``engine`` (collective). Returns bytes sent, buckets, seconds."""
+    """Stream the actor into ``engine`` (collective) and check the engine's copy (module docstring).
+    Returns bytes sent, buckets, seconds (check_seconds: the integrity check's share)."""
+    global _syncs
+    _syncs += 1
     dtype = dtype or engine.dtype
     stats = {"bytes": 0.0, "buckets": 0.0}
     finished = False
+    skip = _fault_bucket(SKIP_BUCKET_ENV, _syncs)
+    scramble = _fault_bucket(SCRAMBLE_BUCKET_ENV, _syncs, onward=True)
+    # (bucket index, name, numel, [2] checksum) of every tensor streamed; the checksum only where an
+    # engine holds weights to compare with (engine.checks_weights)
+    sent: list[tuple[int, str, int, torch.Tensor | None]] = []
+    compare = bool(getattr(engine, "checks_weights", False))
+    check_seconds = 0.0
 
     def stream() -> Iterator[Bucket]:
-        nonlocal finished
-        for bucket in iter_hf_buckets(model, ps, int(bucket_megabytes * 2**20), dtype):
+        nonlocal finished, check_seconds
+        for i, bucket in enumerate(iter_hf_buckets(model, ps, int(bucket_megabytes * 2**20), dtype)):
             stats["buckets"] += 1
             stats["bytes"] += bucket.flat.numel() * bucket.flat.element_size()
+            if i == scramble:
+                bucket[0][1].copy_(bucket[0][1].flip(0).clone())
+            t0 = time.perf_counter()
+            sent.extend((i, name, t.numel(), tensor_checksum(t) if compare else None) for name, t in bucket)
+            check_seconds += time.perf_counter() - t0
+            if i == skip:
+                continue
             yield bucket
         finished = True
 
@@ -220,7 +293,45 @@ def sync_weights(
             f"{type(engine).__name__}.update_weights returned before the end of the weight stream; it is "
             "collective and must exhaust the bucket iterator on every rank"
         )
+    t0 = time.perf_counter()
+    check_weights(engine, ps, sent)
+    check_seconds += time.perf_counter() - t0
     if ps.device.type == "cuda":
         torch.cuda.synchronize()
     stats["seconds"] = time.perf_counter() - start
+    stats["check_seconds"] = check_seconds
     return stats
+
+
+def check_weights(engine, ps: ParallelState, sent: list[tuple[int, str, int, torch.Tensor | None]]) -> None:
+    """Collective: compare the stream's checksums with the engine's copy; WeightSyncError on every rank
+    at the first tensor (in stream order) that differs on any rank. Engines that hold weights on this
+    rank say so with ``checks_weights`` and give ``weight_checksums(names) -> {name: [2] float64}``
+    (:func:`tensor_checksum` of their copy; a name they lack is left out)."""
+    compare = bool(getattr(engine, "checks_weights", False))
+    got = engine.weight_checksums([name for _, name, _, _ in sent]) if compare else None
+    n = len(sent)
+    first = n  # index into ``sent`` of this rank's first mismatch (n: none)
+    if got is not None and n:
+        missing = torch.tensor([math.nan, math.nan], dtype=torch.float64, device=ps.device)
+        want = torch.stack([c for _, _, _, c in sent]).to(ps.device)  # [n, 2]
+        have = torch.stack([got.get(name, missing).to(ps.device) for _, name, _, _ in sent])
+        numel = torch.tensor([k for _, _, k, _ in sent], device=ps.device)
+        bad = (~checksums_match(want, have, numel)).nonzero()
+        if len(bad):
+            first = int(bad[0, 0])
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    code = torch.tensor([first * world + rank], dtype=torch.int64, device=ps.device)  # first, then rank
+    if world > 1:
+        dist.all_reduce(code, op=dist.ReduceOp.MIN)
+    first, bad_rank = divmod(int(code.item()), world)
+    if first >= n:
+        return
+    bucket, name, _, _ = sent[first]
+    raise WeightSyncError(
+        f"weight sync check failed: the rollout engine on rank {bad_rank} does not hold {name} (bucket "
+        f"{bucket + 1} of {sent[-1][0] + 1}) as the actor streamed it, so it would generate from another "
+        "policy; look for a weight-stream or engine-loading bug (docs/reliability.md, Sync integrity).",
+        same_on_all_ranks=True,
+    )

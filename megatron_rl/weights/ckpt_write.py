@@ -42,6 +42,10 @@ def save_legacy(
     ``vocab_divisible_by * tp`` as Megatron-LM does, the model-describing args Namespace (unless
     ``with_args`` is False), the iteration and an RNG state. Memory: one file's shard at a time.
     """
+    if args.is_moe:
+        from megatron_rl.weights.legacy import MOE_LEGACY
+
+        raise ValueError(MOE_LEGACY)
     from tqdm import tqdm
 
     if args.num_layers % pp:
@@ -117,6 +121,7 @@ def save_torch_dist(model: torch.nn.Module, ps: ParallelState, path: str, extra:
             "arch": model.args.arch,
             "tp": ps.tp_size,
             "pp": ps.pp_size,
+            "ep": ps.ep_size,
             "dtype": str(dtype).replace("torch.", ""),
             "hf_config": model.args.hf_config,
             **(extra or {}),

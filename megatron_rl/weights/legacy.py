@@ -26,6 +26,11 @@ from megatron_rl.weights.safe_load import safe_torch_load
 from megatron_rl.weights.shards import VOCAB_PARAMS, fit_vocab, shard_shape, stage_offsets
 from megatron_rl.weights.tables import ParamLayout, hf_shapes, layer_index, local_layer_name, param_layouts
 
+MOE_LEGACY = (
+    "legacy Megatron-LM checkpoints of mixture-of-experts models (per-EP-rank mp_rank_*_*_* files) are "
+    "not supported: convert through torch_dist (ckpt_tools hf-to-mcore --ep N / mcore-to-hf)"
+)
+
 
 def _flatten(d: dict, prefix: str = "") -> Iterator[tuple[str, Any]]:
     for k, v in d.items():
@@ -144,6 +149,8 @@ class LegacyReader(LayerCachedReader):
     """
 
     def __init__(self, ckpt: LegacyCheckpoint, args: ModelArgs) -> None:
+        if args.is_moe:
+            raise ValueError(MOE_LEGACY)
         self.ckpt, self.args, self.path = ckpt, args, ckpt.ckpt_dir
         self.shapes = hf_shapes(args)
         self.offsets = stage_offsets(ckpt.layers_per_stage())

@@ -54,9 +54,34 @@ _NEVER_ALLOWED = (
 )  # fmt: skip
 
 
+def _data_class_kind(obj: type) -> str | None:
+    """What kind of plain data ``obj`` is (tensor, storage, dtype, numpy array/scalar, enum), or None."""
+    import numpy as np
+
+    kinds = (
+        ("tensor", (torch.Tensor,)),
+        ("storage", (torch.storage.TypedStorage, torch.storage.UntypedStorage)),
+        ("dtype", (torch.dtype, torch.Size, np.dtype)),
+        ("numpy array", (np.ndarray,)),
+        ("numpy scalar", (np.generic,)),
+    )
+    for kind, bases in kinds:
+        if issubclass(obj, bases):
+            return kind
+    # an enum's values are looked up, not built; one with its own _missing_ hook runs code on a miss
+    if (
+        issubclass(obj, enum.Enum)
+        and getattr(obj._missing_, "__func__", None) is enum.Enum._missing_.__func__
+    ):
+        return "enum"
+    return None
+
+
 def _user_globals() -> list:
-    """The classes named by ``MEGATRON_RL_SAFE_GLOBALS``: classes only (a function or other callable
-    is code the unpickler would call), and none from a module in :data:`_NEVER_ALLOWED`."""
+    """The classes named by ``MEGATRON_RL_SAFE_GLOBALS``: tensor, storage, dtype, numpy array/scalar
+    and enum classes only (anything else -- a function, a class whose constructor opens files or runs
+    code, like zipfile.ZipFile -- is code the unpickler would call), none from a module in
+    :data:`_NEVER_ALLOWED`."""
     out = []
     for entry in filter(None, (x.strip() for x in os.environ.get(SAFE_GLOBALS_ENV, "").split(","))):
         module, _, name = entry.rpartition(".")
@@ -64,16 +89,17 @@ def _user_globals() -> list:
             obj = getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError, ValueError) as e:
             raise ValueError(f"{SAFE_GLOBALS_ENV}: cannot import {entry!r} ({e})") from None
-        if not isinstance(obj, type):
-            raise ValueError(
-                f"{SAFE_GLOBALS_ENV}: {entry} is a {type(obj).__name__}, not a class; only plain data "
-                f"classes can be allowed: remove it from {SAFE_GLOBALS_ENV}."
-            )
         homes = {module, getattr(obj, "__module__", "") or ""}
-        if any(h == m or h.startswith(m + ".") for h in homes for m in _NEVER_ALLOWED):
+        if (
+            not isinstance(obj, type)
+            or any(h == m or h.startswith(m + ".") for h in homes for m in _NEVER_ALLOWED)
+            or _data_class_kind(obj) is None
+        ):
+            what = f"a {type(obj).__name__}" if not isinstance(obj, type) else "a class"
             raise ValueError(
-                f"{SAFE_GLOBALS_ENV}: {entry} comes from {obj.__module__}, whose classes can run code or "
-                f"touch files when a checkpoint is loaded: remove it from {SAFE_GLOBALS_ENV}."
+                f"{SAFE_GLOBALS_ENV}: refusing {entry}, {what} that is not a tensor, storage, dtype, numpy "
+                "array/scalar or enum type (loading a checkpoint would call it: it can run code or touch "
+                f"files); remove it from {SAFE_GLOBALS_ENV} and re-save the checkpoint as plain data."
             )
         out.append(obj)
     return out
@@ -176,3 +202,13 @@ def check_torch_dist(ckpt_dir: str):
     common_file = os.path.join(ckpt_dir, "common.pt")
     common = safe_torch_load(common_file) if os.path.isfile(common_file) else None
     return meta, common
+
+
+def safe_dist_load(sharded_state_dict: dict, ckpt_dir: str, **kwargs) -> dict:
+    """``dist_checkpointing.load`` of a torch_dist directory (an optimizer's, say) after
+    :func:`check_torch_dist` vetted its pickles, under :func:`safe_globals`."""
+    from megatron.core import dist_checkpointing
+
+    check_torch_dist(ckpt_dir)
+    with torch.serialization.safe_globals(safe_globals()):
+        return dist_checkpointing.load(sharded_state_dict, ckpt_dir, **kwargs)

@@ -15,9 +15,14 @@ Layouts that a plain dim-0 split would get wrong are spelled out by the pieces:
   whole groups, so shard r is the list of (q_g, k_g, v_g) row blocks of its groups.
 * ``linear_fc1`` is [gate; up] and a TP shard is [gate_r; up_r], not a chunk of the full tensor.
 * the vocabulary is padded to a multiple of TP; padding rows exist only on the Megatron side.
+* a mixture-of-experts layer (Qwen3-MoE, Mixtral) has a router [E, H] (replicated) and E experts,
+  each a SwiGLU MLP laid out like the dense one (megatron's SequentialMLP). Expert parameters are
+  split over the *expert* tensor-parallel group (``pieces`` has ETP entries, :attr:`ParamLayout.expert`)
+  and distributed whole over the expert-parallel ranks: EP rank r holds experts [r*E/EP, (r+1)*E/EP).
 
-Megatron names use the GLOBAL layer index (``decoder.layers.{i}``); the pipeline stage's local index
-is translated by the caller (:func:`global_layer_name`).
+Megatron names use the GLOBAL layer index (``decoder.layers.{i}``) and the GLOBAL expert index
+(``mlp.experts.local_experts.{e}``); the pipeline stage's and expert rank's local indices are
+translated by the caller (:func:`global_layer_name`, :func:`global_expert_name`).
 """
 
 from __future__ import annotations
@@ -51,6 +56,11 @@ class ArchTable:
     gate_up_fused: str | None = None
     """HF tensor holding [gate; up] rows (Phi-3); replaces gate/up."""
     down: str = "model.layers.{i}.mlp.down_proj.weight"
+    router: str = "model.layers.{i}.mlp.gate.weight"
+    """MoE router [num_experts, hidden] ({e} = expert index below)."""
+    expert_gate: str = "model.layers.{i}.mlp.experts.{e}.gate_proj.weight"
+    expert_up: str = "model.layers.{i}.mlp.experts.{e}.up_proj.weight"
+    expert_down: str = "model.layers.{i}.mlp.experts.{e}.down_proj.weight"
     score: str = "score.weight"
     """``...ForSequenceClassification``'s head: nn.Linear(hidden, num_labels, bias=False), [1, hidden]
     for a reward model (the Megatron reward model's ``output_layer.weight``, replicated over TP)."""
@@ -65,6 +75,13 @@ TABLES: dict[str, ArchTable] = {
     "phi3": ArchTable(
         qkv_fused="model.layers.{i}.self_attn.qkv_proj",
         gate_up_fused="model.layers.{i}.mlp.gate_up_proj.weight",
+    ),
+    "qwen3_moe": LLAMA,  # + q/k norms; MoE layers per ModelArgs.moe_layers, dense ones as Llama's
+    "mixtral": ArchTable(
+        router="model.layers.{i}.block_sparse_moe.gate.weight",
+        expert_gate="model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight",
+        expert_up="model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight",
+        expert_down="model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight",
     ),
 }
 
@@ -89,6 +106,13 @@ class ParamLayout:
     """Size of one TP shard along ``dim`` (includes vocabulary padding)."""
     pieces: tuple[tuple[Piece, ...], ...]
     """pieces[r]: HF blocks laid along ``dim`` in TP shard r; the rest of the shard is padding."""
+    expert: int | None = None
+    """Global expert index of an expert's parameter: its shards are over the expert TP group (ETP
+    ranks), and it lives only on the EP rank that owns the expert."""
+
+    def shard_rank(self, tp_rank: int, etp_rank: int) -> int:
+        """Which entry of ``pieces`` a rank holds."""
+        return tp_rank if self.expert is None else etp_rank
 
 
 def _rows(name: str, start: int, stop: int) -> Piece:
@@ -103,12 +127,27 @@ def _split(name: str, total: int, tp: int, dim: int, mname: str) -> ParamLayout:
     return ParamLayout(mname, dim, n, tuple((_rows(name, r * n, (r + 1) * n),) for r in range(tp)))
 
 
-def param_layouts(args: ModelArgs, tp: int, role: str = "actor") -> list[ParamLayout]:
-    """Every Megatron parameter of the full model (all pipeline stages), in model order.
+def _swiglu(gn: str, un: str, dn: str, u_off: int, f: int, tp: int, p: str, expert=None) -> list[ParamLayout]:
+    """linear_fc1 ([gate_r; up_r] per shard) and linear_fc2 (row-parallel) of one SwiGLU MLP."""
+    n = f // tp
+    fc1 = tuple(
+        (_rows(gn, r * n, (r + 1) * n), _rows(un, u_off + r * n, u_off + (r + 1) * n)) for r in range(tp)
+    )
+    fc2 = _split(dn, f, tp, 1, f"{p}linear_fc2.weight")
+    return [
+        ParamLayout(f"{p}linear_fc1.weight", 0, 2 * n, fc1, expert),
+        ParamLayout(fc2.name, fc2.dim, fc2.shard_rows, fc2.pieces, expert),
+    ]
+
+
+def param_layouts(args: ModelArgs, tp: int, role: str = "actor", etp: int | None = None) -> list[ParamLayout]:
+    """Every Megatron parameter of the full model (all pipeline stages, all experts), in model order.
 
     ``role="critic"`` leaves out the LM head: the critic's value head has no HF counterpart.
     ``role="reward"`` has the sequence-classification ``score`` head [1, hidden] in its place.
+    ``etp`` is the expert tensor-parallel size (megatron's default: ``tp``).
     """
+    etp = tp if etp is None else etp
     t = TABLES[args.arch]
     hd, g, qpg = args.head_dim, args.num_kv_heads, args.heads_per_group
     h, f = args.hidden_size, args.ffn_hidden_size
@@ -154,17 +193,20 @@ def param_layouts(args: ModelArgs, tp: int, role: str = "actor") -> list[ParamLa
             out.append(_split(t.k_norm.format(i=i), hd, tp, None, f"{p}self_attention.k_layernorm.weight"))
         out.append(_split(t.input_norm.format(i=i), h, tp, None, f"{p}input_layernorm.weight"))
         out.append(_split(t.post_attn_norm.format(i=i), h, tp, None, f"{p}pre_mlp_layernorm.weight"))
+        if args.is_moe_layer(i):
+            out.append(_split(t.router.format(i=i), args.num_experts, tp, None, f"{p}mlp.router.weight"))
+            for e in range(args.num_experts):
+                names = (x.format(i=i, e=e) for x in (t.expert_gate, t.expert_up, t.expert_down))
+                out += _swiglu(
+                    *names, 0, args.moe_ffn_hidden_size, etp, f"{p}mlp.experts.local_experts.{e}.", e
+                )
+            continue
         if t.gate_up_fused:
             gn = un = t.gate_up_fused.format(i=i)
             u_off = f
         else:
             gn, un, u_off = t.gate.format(i=i), t.up.format(i=i), 0
-        n = f // tp
-        fc1 = tuple(
-            (_rows(gn, r * n, (r + 1) * n), _rows(un, u_off + r * n, u_off + (r + 1) * n)) for r in range(tp)
-        )
-        out.append(ParamLayout(f"{p}mlp.linear_fc1.weight", 0, 2 * n, fc1))
-        out.append(_split(t.down.format(i=i), f, tp, 1, f"{p}mlp.linear_fc2.weight"))
+        out += _swiglu(gn, un, t.down.format(i=i), u_off, f, tp, f"{p}mlp.")
     out.append(_split(t.final_norm, h, tp, None, "decoder.final_layernorm.weight"))
     if role == "actor":
         head = t.embed if args.tie_embeddings else t.lm_head
@@ -212,13 +254,44 @@ def layer_index(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+_EXPERT_RE = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
+
+
+def _shift_expert(name: str, delta: int) -> str:
+    m = _EXPERT_RE.search(name)
+    if not m:
+        return name
+    return f"{name[: m.start(1)]}{int(m.group(1)) + delta}{name[m.end(1) :]}"
+
+
+def global_expert_name(local_name: str, expert_offset: int) -> str:
+    """``...local_experts.{j}.x`` of an EP rank -> ``...local_experts.{offset+j}.x``."""
+    return _shift_expert(local_name, expert_offset)
+
+
+def local_expert_name(global_name: str, expert_offset: int) -> str:
+    return _shift_expert(global_name, -expert_offset)
+
+
 def iter_stage_layouts(
-    args: ModelArgs, tp: int, pp: int, pp_rank: int, role: str = "actor"
+    args: ModelArgs,
+    tp: int,
+    pp: int,
+    pp_rank: int,
+    role: str = "actor",
+    ep: int = 1,
+    ep_rank: int = 0,
+    etp: int | None = None,
 ) -> Iterator[ParamLayout]:
-    """The layouts of the parameters that live on one pipeline stage."""
+    """The layouts of the parameters that live on one pipeline stage (and, of the experts, those
+    of EP rank ``ep_rank``)."""
     per_stage = args.num_layers // pp
     lo, hi = pp_rank * per_stage, (pp_rank + 1) * per_stage
-    for lay in param_layouts(args, tp, role):
+    per_rank = args.num_experts // ep if args.is_moe else 0
+    layouts = param_layouts(args, tp, role) if etp in (None, tp) else param_layouts(args, tp, role, etp)
+    for lay in layouts:
+        if lay.expert is not None and not ep_rank * per_rank <= lay.expert < (ep_rank + 1) * per_rank:
+            continue
         i = layer_index(lay.name)
         if i is not None:
             if lo <= i < hi:

@@ -10,6 +10,8 @@ pickle is vetted first (:mod:`megatron_rl.weights.safe_load`). Writing is
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from megatron_rl.model_args import ModelArgs
@@ -21,14 +23,27 @@ from megatron_rl.weights.safe_load import check_torch_dist, safe_globals
 from megatron_rl.weights.shards import VOCAB_PARAMS, fit_vocab, shard_shape
 from megatron_rl.weights.tables import ParamLayout, hf_shapes, layer_index, param_layouts
 
+_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 
-def torch_dist_key(name: str) -> tuple[str, int | None]:
-    """Global Megatron parameter name -> (dist_checkpointing key, layer index on the stacked axis)."""
+
+def torch_dist_key(name: str, per_layer: bool = False) -> tuple[str, int | None]:
+    """Global Megatron parameter name -> (dist_checkpointing key, index on the key's first axis).
+
+    Dense models stack the layers: ``decoder.layers.<rest>`` [num_layers, ...], indexed by layer.
+    Mixture-of-experts models (``per_layer``: megatron saves a per-layer MoE pattern layer by layer)
+    have ``decoder.layers.{i}.<rest>``, and each layer's experts stacked as
+    ``decoder.layers.{i}.mlp.experts.experts.<linear>`` [num_experts, ...], indexed by expert.
+    """
     i = layer_index(name)
     if i is None:
         return name, None
     rest = name.split(".", 3)[3]
-    return "decoder.layers." + TE_NORM_NAMES.get(rest, rest), i
+    if not per_layer:
+        return "decoder.layers." + TE_NORM_NAMES.get(rest, rest), i
+    m = _EXPERT.search(name)
+    if m:
+        return f"decoder.layers.{i}.mlp.experts.experts.{name[m.end() :]}", int(m.group(1))
+    return f"decoder.layers.{i}." + TE_NORM_NAMES.get(rest, rest), None
 
 
 @torch.no_grad()
@@ -103,20 +118,21 @@ class TorchDistReader(LayerCachedReader):
         # Read units: all tensors of one layer together; the embedding, final norm and head one by one.
         self._groups: dict[int | str, list[ParamLayout]] = {}
         self._init_cache()
+        self.per_layer = args.is_moe
         for lay in param_layouts(args, 1):
-            key, i = torch_dist_key(lay.name)
+            key, i = torch_dist_key(lay.name, self.per_layer)
             if lay.name == "output_layer.weight" and args.tie_embeddings:
                 continue  # tied: stored once, as the embedding
             if key not in self.tensors:
                 raise KeyError(
                     f"{self.path} has no tensor {key!r} (for {lay.name}); it holds {sorted(self.tensors)}"
                 )
-            self._groups.setdefault(lay.name if i is None else i, []).append(lay)
+            self._groups.setdefault(self._group_of(lay), []).append(lay)
             for n in hf_names(lay):
                 self._producer.setdefault(n, lay)
 
     def _group_of(self, lay: ParamLayout) -> object:
-        i = torch_dist_key(lay.name)[1]
+        i = layer_index(lay.name)
         return lay.name if i is None else i
 
     def _produce(self, lay: ParamLayout, group: object) -> dict[str, torch.Tensor]:
@@ -126,7 +142,7 @@ class TorchDistReader(LayerCachedReader):
 
         sharded = {}
         for lay in self._groups[group]:
-            key, i = torch_dist_key(lay.name)
+            key, i = torch_dist_key(lay.name, self.per_layer)
             md = self.tensors[key]
             size, dtype = tuple(md.size), md.properties.dtype
             # The whole tensor, or the slice [i:i+1] of the [num_layers, ...] stack. No fragmentation
@@ -141,7 +157,11 @@ class TorchDistReader(LayerCachedReader):
             loaded = dist_checkpointing.load(sharded, self.loc.ckpt_dir, validate_access_integrity=False)
         out: dict[str, torch.Tensor] = {}
         for lay in self._groups[group]:
-            t = loaded[lay.name] if torch_dist_key(lay.name)[1] is None else loaded[lay.name][0]
+            t = (
+                loaded[lay.name]
+                if torch_dist_key(lay.name, self.per_layer)[1] is None
+                else loaded[lay.name][0]
+            )
             self.bytes_read += t.numel() * t.element_size()
             if lay.name in VOCAB_PARAMS:
                 lay = fit_vocab(lay, t.shape[0], self.args.vocab_size)

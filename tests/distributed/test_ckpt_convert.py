@@ -114,6 +114,7 @@ def assert_same_hf(a: str, b: str) -> None:
     assert json.load(open(os.path.join(a, "config.json"))) == json.load(open(os.path.join(b, "config.json")))
 
 
+@pytest.mark.slow  # over 45 s: `make test-slow` (CI runs it)
 def test_cli_round_trips(hf_qwen2, tmp_path, torchrun):
     from transformers import AutoModelForCausalLM
 

@@ -8,6 +8,7 @@ checked on the log lines an H200 run printed (torch 2.11, a 2-GPU all_reduce who
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import subprocess
@@ -219,6 +220,67 @@ def test_torchelastic_error_file_carries_the_line(tmp_path, monkeypatch):
     # torchrun's own reader of the file: its failure summary shows our line.
     failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(path))
     assert failure.message["message"] == ex.PREFIX + "rank 3: something actionable."
+
+
+def test_root_cause_box_names_the_cause_not_a_collateral_rank(tmp_path, monkeypatch):
+    """A rank that only lost its peer writes no error file, and a rank that fails with a traceback writes
+    one: torchrun's summary (its own reader, on the files the ranks left) names the rank whose failure
+    caused the other's."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    files = {r: tmp_path / f"error{r}.json" for r in (0, 1)}
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(files[1]))
+    with pytest.raises(SystemExit), ex.explain_failures():  # rank 1: its peer died
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+    assert not files[1].exists()
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(files[0]))
+    with pytest.raises(KeyError), ex.explain_failures():  # rank 0: the cause, not one explain knows
+        raise KeyError("values")
+    # the agent notices the collateral exit after the cause's file was written (same second: rank order)
+    failures = {
+        0: ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(files[0])),
+        1: ProcessFailure(local_rank=1, pid=2, exitcode=1, error_file=str(files[1])),
+    }
+    rank, failure = ChildFailedError("megatron_rl.train", failures).get_first_failure()
+    assert rank == 0 and failure.message["message"] == "KeyError: 'values'"
+    assert "Traceback" in failure.message["extraInfo"]["py_callstack"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed")
+def test_a_missing_logger_stops_every_rank_before_any_model_in_one_line(tmp_path):
+    """torchrun, 2 ranks, trainer.logger=wandb without wandb: one line (local rank 0 prints it), no
+    traceback, and torchrun's root-cause box shows the same line."""
+    from megatron_rl.demo import prepare
+
+    d = prepare(str(tmp_path / "demo"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd += ["-m", "megatron_rl.train", "--config", DEMO_CFG, f"actor_rollout_ref.model.path={d['model']}"]
+    cmd += [f"data.train_files={d['train']}", f"data.val_files={d['test']}", "trainer.logger=[console,wandb]"]
+    cmd += [f"trainer.default_local_dir={tmp_path / 'run'}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert p.returncode != 0
+    ours = [line for line in p.stderr.splitlines() if line.startswith(ex.PREFIX)]
+    assert len(ours) == 1 and ours[0].startswith(ex.PREFIX + "config error: trainer.logger="), p.stderr
+    assert "pip install wandb" in ours[0]
+    # no rank's traceback (torchrun's own agent still prints its ChildFailedError)
+    assert not [
+        line for line in p.stderr.splitlines() if line.strip().startswith("File") and "megatron_rl" in line
+    ]
+    box = p.stderr.split("Root Cause (first observed failure):")[1]
+    assert ours[0] in box
+    assert not (tmp_path / "run").exists()
+
+
+def test_several_config_problems_are_one_line_each(capsys, monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", os.devnull)
+    with pytest.raises(SystemExit), ex.explain_failures():
+        load_config(DEMO_CFG, ["trainer.bogus=1", "data.nope=2"])
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and all(
+        line.startswith(ex.PREFIX + "config error: Unknown config key") for line in err
+    )
 
 
 def test_explain_log_prefers_the_first_cause():

@@ -67,6 +67,7 @@ def test_critic_and_rollout_on_ranks_of_their_own_give_the_colocated_numbers(dem
     assert stable(c[0]) == stable(a[2])
 
 
+@pytest.mark.slow  # over 45 s: `make test-slow` (CI runs it)
 def test_one_step_off_policy_rollout_learns_and_resumes_with_its_queue(demo, tmp_path, torchrun):
     """max_staleness=1: step k+1 is generated while step k trains, and the policy still learns. The
     checkpoint of step 30 holds the generations already asked for (step 31's, sampled by version 29,

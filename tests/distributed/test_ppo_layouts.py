@@ -87,10 +87,8 @@ def save_models(root) -> dict[str, tuple[str, str]]:
     return pairs
 
 
-def run_layout(root, name: str, pairs: dict[str, tuple[str, str]], extra_args: list[str]) -> dict:
-    """One torchrun launch of the worker for LAYOUTS[name] over every pair: {pair: result and weights}."""
-    from tests.conftest import run_torchrun
-
+def _layout_args(root, name: str, pairs: dict[str, tuple[str, str]], extra_args: list[str]) -> list[str]:
+    """The worker's arguments for LAYOUTS[name] over every pair it runs; its output goes to root/name."""
     tp, pp, nproc, micro, layout_args = LAYOUTS[name]
     if name in DYNAMIC:
         pairs = {p: pairs[p] for p in DYNAMIC_PAIRS}
@@ -98,9 +96,29 @@ def run_layout(root, name: str, pairs: dict[str, tuple[str, str]], extra_args: l
     d.mkdir()
     args = ["--models", *(f"{p}={a},{c}" for p, (a, c) in pairs.items())]
     args += ["--tp", str(tp), "--pp", str(pp), "--micro", str(micro), "--out", str(d)]
-    args += [*layout_args, *extra_args] + (["--hf-oracle"] if name in HF_ORACLE else [])
-    run_torchrun("ppo_update.py", nproc, args)
-    return {pair: read_pair(d / pair) for pair in pairs}
+    return args + [*layout_args, *extra_args] + (["--hf-oracle"] if name in HF_ORACLE else [])
+
+
+def run_layouts(root, names: list[str], pairs: dict[str, tuple[str, str]], extra_args: list[str]) -> dict:
+    """One torchrun launch running the worker for each of ``names`` (layouts of one process count), one
+    after another: {layout: {pair: result and weights}}. Sharing the launch saves a process start and a
+    torch.distributed world per layout; each run still builds its parallel groups and models afresh."""
+    from tests.conftest import run_torchrun
+
+    assert len({LAYOUTS[n][2] for n in names}) == 1, names
+    runs = [_layout_args(root, name, pairs, extra_args) for name in names]
+    argv = [arg for i, args in enumerate(runs) for arg in ([] if i == 0 else ["--then"]) + args]
+    run_torchrun("ppo_update_runs.py", LAYOUTS[names[0]][2], argv)
+    out = {}
+    for name in names:
+        ran = DYNAMIC_PAIRS if name in DYNAMIC else pairs
+        out[name] = {pair: read_pair(root / name / pair) for pair in ran}
+    return out
+
+
+def run_layout(root, name: str, pairs: dict[str, tuple[str, str]], extra_args: list[str]) -> dict:
+    """One torchrun launch of the worker for LAYOUTS[name] over every pair: {pair: result and weights}."""
+    return run_layouts(root, [name], pairs, extra_args)[name]
 
 
 def read_pair(d) -> dict:
@@ -112,13 +130,19 @@ def read_pair(d) -> dict:
 
 
 def run_all_layouts(root, extra_args: list[str], max_procs: int = 4) -> dict:
-    """{layout: {pair: run}} for the layouts of at most ``max_procs`` processes, and
-    {"initial": {pair: {"actor": weights, "critic": weights}}}."""
+    """{layout: {pair: run}} for the layouts of at most ``max_procs`` processes (one launch per process
+    count: tp2, pp2, dp2 and their dyn_* runs share one), {"initial": {pair: {"actor": weights,
+    "critic": weights}}} and {"models": {pair: (actor dir, critic dir)}}."""
     pairs = save_models(root)
-    out = {
-        name: run_layout(root, name, pairs, extra_args) for name, v in LAYOUTS.items() if v[2] <= max_procs
-    }
+    launches: dict[int, list[str]] = {}
+    for name, v in LAYOUTS.items():
+        if v[2] <= max_procs:
+            launches.setdefault(v[2], []).append(name)
+    out = {}
+    for names in launches.values():
+        out.update(run_layouts(root, names, pairs, extra_args))
     out["initial"] = {p: {"actor": _load_hf(a), "critic": _load_hf(c)} for p, (a, c) in pairs.items()}
+    out["models"] = pairs
     return out
 
 
@@ -181,6 +205,7 @@ def test_update_exercises_every_loss_term(runs):
         "actor/pg_clipfrac_lower",
         "actor/ppo_kl",
         "actor/entropy",
+        "actor/entropy_loss",  # verl's second name for actor/entropy
         "actor/kl_loss",
         "actor/grad_norm",
         "actor/lr",
@@ -189,6 +214,7 @@ def test_update_exercises_every_loss_term(runs):
     assert set(a) == expected
     assert set(c) == {
         "critic/vf_loss",
+        "critic/loss",  # verl's second name for critic/vf_loss
         "critic/vf_clipfrac",
         "critic/vpred_mean",
         "critic/grad_norm",
@@ -256,22 +282,19 @@ def test_tensor_parallel_padding_and_replicas(runs, layout, pair):
         assert w["replica_diff"] == 0.0, "TP-replicated parameters diverged between TP ranks"
 
 
-def test_replica_check_catches_a_missing_qk_norm_reduction(tmp_path):
+def test_replica_check_catches_a_missing_qk_norm_reduction(runs, tmp_path):
     """Negative control: without the TP sum of Qwen3's q/k-norm gradients the TP copies drift apart
-    and the update no longer matches TP1's."""
-    from megatron_rl.models.random_hf import save_random_hf_model
+    and the update no longer matches TP1's (the fixture's TP1 run of the same qwen3 pair; the healthy
+    TP2 run of it passes both checks in the tests above)."""
     from tests.conftest import run_torchrun
 
-    actor = save_random_hf_model(str(tmp_path / "actor"), "qwen3", seed=5, num_hidden_layers=2)
-    critic = save_random_hf_model(str(tmp_path / "critic"), "llama", seed=15, num_hidden_layers=2)
-    runs = {}
-    for name, tp, micro, extra in (("tp1", 1, 8, []), ("broken", 2, 2, ["--break-qk-norm-reduction"])):
-        args = ["--models", f"qwen3={actor},{critic}", "--tp", str(tp), "--micro", str(micro)]
-        run_torchrun("ppo_update.py", tp, [*args, "--out", str(tmp_path / name), *extra])
-        runs[name] = read_pair(tmp_path / name / "qwen3")
-    assert max(w["replica_diff"] for w in runs["broken"]["weights"].values()) > 0
+    actor, critic = runs["models"]["qwen3"]
+    args = ["--models", f"qwen3={actor},{critic}", "--tp", "2", "--micro", "2", "--device", "cpu"]
+    run_torchrun("ppo_update.py", 2, [*args, "--out", str(tmp_path / "broken"), "--break-qk-norm-reduction"])
+    broken = read_pair(tmp_path / "broken" / "qwen3")
+    assert max(w["replica_diff"] for w in broken["weights"].values()) > 0
     with pytest.raises(AssertionError):
-        assert_metrics_match(runs["tp1"]["result"], runs["broken"]["result"], "broken")
+        assert_metrics_match(runs["tp1"]["qwen3"]["result"], broken["result"], "broken")
 
 
 @pytest.mark.parametrize("layout,pair", _cases(list(LAYOUTS)))

@@ -3,7 +3,8 @@
 One launch per layout runs every check (tests/distributed/workers/reshard.py): engine logits == Megatron
 logits, engine weights == the original files bit for bit, tiny buckets == default buckets, a wrong
 qkv layout is caught, greedy generation == transformers' generate, seeded sampling reproduces,
-engine log-probs == reference log-probs, and TP/PP peers receive identical generations.
+engine log-probs == reference log-probs, TP/PP peers receive identical generations, and a bucket
+dropped before the engine fails the sync's integrity check.
 """
 
 import pytest
@@ -48,6 +49,15 @@ def test_reshard_into_hf_engine(hf_models, tmp_path, torchrun, tp, pp, nproc):
             assert a["buckets_default"] == pp, "default buckets: one per pipeline stage for a tiny model"
         control = r["archs"][GEN_ARCH]["control_diff"]
         assert control > 100 * TOL, f"a k/v-swapped stream went unnoticed (diff {control:.2e})"
+
+    # a bucket dropped before the engine stops the sync on every rank, naming bucket, tensor and the
+    # rank of the (first) engine that missed it
+    for r in ranks:
+        skip = r["archs"][GEN_ARCH]["skip"]
+        msg = skip["message"]
+        assert msg is not None and "\n" not in msg, f"rank {r['rank']}: the dropped bucket went unnoticed"
+        assert f"does not hold {skip['tensor']} (bucket {skip['bucket']} of {skip['buckets']})" in msg, msg
+        assert "the rollout engine on rank 0 " in msg, msg
 
     for r in leaders:
         g = r["gen"]

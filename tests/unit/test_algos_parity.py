@@ -80,7 +80,7 @@ def _loss(mode: str, **kw) -> tuple[torch.Tensor, ...]:
 
 
 def test_gspo_uses_the_sequence_ratio_and_a_sequence_mean():
-    pg, clipfrac, _, lower, grad = _loss("gspo")
+    pg, clipfrac, _, lower, grad = _loss("gspo", loss_agg_mode="seq-mean-token-mean")
     s0 = math.exp((math.log(1.5) + math.log(0.5) + math.log(1.1)) / 3)  # 0.9380
     s1 = math.exp((math.log(2.0) + math.log(0.9)) / 2)  # 1.3416
     # row 0: every token ratio s0 (inside [0.8, 1.2]): -A * s0 -> mean (-1 + 1 - 2) s0 / 3
@@ -92,7 +92,10 @@ def test_gspo_uses_the_sequence_ratio_and_a_sequence_mean():
     close(lower, 0.0)
     # gradient: d(-A s)/dlogp_t = -A s per token, / tokens of the row / 2 rows; a clipped token has none
     close(grad, [[-s0 / 6, s0 / 6, -2 * s0 / 6], [s1 / 4, 0.0, 0.0]])
-    assert effective_agg_mode("gspo", "token-mean") == "seq-mean-token-mean"
+    # GSPO aggregates as loss_agg_mode says (as verl's does): token-mean over the 5 tokens
+    assert effective_agg_mode("gspo", "token-mean") == "token-mean"
+    pg, *_ = _loss("gspo", loss_agg_mode="token-mean")
+    close(pg, (3 * row0 + 2 * row1) / 5)
 
 
 def test_cispo_clips_a_detached_weight_and_always_keeps_a_gradient():
@@ -137,8 +140,9 @@ def test_geo_mean_clips_in_log_space_per_sequence():
     r1 = math.exp((math.log(2.0) + math.log(0.9)) / 2)
     a1 = (-1.0 + 0.5) / 2
     close(pg, (-a0 * r0 - a1 * r1) / 2)
-    close(clipfrac, 1 / 5)  # .405 > .2 with A > 0
-    close(lower, 1 / 5)  # -.693 < -.2 with A < 0
+    # verl's counts: tokens whose log ratio leaves [-.2, .2] on either side, by the sign of A
+    close(clipfrac, 1 / 5)  # .405 with A > 0
+    close(lower, 2 / 5)  # -.693 and .693 with A < 0
 
 
 def test_kl_cov_penalises_the_top_covariance_tokens():
@@ -201,8 +205,9 @@ def test_token_and_sequence_truncated_importance_weights():
     w, m = importance_weights(TRAIN, ROLL, RMASK, "token", threshold=1.5)
     e = math.exp
     close(w, [[1.5, 1.0, e(-0.3)], [1.0, e(-2.0), 0.0]])  # e^.5 = 1.65 truncated to 1.5
-    assert m["rollout_corr/rollout_is_mean"] == pytest.approx((e(0.5) + 1 + e(-0.3) + 1 + e(-2)) / 5)
-    assert m["rollout_corr/rollout_is_max"] == pytest.approx(e(0.5))
+    # verl reports the weights after truncation
+    assert m["rollout_corr/rollout_is_mean"] == pytest.approx((1.5 + 1 + e(-0.3) + 1 + e(-2)) / 5)
+    assert m["rollout_corr/rollout_is_max"] == pytest.approx(1.5)
     assert m["rollout_corr/rollout_is_ratio_fraction_high"] == pytest.approx(1 / 5)
     assert m["rollout_corr/rollout_is_ratio_fraction_low"] == pytest.approx(1 / 5)  # e^-2 < 1/1.5
     w, _ = importance_weights(TRAIN, ROLL, RMASK, "sequence", threshold=5.0)

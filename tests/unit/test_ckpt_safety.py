@@ -2,6 +2,7 @@
 are refused with the file and the offending global named, and the payload never runs."""
 
 import argparse
+import enum
 import json
 import os
 import pickle
@@ -45,6 +46,25 @@ def run_anything(cmd: str) -> int:
 @dataclass
 class CustomState:
     step: int
+
+
+class Phase(enum.Enum):
+    """An enum of the checkpoint's own: plain data, allowed by the opt-in."""
+
+    WARMUP = "warmup"
+    MAIN = "main"
+
+
+class Truncate:
+    """The gadget: unpickling this opens ``path`` for writing with zipfile.ZipFile, truncating it."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        import zipfile
+
+        return (zipfile.ZipFile, (self.path, "w"))
 
 
 @pytest.fixture(scope="module")
@@ -118,27 +138,69 @@ def test_what_megatron_lm_saves_is_allowed(tmp_path, monkeypatch):
     out = safe_torch_load(f)
     assert out["args"].attention_backend == AttnBackend.auto and out["args"].lr == 3e-4
 
-    # anything else needs an explicit opt-in by name
+    # anything else needs an explicit opt-in by name, and only plain data types can be opted in
     f2 = str(tmp_path / "custom.pt")
-    torch.save({"state": CustomState(3)}, f2)
-    with pytest.raises(UnsafeCheckpointError, match="CustomState"):
+    torch.save({"phase": Phase.MAIN}, f2)
+    with pytest.raises(UnsafeCheckpointError, match="Phase"):
         safe_torch_load(f2)
+    monkeypatch.setenv(SAFE_GLOBALS_ENV, f"{__name__}.Phase")
+    assert safe_torch_load(f2)["phase"] is Phase.MAIN
+    f3 = str(tmp_path / "state.pt")
+    torch.save({"state": CustomState(3)}, f3)
     monkeypatch.setenv(SAFE_GLOBALS_ENV, f"{__name__}.CustomState")
-    assert safe_torch_load(f2)["state"].step == 3
+    with pytest.raises(ValueError, match=r"refusing tests\.unit\.test_ckpt_safety\.CustomState, a class"):
+        safe_torch_load(f3)
+
+
+def test_the_zipfile_gadget_is_refused_even_when_opted_in(tmp_path, monkeypatch):
+    """MEGATRON_RL_SAFE_GLOBALS=zipfile.ZipFile would let a checkpoint truncate any file it names."""
+    victim, control = tmp_path / "victim.bin", tmp_path / "control.bin"
+    for f in (victim, control):
+        f.write_bytes(os.urandom(1500))
+    # the control: unpickled without the loader, the gadget truncates its file
+    pickle.loads(pickle.dumps(Truncate(str(control)))).close()
+    assert control.stat().st_size < 1500
+    ckpt = str(tmp_path / "evil.pt")
+    torch.save({"w": torch.ones(2), "x": Truncate(str(victim))}, ckpt)
+    monkeypatch.setenv(SAFE_GLOBALS_ENV, "zipfile.ZipFile")
+    with pytest.raises(ValueError) as e:
+        safe_torch_load(ckpt)
+    text = str(e.value)
+    assert "\n" not in text and "refusing zipfile.ZipFile" in text and SAFE_GLOBALS_ENV in text
+    assert victim.stat().st_size == 1500
+    monkeypatch.delenv(SAFE_GLOBALS_ENV)
+    with pytest.raises(UnsafeCheckpointError, match="zipfile.ZipFile"):
+        safe_torch_load(ckpt)
+    assert victim.stat().st_size == 1500
+
+
+@pytest.mark.parametrize(
+    "entry",
+    ["torch.Tensor", "torch.float16", "torch.Size", "numpy.ndarray", "numpy.float32", "numpy.dtype"],
+)
+def test_opt_in_takes_tensor_storage_and_dtype_types(monkeypatch, entry):
+    from megatron_rl.weights.safe_load import safe_globals
+
+    monkeypatch.setenv(SAFE_GLOBALS_ENV, entry)
+    if entry == "torch.float16":  # an instance, not a type
+        with pytest.raises(ValueError, match="refusing torch.float16, a dtype"):
+            safe_globals()
+    else:
+        assert any(g.__name__ == entry.rpartition(".")[2] for g in safe_globals() if isinstance(g, type))
 
 
 @pytest.mark.parametrize(
     "entry, why",
     [
-        ("os.system", "not a class"),
-        ("posix.system", "not a class"),
-        ("builtins.eval", "not a class"),
-        ("shutil.rmtree", "not a class"),
-        (f"{__name__}.run_anything", "not a class"),
-        ("subprocess.Popen", "comes from subprocess"),
-        ("builtins.object", "comes from builtins"),
-        ("os.PathLike", "comes from os"),
-        ("sys.flags", "not a class"),
+        ("os.system", "not a tensor, storage, dtype"),
+        ("posix.system", "not a tensor, storage, dtype"),
+        ("builtins.eval", "not a tensor, storage, dtype"),
+        ("shutil.rmtree", "not a tensor, storage, dtype"),
+        (f"{__name__}.run_anything", "not a tensor, storage, dtype"),
+        ("subprocess.Popen", "not a tensor, storage, dtype"),
+        ("builtins.object", "not a tensor, storage, dtype"),
+        ("os.PathLike", "not a tensor, storage, dtype"),
+        ("sys.flags", "not a tensor, storage, dtype"),
     ],
 )
 def test_opt_in_accepts_plain_classes_only(tmp_path, monkeypatch, entry, why):
@@ -156,4 +218,30 @@ def test_opt_in_accepts_plain_classes_only(tmp_path, monkeypatch, entry, why):
     monkeypatch.delenv(SAFE_GLOBALS_ENV)
     with pytest.raises(UnsafeCheckpointError, match="system.*not allowed"):
         safe_torch_load(f)
+    assert not marker.exists(), "the payload ran"
+
+
+@pytest.mark.parametrize(
+    "verb",
+    [
+        ["mcore-to-hf", "--ckpt", "{ckpt}", "--out", "{out}"],
+        ["legacy-to-dist", "--legacy", "{ckpt}", "--out", "{out}"],
+        ["mcore-to-legacy", "--ckpt", "{ckpt}", "--out", "{out}"],
+        ["verify", "--hf", "{hf}", "--ckpt", "{ckpt}"],
+    ],
+    ids=lambda v: v[0],
+)
+def test_every_ckpt_tools_verb_refuses_a_malicious_checkpoint(hf, tmp_path, verb):
+    from ckpt_tools.__main__ import main
+
+    marker = tmp_path / "pwned"
+    ckpt = str(tmp_path / "ckpt")
+    save_legacy(HFReader(hf), load_model_args(hf), ckpt, tp=1, pp=1)
+    f = os.path.join(ckpt, "iter_0000001", "mp_rank_00", LEGACY_FILE)
+    state = safe_torch_load(f)
+    state["optimizer"] = {"state": {0: Payload(str(marker))}}
+    torch.save(state, f)
+    argv = [a.format(ckpt=ckpt, out=str(tmp_path / "out"), hf=hf) for a in verb]
+    with pytest.raises(UnsafeCheckpointError, match="Refusing to load"):
+        main(argv)
     assert not marker.exists(), "the payload ran"

@@ -184,6 +184,7 @@ def test_help_and_key_listing():
 
 
 def test_print_config_command():
+    """The printer is a dry run: the resolved config on stdout, then every problem on stderr (exit 1)."""
     out = subprocess.run(
         [
             sys.executable,
@@ -194,24 +195,27 @@ def test_print_config_command():
         ],
         capture_output=True,
         text=True,
-        check=True,
-    ).stdout
-    assert "train_batch_size: 8" in out and "path: /m" in out
+    )
+    assert "train_batch_size: 8" in out.stdout and "path: /m" in out.stdout
+    assert out.returncode == 1 and "actor_rollout_ref.model.path=/m: no such directory" in out.stderr
     bad = subprocess.run(
         [sys.executable, "-m", "megatron_rl.config", "data.nope=1"], capture_output=True, text=True
     )
     assert bad.returncode != 0 and "Unknown config key 'data.nope'" in bad.stderr
-    # The training entry point's form (--config FILE) is accepted too, with the file's values.
+    # The training entry point's form (--config FILE) is accepted too, with the file's values; the
+    # two-node config checks at its own launch size (only its model path is missing here).
     from megatron_rl.config import main
 
     yaml_out = subprocess.run(
-        [sys.executable, "-m", "megatron_rl.config", "--config", "yaml/gsm8k_qwen2.5_7b.yaml"],
+        [sys.executable, "-m", "megatron_rl.config", "--config", "yaml/gsm8k_qwen2.5_7b.yaml"]
+        + ["--nnodes", "2", "--nproc", "8", "--no-device"],
         capture_output=True,
         text=True,
-        check=True,
         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-    ).stdout
-    assert "tensor_model_parallel_size: 4" in yaml_out and "optimizer_offload: true" in yaml_out
+    )
+    assert "tensor_model_parallel_size: 4" in yaml_out.stdout and "optimizer_offload: true" in yaml_out.stdout
+    problems = [line for line in yaml_out.stderr.splitlines() if line.startswith("megatron-rl error:")]
+    assert problems and all("Qwen2.5-7B-Instruct" in p or "data/gsm8k" in p for p in problems), problems
     with pytest.raises(SystemExit, match="--config needs a YAML file"):
         main(["--config"])
 

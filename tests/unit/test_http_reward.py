@@ -315,3 +315,124 @@ def test_scores_are_finite_floats(serve):
     server = serve(lambda n, body: (200, _json({"scores": [True, 2, -1.5][: len(body["samples"])]})))
     scores, _ = HttpReward(_cfg(server.url))(*_columns(3))
     assert scores == [1.0, 2.0, -1.5] and all(math.isfinite(s) for s in scores)
+
+
+# ---------------------------------------------------------------- bounds and network
+
+
+class _RawServer:
+    """A server whose handler writes the raw reply itself (``write(handler)``), recording each request."""
+
+    def __init__(self, write: Callable[[BaseHTTPRequestHandler], None]) -> None:
+        self.paths: list[str] = []
+        server = self
+
+        class _Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                self.rfile.read(int(self.headers["Content-Length"]))
+                server.paths.append(self.path)
+                try:
+                    write(self)
+                except OSError:  # the client stopped reading
+                    pass
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/score"
+        threading.Thread(target=self.httpd.serve_forever, args=(0.02,), daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def raw() -> Iterator[Callable]:
+    servers: list[_RawServer] = []
+
+    def start(write) -> _RawServer:
+        servers.append(_RawServer(write))
+        return servers[-1]
+
+    yield start
+    for s in servers:
+        s.close()
+
+
+def test_a_reply_over_the_size_limit_is_refused(serve):
+    big = _json({"scores": [1.0, 2.0], "pad": "x" * 5000})
+    server = serve(lambda n, body: (200, big))
+    with pytest.raises(HttpRewardError) as info:
+        HttpReward(_cfg(server.url, max_response_bytes=4096, retries=3))(*_columns(2))
+    text = _one_line(info.value)
+    assert "reward_model.http.max_response_bytes=4096" in text and len(server.requests) == 1  # not retried
+    # the same reply under a limit it fits
+    scores, _ = HttpReward(_cfg(server.url, max_response_bytes=len(big)))(*_columns(2))
+    assert scores == [1.0, 2.0]
+
+
+def test_an_endless_reply_without_a_length_is_cut_at_the_limit(raw):
+    def endless(h: BaseHTTPRequestHandler) -> None:
+        h.send_response(200)
+        h.send_header("Content-Type", "application/json")
+        h.end_headers()  # no Content-Length: the body lasts until the connection closes
+        h.wfile.write(b'{"scores": [1, 2], "pad": "')
+        while True:
+            h.wfile.write(b"x" * 65536)
+
+    server = raw(endless)
+    with pytest.raises(HttpRewardError, match=r"larger than reward_model\.http\.max_response_bytes=1048576"):
+        HttpReward(_cfg(server.url, max_response_bytes=2**20, timeout_s=20.0))(*_columns(2))
+
+
+def test_the_environment_proxy_is_ignored_unless_configured(serve, monkeypatch):
+    direct = serve(lambda n, body: (200, _json({"scores": [1.0] * len(body["samples"])})))
+    proxy = serve(lambda n, body: (200, _json({"scores": [7.0] * len(body["samples"])})))
+    proxy_url = proxy.url.rsplit("/", 1)[0]
+    for var in ("no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("http_proxy", proxy_url)
+    monkeypatch.setenv("HTTP_PROXY", proxy_url)
+    scores, _ = HttpReward(_cfg(direct.url))(*_columns(2))
+    assert scores == [1.0, 1.0] and proxy.requests == [] and len(direct.requests) == 1
+    # configured: the request goes through the proxy (which answers it here)
+    scores, _ = HttpReward(_cfg(direct.url, proxy=proxy_url))(*_columns(2))
+    assert scores == [7.0, 7.0] and len(proxy.requests) == 1 and len(direct.requests) == 1
+
+
+def test_timed_out_attempts_are_counted_and_bounded(raw):
+    release = threading.Event()
+
+    def trickle(h: BaseHTTPRequestHandler) -> None:
+        # headers a line at a time, each within the socket timeout: the client's read never times out,
+        # only the attempt's own deadline ends the wait
+        h.wfile.write(b"HTTP/1.1 200 OK\r\n")
+        while not release.wait(0.05):
+            h.wfile.write(b"X-Pad: a\r\n")
+            h.wfile.flush()
+
+    server = raw(trickle)
+    http = HttpReward(_cfg(server.url, timeout_s=0.3, retries=3, backoff_s=0.01, max_abandoned_threads=2))
+    try:
+        with pytest.raises(HttpRewardError) as info:
+            http(*_columns(2))
+        text = _one_line(info.value)
+        assert "2 requests that timed out are still running" in text
+        assert "reward_model.http.max_abandoned_threads=2" in text
+        assert len(server.paths) == 2 and http.abandoned_threads() == 2
+    finally:
+        release.set()
+    for _ in range(200):  # the server stops: the abandoned threads end
+        if http.abandoned_threads() == 0:
+            break
+        time.sleep(0.05)
+    assert http.abandoned_threads() == 0
+
+
+def test_the_manager_reports_abandoned_threads(serve):
+    server = serve(good)
+    manager = HttpRewardManager(build_toy_tokenizer(), _cfg(server.url))
+    out = manager([[7, 2]], ["toy"], ["3"], [{"index": 0}], [[14, 7]])
+    assert out.extras["http_abandoned"].tolist() == [0.0]

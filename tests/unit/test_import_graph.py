@@ -130,8 +130,12 @@ def module_edges(root: Path = ROOT) -> list[Edge]:
 
 
 def unit_of(module: str) -> str:
-    """``megatron_rl.weights.legacy`` -> ``weights``; ``megatron_rl.config`` -> ``config``."""
+    """``megatron_rl.weights.legacy`` -> ``weights``; ``megatron_rl.config`` -> ``config``. A package's
+    ``__main__`` (its command line: run, never imported, so it adds nothing to what importing the
+    package pulls in) is a unit of its own: ``megatron_rl.config.__main__`` -> ``config.__main__``."""
     parts = module.split(".")
+    if len(parts) > 2 and parts[-1] == "__main__":
+        return ".".join(parts[1:])
     return parts[1] if len(parts) > 1 else PACKAGE
 
 

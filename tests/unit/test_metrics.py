@@ -129,9 +129,8 @@ def test_jsonl_sink(tmp_path):
     assert steps("metrics.2.jsonl") == [1]
 
 
-def test_console_prints_a_line_per_step_and_the_block_every_n(capsys):
-    lg = MetricsLogger(["console"], "/nonexistent-unused", "p", "e", {}, enabled=False)
-    lg.enabled, lg.block_freq = True, 2  # console only: no directory is needed
+def test_console_prints_a_line_per_step_and_the_block_every_n(capsys, tmp_path):
+    lg = MetricsLogger(["console"], str(tmp_path), "p", "e", {}, enabled=True, block_freq=2)
     m = {"critic/score/mean": 0.5, "actor/pg_loss": 0.25, "timing_s/step": 1.5}
     m["val-core/x/reward/mean@1"] = 0.75
     for step in (1, 2, 3):
@@ -140,6 +139,34 @@ def test_console_prints_a_line_per_step_and_the_block_every_n(capsys):
     assert out[0] == "step 1  score=0.5  pg_loss=0.25  step_s=1.5  val-core/x/reward/mean@1=0.75"
     assert out[1] == "step 2" and out[2].startswith("  actor")  # the grouped block at step 2
     assert "step 3" in out and out[-1].startswith("  ")  # and at the last step
+    # console only (verl's default logger): the file for tools is written all the same
+    lg.close()
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[0]["actor/pg_loss"] == 0.25
+
+
+def test_summary_names_the_metrics_file_whatever_the_logger(tmp_path, capsys):
+    from megatron_rl.config import load_config
+    from megatron_rl.metrics import write_summary
+
+    cfg = load_config(None, [f"trainer.default_local_dir={tmp_path}", "trainer.logger=console"])
+    jsonl = os.path.join(cfg.trainer.log_dir, "metrics.jsonl")
+    write_summary(cfg, 3, {"critic/score/mean": 0.5}, None, jsonl)
+    out = capsys.readouterr().out
+    assert f"metrics:    {jsonl}   plot: python -m megatron_rl.plot {cfg.trainer.log_dir}" in out
+    assert json.loads((tmp_path / "summary.json").read_text())["metrics"] == jsonl
+
+
+def test_progress_bar_is_off_when_output_is_not_a_terminal(capsys):
+    from megatron_rl.metrics import progress_bar
+
+    bar = progress_bar(10, 0, enabled=True)  # pytest captures stdout/stderr: not terminals
+    assert bar.disable
+    bar.update(1)
+    bar.write("step 1  score=0.5")
+    bar.close()
+    captured = capsys.readouterr()
+    assert captured.out == "step 1  score=0.5\n" and captured.err == ""
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorboard") is not None, reason="tensorboard is installed")

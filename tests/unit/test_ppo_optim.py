@@ -182,7 +182,7 @@ def test_low_precision_params_train_through_fp32_masters(ps, hf_dir):
     from megatron_rl.optim import _main_to_model_pairs
 
     m, _ = tiny(ps, hf_dir, torch.bfloat16)
-    opt = build(m, ps, lr=1e-3, weight_decay=0.0)
+    opt = build(m, ps, lr=1e-3, weight_decay=0.0, stochastic_rounding=False)  # the copy checked below
     masters = opt.state_tensors()
     assert masters and all(t.dtype == torch.float32 for t in masters)
     opt.zero_grad()
@@ -240,6 +240,61 @@ def test_small_bf16_updates_reach_the_model_only_with_stochastic_rounding(ps, hf
     else:
         assert delivered < 0.5 and frac < 0.05
     assert opt.pop_update_fraction() is None  # the counters were reset
+
+
+def test_fp16_overflows_back_the_loss_scale_off_and_training_goes_on(ps, hf_dir):
+    """fp16 through megatron's dynamic loss scaler, started far too high (2^40): the first updates
+    overflow, each is skipped and counted as the scaler's (never as a non-finite failure, so the guard
+    does not stop the run), the scale halves until the gradients fit, and the updates then train the
+    model (its loss falls). Oracle for the skips: the scale's own arithmetic, 2^40 -> the first scale
+    without an overflow, one halving per overflow (hysteresis 1)."""
+    from megatron_rl.optim import NonFiniteGuard
+
+    m, _ = tiny(ps, hf_dir, torch.float16)
+    opt = build(m, ps, lr=1e-3, weight_decay=0.0, initial_loss_scale=2.0**40, hysteresis=1)
+    assert opt.loss_scale == 2.0**40
+    guard = NonFiniteGuard(limit=1)  # the strictest guard: one non-finite step would stop the run
+    ids = IDS[:2]
+    first = loss_of(m, ids).item()
+    for step in range(40):
+        opt.zero_grad()
+        # the schedule's grad_scale_func in training: backward from loss x scale, in fp16
+        opt.optimizer.scale_loss(loss_of(opt.ddp, ids)).backward()
+        opt.step()
+        guard.check({"actor/nonfinite_grad_steps": float(opt.skipped_steps)}, step, lambda: None)
+    skips = opt.loss_scale_skips
+    assert skips >= 5 and opt.skipped_steps == 0
+    assert opt.loss_scale == 2.0 ** (40 - skips)  # one halving per overflow, none since
+    assert opt.num_steps == 40 - skips  # the LR schedule advanced only on real updates
+    assert loss_of(m, ids).item() < first - 0.1
+    assert opt.counters()["loss_scale_skips"] == skips
+
+
+def test_non_finite_advantages_count_as_a_non_finite_step_whatever_the_optimizer_did():
+    """NaN advantages on response tokens (not on padding) make the step a non-finite one, even when
+    no update was skipped (an fp16 scaler takes their NaN gradients for an overflow)."""
+    from megatron_rl.optim import NONFINITE_ADVANTAGES, NonFiniteError, NonFiniteGuard, count_nonfinite
+
+    adv = torch.tensor([[1.0, float("nan"), float("inf")], [0.5, 0.0, float("nan")]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    assert count_nonfinite(adv, mask, None) == 2  # the NaN under the mask's 0 is padding
+    guard = NonFiniteGuard(limit=2)
+    clean = {"actor/nonfinite_grad_steps": 0.0, NONFINITE_ADVANTAGES: 0.0}
+    guard.check(clean, 1, lambda: None)
+    guard.check({**clean, NONFINITE_ADVANTAGES: 2.0}, 2, lambda: None)
+    with pytest.raises(NonFiniteError, match=r"advantages \(tokens\): 2.*max_nonfinite_steps=2"):
+        guard.check({**clean, NONFINITE_ADVANTAGES: 2.0}, 3, lambda: "ckpt")
+
+
+def test_fp16_overflow_at_the_minimum_scale_is_a_non_finite_step(ps, hf_dir):
+    """Negative control: with the floor at the start, the scaler cannot back off, so an overflow
+    counts as a non-finite step (trainer.max_nonfinite_steps)."""
+    m, _ = tiny(ps, hf_dir, torch.float16)
+    opt = build(m, ps, lr=1e-3, initial_loss_scale=2.0**40, min_loss_scale=2.0**40, hysteresis=1)
+    opt.zero_grad()
+    opt.optimizer.scale_loss(loss_of(opt.ddp, IDS[:2])).backward()
+    norm, _ = opt.step()
+    assert not math.isfinite(norm) and opt.skipped_steps == 1 and opt.loss_scale_skips == 0
 
 
 @pytest.mark.parametrize(

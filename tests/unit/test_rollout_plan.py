@@ -69,6 +69,6 @@ def test_bad_bucket_size_and_engine_name_are_explained():
     with pytest.raises(ValueError, match="update_weights_bucket_megabytes"):
         plan_buckets(args_of("LlamaForCausalLM"), 1, 1, 0, 2)
     with pytest.raises(ValueError, match="rollout.name"):
-        create_engine(RolloutConfig(name="vllm"), "", None, None, 0)
+        create_engine(RolloutConfig(name="vllm", dtype="float32"), "", None, None, 0)
     with pytest.raises(ValueError, match="rollout.dtype"):
         create_engine(RolloutConfig(name="hf", dtype="fp8"), "", None, None, 0)

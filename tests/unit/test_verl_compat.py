@@ -6,7 +6,7 @@ import os
 import pytest
 
 from megatron_rl.config import Config, ConfigError, known_keys, load_config, validate
-from megatron_rl.verl_compat import compat_table, rule_for, verl_key_list
+from megatron_rl.verl_compat import compat_table, hydra_config_args, rule_for, verl_key_list
 from tests.conftest import ROOT
 
 # The overrides of verl's GSM8K PPO quickstart command, with this project's model and data paths.
@@ -97,3 +97,115 @@ def test_aliases_ignored_keys_and_refusals():
     # Neither verl's nor ours: still a did-you-mean.
     with pytest.raises(ConfigError, match=r"Did you mean 'trainer.save_freq'"):
         load_config(None, ["trainer.save_frequency=3"])
+
+
+def test_verl_engine_and_config_group_choices():
+    notices: list[str] = []
+    cfg = load_config(
+        os.path.join(ROOT, "yaml", "cpu_demo.yaml"),
+        [
+            "model_engine=megatron",
+            "actor_rollout_ref.actor.model_engine=megatron",
+            "actor@actor_rollout_ref.actor=megatron_actor",
+            "critic@critic=megatron_critic",
+        ],
+        notices,
+    )
+    assert cfg.actor_rollout_ref.actor.megatron.tensor_model_parallel_size == 2  # the file's layout
+    assert sum("verl's Megatron trainer defaults" in n for n in notices) == 2
+    for bad, match in (
+        ("model_engine=dp", r"model_engine='dp' \(from command line\): this trainer runs Megatron only"),
+        ("actor@actor_rollout_ref.actor=dp_actor", r"Megatron only.*accepted: megatron_actor"),
+        ("optimizer@actor_rollout_ref.actor=x", r"not one of verl's config groups"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            load_config(None, [bad])
+
+
+def test_hydra_config_path_and_name(tmp_path):
+    (tmp_path / "mine.yaml").write_text("data:\n  train_batch_size: 12\n")
+    notices: list[str] = []
+    argv = hydra_config_args(["--config-path", str(tmp_path), "--config-name=mine", "a.b=1"], notices)
+    assert argv == ["--config", str(tmp_path / "mine.yaml"), "a.b=1"] and not notices
+    assert load_config(argv[1], []).data.train_batch_size == 12
+    # verl's own base config, named from verl's source tree: its defaults are this config's
+    argv = hydra_config_args(
+        ["--config-path=config", "--config-name=ppo_megatron_trainer.yaml", "x=1"], notices
+    )
+    assert argv == ["x=1"] and "verl's ppo_megatron_trainer.yaml" in notices[0]
+    # anything else stays a file to load, and fails as a missing file does
+    argv = hydra_config_args(["--config-path=nowhere", "--config-name=mine"], [])
+    with pytest.raises(ConfigError, match="Config file not found: nowhere/mine.yaml"):
+        load_config(argv[1], [])
+
+
+def test_hydra_plus_keys_and_ignored_trainer_keys():
+    notices: list[str] = []
+    cfg = load_config(None, ["+trainer.val_only=True", "trainer.validation_data_dir=/tmp/v"], notices)
+    assert cfg.trainer.val_only is True
+    assert notices == [
+        "trainer.validation_data_dir is accepted and ignored: validation generations are not dumped."
+    ]
+
+
+def test_override_transformer_config_keys():
+    prefix = "+actor_rollout_ref.actor.megatron.override_transformer_config."
+    notices: list[str] = []
+    cfg = load_config(
+        None,
+        [
+            prefix + "recompute_granularity=full",
+            prefix + "recompute_modules=[core_attn,mlp]",
+            prefix + "moe_aux_loss_coeff=0.01",
+            prefix + "moe_router_dtype=fp32",
+            prefix + "moe_permute_fusion=True",
+            prefix + "apply_rope_fusion=True",
+            prefix + "use_flash_attn=True",
+            prefix + "sequence_parallel=False",
+            "actor_rollout_ref.actor.megatron.use_remove_padding=True",
+            "actor_rollout_ref.ref.megatron.forward_only=True",
+        ],
+        notices,
+    )
+    mp = cfg.actor_rollout_ref.actor.megatron
+    # kept for megatron-core's TransformerConfig (the MoE keys are read for an MoE model only)
+    assert mp.override_transformer_config == {
+        "recompute_modules": ["core_attn", "mlp"],
+        "moe_aux_loss_coeff": 0.01,
+        "moe_router_dtype": "fp32",
+    }
+    assert mp.recompute_granularity == "full" and mp.sequence_parallel is False
+    why = {n.split(" ")[0].rsplit(".", 1)[-1]: n for n in notices}
+    assert set(why) == {
+        "moe_permute_fusion",
+        "apply_rope_fusion",
+        "use_flash_attn",
+        "use_remove_padding",
+        "forward_only",
+    }
+    assert "without TE permute fusion" in why["moe_permute_fusion"]
+    assert "fused kernels" in why["apply_rope_fusion"] and "SDPA" in why["use_flash_attn"]
+    assert "compacted" in why["use_remove_padding"] and "forward only" in why["forward_only"]
+    for bad, match in (
+        (prefix + "context_parallel_size=2", "context parallelism is not implemented"),
+        (prefix + "num_layers_in_last_pipeline_stage=6", "uneven pipeline stages are not implemented"),
+        (prefix + "multi_latent_attention=True", "multi-latent attention is not implemented"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            load_config(None, [bad])
+
+
+def test_icepop_threshold_form_validates():
+    cfg = load_config(
+        None,
+        QUICKSTART
+        + [
+            "algorithm.rollout_correction.rollout_is=token",
+            "algorithm.rollout_correction.rollout_is_threshold=0.5_2.0",
+        ],
+    )
+    validate(cfg, world_size=1, model_dims=QWEN_05B)
+    assert cfg.algorithm.rollout_correction.rollout_is_threshold == "0.5_2.0"
+    cfg.algorithm.rollout_correction.rollout_is_threshold = "2.0_0.5"
+    with pytest.raises(ConfigError, match=r"rollout_is_threshold='2.0_0.5'.*lower <= upper"):
+        validate(cfg, world_size=1, model_dims=QWEN_05B)

@@ -112,8 +112,39 @@ def check_arch(path: str, ps, control: bool) -> dict:
         finally:
             tables.param_layouts = orig_layouts
         rec["control_diff"], _ = logits_diff(model, engine, ps, args, mb)
+        rec["skip"] = check_skipped_bucket(model, engine, ps, args)
         sync_weights(model, ps, engine, bucket_megabytes=512, dtype=torch.float32)
     return rec, model, engine, args
+
+
+def check_skipped_bucket(model, engine, ps, args) -> dict:
+    """A sync that drops one bucket before the engine (the stream's test hook) over an engine whose copy
+    is stale (zeroed): every rank raises WeightSyncError naming that bucket's first tensor."""
+    from megatron_rl.rollout import reshard
+
+    small = 4096
+    plan = reshard.plan_buckets(args, ps.tp_size, ps.pp_size, small, 4)
+    k = len(plan) // 2
+    if engine.model is not None:
+        with torch.no_grad():
+            for p in engine.model.parameters():
+                p.zero_()
+    os.environ[reshard.SKIP_BUCKET_ENV] = f"{reshard._syncs + 1}:{k}"
+    try:
+        sync_weights(model, ps, engine, bucket_megabytes=small / 2**20, dtype=torch.float32)
+        message = None
+    except reshard.WeightSyncError as e:
+        message = str(e)
+    finally:
+        del os.environ[reshard.SKIP_BUCKET_ENV]
+    # the same sync without the fault passes (the check itself is quiet on a correct stream)
+    sync_weights(model, ps, engine, bucket_megabytes=small / 2**20, dtype=torch.float32)
+    return {
+        "message": message,
+        "bucket": k + 1,
+        "buckets": len(plan),
+        "tensor": plan[k].params[0].tensors[0].name,
+    }
 
 
 def as_lists(gens):

@@ -1,0 +1,236 @@
+"""The wire format of the job's key-value store: a JSON header and raw tensor bytes, never pickle.
+
+Roles on ranks of their own (``rollout.remote``, ``critic_role``) exchange requests, generations,
+batches and values through torchrun's TCPStore, which any process that reaches its port can write
+to. A value read from it is therefore data to validate, not code to run:
+
+    b"MRLW1\\n" | header length (8 bytes, little endian) | JSON header | tensor bytes
+
+The header is ``{"body": <value>, "tensors": [{"dtype", "shape", "offset", "nbytes"}, ...]}``. A value
+is JSON (str, int, float, bool, None, lists, dicts with str keys) or a tagged object:
+
+    {"__t": i}                         tensor i of the header (torch.frombuffer; dtype from DTYPES)
+    {"__tuple": [...]}                 a tuple
+    {"__map": [[k, v], ...]}           a dict whose keys are not all strings (or start with "__")
+    {"__dc": "Name", "f": {...}}       a dataclass the reader registered by name (its fields only)
+
+Decoding accepts nothing else: an unknown tag, a dtype outside :data:`DTYPES`, a tensor whose bytes
+lie outside the payload, or a payload without the magic (a pickle, say) raises :class:`WireError`
+naming the key, and nothing of the payload is executed.
+
+:func:`all_gather_objects` and :func:`broadcast_object` carry the same payloads over a process group
+(uint8 tensors), for the roles' small control values in place of torch's pickling ``*_object``
+collectives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import struct
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+MAGIC = b"MRLW1\n"
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+"""The tensor dtypes a payload may carry."""
+
+_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+class WireError(RuntimeError):
+    """A store value that is not a well-formed message of this format; nothing of it was executed."""
+
+
+def _dc_registry(types: tuple[type, ...]) -> dict[str, type]:
+    out = {}
+    for t in types:
+        if not dataclasses.is_dataclass(t):
+            raise TypeError(f"{t!r} is not a dataclass")
+        out[t.__name__] = t
+    return out
+
+
+def encode(obj: Any, types: tuple[type, ...] = ()) -> bytes:
+    """``obj`` as one payload; dataclasses must be among ``types`` (the reader registers the same)."""
+    registry = _dc_registry(types)
+    blobs: list[bytes] = []
+    metas: list[dict] = []
+    offset = 0
+
+    def enc(x: Any) -> Any:
+        nonlocal offset
+        if x is None or isinstance(x, (bool, int, float, str)):
+            return x
+        if isinstance(x, torch.Tensor):
+            if x.dtype not in _NAMES:
+                raise TypeError(f"tensor dtype {x.dtype} cannot travel the store (allowed: {sorted(DTYPES)})")
+            t = x.detach().to("cpu").contiguous()
+            # bytes of any dtype (bfloat16 included) through a uint8 view
+            data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+            metas.append(
+                {"dtype": _NAMES[t.dtype], "shape": list(t.shape), "offset": offset, "nbytes": len(data)}
+            )
+            blobs.append(data)
+            offset += len(data)
+            return {"__t": len(metas) - 1}
+        if isinstance(x, tuple):
+            return {"__tuple": [enc(v) for v in x]}
+        if isinstance(x, list):
+            return [enc(v) for v in x]
+        if isinstance(x, dict):
+            if all(isinstance(k, str) and not k.startswith("__") for k in x):
+                return {k: enc(v) for k, v in x.items()}
+            return {"__map": [[enc(k), enc(v)] for k, v in x.items()]}
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            name = type(x).__name__
+            if registry.get(name) is not type(x):
+                raise TypeError(f"{name} is not registered for the store (types={sorted(registry)})")
+            return {"__dc": name, "f": {f.name: enc(getattr(x, f.name)) for f in dataclasses.fields(x)}}
+        if hasattr(x, "tolist") and hasattr(x, "dtype"):  # numpy scalars / arrays from parquet columns
+            return enc(x.tolist())
+        raise TypeError(f"{type(x).__name__} cannot travel the store (JSON values, tensors, dataclasses)")
+
+    header = json.dumps({"body": enc(obj), "tensors": metas}).encode()
+    return b"".join([MAGIC, struct.pack("<Q", len(header)), header, *blobs])
+
+
+def decode(
+    payload: bytes, types: tuple[type, ...] = (), key: str = "?", source: str = "job store key"
+) -> Any:
+    """The value :func:`encode` wrote; :class:`WireError` naming ``source`` and ``key`` for all else."""
+    registry = _dc_registry(types)
+
+    def bad(why: str) -> WireError:
+        return WireError(
+            f"{source} {key!r}: refused a value that is not a megatron-rl message ({why}); nothing of "
+            "it was run. Something other than this job wrote it: check who can reach the job's ports "
+            "(docs/reliability.md, Security and ports)."
+        )
+
+    payload = bytes(payload)
+    if not payload.startswith(MAGIC):
+        hint = "; it looks like a pickle" if payload[:1] == b"\x80" else ""
+        raise bad(f"starts with {payload[:8]!r}{hint}")
+    start = len(MAGIC) + 8
+    if len(payload) < start:
+        raise bad("truncated header")
+    (hlen,) = struct.unpack("<Q", payload[len(MAGIC) : start])
+    if start + hlen > len(payload):
+        raise bad(f"header of {hlen} bytes past the end of the value")
+    try:
+        header = json.loads(payload[start : start + hlen])
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad(f"header is not JSON: {e}") from None
+    if not isinstance(header, dict) or "body" not in header or not isinstance(header.get("tensors"), list):
+        raise bad("header lacks body/tensors")
+    data = memoryview(payload)[start + hlen :]
+    tensors: list[torch.Tensor] = []
+    for i, m in enumerate(header["tensors"]):
+        if not isinstance(m, dict) or m.get("dtype") not in DTYPES:
+            raise bad(f"tensor {i}: dtype {m.get('dtype') if isinstance(m, dict) else m!r} not allowed")
+        shape, off, nbytes = m.get("shape"), m.get("offset"), m.get("nbytes")
+        if not (isinstance(shape, list) and all(isinstance(s, int) and s >= 0 for s in shape)):
+            raise bad(f"tensor {i}: bad shape {shape!r}")
+        dtype = DTYPES[m["dtype"]]
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if not (
+            isinstance(off, int)
+            and isinstance(nbytes, int)
+            and off >= 0
+            and nbytes == math.prod(shape) * itemsize
+        ):
+            raise bad(f"tensor {i}: {nbytes!r} bytes do not fit shape {shape} of {m['dtype']}")
+        if off + nbytes > len(data):
+            raise bad(f"tensor {i}: bytes {off}..{off + nbytes} past the end of the value")
+        if nbytes == 0:
+            tensors.append(torch.empty(shape, dtype=dtype))
+            continue
+        raw = torch.frombuffer(bytearray(data[off : off + nbytes]), dtype=torch.uint8)
+        tensors.append(raw.view(dtype).reshape(shape))
+
+    def dec(x: Any) -> Any:
+        if isinstance(x, list):
+            return [dec(v) for v in x]
+        if not isinstance(x, dict):
+            return x
+        tags = [k for k in x if k.startswith("__")]
+        if not tags:
+            return {k: dec(v) for k, v in x.items()}
+        if tags == ["__t"] and len(x) == 1 and isinstance(x["__t"], int) and 0 <= x["__t"] < len(tensors):
+            return tensors[x["__t"]]
+        if tags == ["__tuple"] and len(x) == 1 and isinstance(x["__tuple"], list):
+            return tuple(dec(v) for v in x["__tuple"])
+        if tags == ["__map"] and len(x) == 1 and isinstance(x["__map"], list):
+            if not all(isinstance(kv, list) and len(kv) == 2 for kv in x["__map"]):
+                raise bad("malformed map")
+            return {_hashable(dec(k)): dec(v) for k, v in x["__map"]}
+        if tags == ["__dc"] and set(x) == {"__dc", "f"} and isinstance(x["f"], dict):
+            cls = registry.get(x["__dc"])
+            if cls is None:
+                raise bad(f"type {x['__dc']!r} is not one this role reads (it reads {sorted(registry)})")
+            names = {f.name for f in dataclasses.fields(cls) if f.init}
+            if not set(x["f"]) <= names:
+                raise bad(f"{x['__dc']} has no fields {sorted(set(x['f']) - names)}")
+            return cls(**{k: dec(v) for k, v in x["f"].items()})
+        raise bad(f"unknown tag {tags}")
+
+    def _hashable(k: Any) -> Any:
+        if isinstance(k, (list, dict, torch.Tensor)):
+            raise bad("unhashable map key")
+        return k
+
+    return dec(header["body"])
+
+
+# ------------------------------------------------------------------- objects over process groups
+
+
+def _as_tensor(payload: bytes, device: torch.device) -> torch.Tensor:
+    return torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+
+
+def all_gather_objects(obj: Any, group, device: torch.device, types: tuple[type, ...] = ()) -> list:
+    """Every rank's ``obj`` of ``group``, in group-rank order: :func:`encode`'s bytes over two
+    all-gathers (sizes, then the padded payloads) instead of torch's pickling ``all_gather_object``."""
+    data = _as_tensor(encode(obj, types), device)
+    n = dist.get_world_size(group)
+    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(n)]
+    dist.all_gather(sizes, size, group=group)
+    counts = [int(x.item()) for x in sizes]
+    padded = torch.zeros(max(counts), dtype=torch.uint8, device=device)
+    padded[: data.numel()] = data
+    outs = [torch.empty_like(padded) for _ in range(n)]
+    dist.all_gather(outs, padded, group=group)
+    return [
+        decode(o[:c].cpu().numpy().tobytes(), types, key=f"rank {r}", source="process group message from")
+        for r, (o, c) in enumerate(zip(outs, counts, strict=True))
+    ]
+
+
+def broadcast_object(obj: Any, src: int, group, device: torch.device, types: tuple[type, ...] = ()) -> Any:
+    """``obj`` of global rank ``src`` on every rank of ``group`` (size, then bytes; no pickle)."""
+    mine = dist.get_rank() == src
+    data = _as_tensor(encode(obj, types), device) if mine else None
+    size = torch.tensor([data.numel() if mine else 0], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=src, group=group)
+    if not mine:
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(data, src=src, group=group)
+    return decode(data.cpu().numpy().tobytes(), types, key=f"rank {src}", source="process group message from")

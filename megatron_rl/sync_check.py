@@ -1,0 +1,98 @@
+"""The engine's log-probs against the actor's on a fixed prompt set (trainer.sync_check_freq).
+
+The weight sync's checksums (``rollout.reshard.check_weights``) prove the engine holds the bytes the
+stream sent; this probe proves those bytes are the actor's policy (a layout bug in the stream, an
+engine that reads a tensor under another name). Every ``sync_check_freq`` steps, right after the
+step's rollout (the engine and the actor then hold the same version):
+
+    the first PROMPTS_PER_RANK prompts of this DP rank's slice of the training set (fixed for the run)
+      -> rollouts.generate(greedy, a few tokens, the engine's log-probs)     [b, r] engine log-probs
+      -> ppo.compute_log_probs(actor) of the same tokens                     [b, r] actor log-probs
+      -> mean |difference| over the generated tokens of every DP rank, against the tolerance of the
+         rollout's precision (TOLERANCE): above it, WeightSyncError on every rank, in one line.
+
+Logged as sync_check/logprob_diff_mean and sync_check/logprob_diff_max. Not with multi-turn rollouts
+(actor_rollout_ref.rollout.multi_turn.enable: the probe would be an episode with tool calls); the
+checksums of every sync still run there.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.batch import RolloutBatch
+from megatron_rl.config import Config
+from megatron_rl.parallel import ParallelState
+from megatron_rl.rollout import SamplingParams
+from megatron_rl.rollout.reshard import WeightSyncError
+
+PROMPTS_PER_RANK = 4
+PROBE_TOKENS = 8
+
+TOLERANCE = {"float32": 1e-3, "fp32": 1e-3, "bfloat16": 0.1, "bf16": 0.1, "float16": 0.05, "fp16": 0.05}
+"""Largest mean |engine - actor| log-prob on the probe's greedy tokens, by the engine's dtype (on CPU
+the engine runs in float32)."""
+
+
+class SyncProbe:
+    """See the module docstring; ``run`` is collective over the training ranks."""
+
+    def __init__(self, cfg: Config, ps: ParallelState, train_data, pad_id: int, stop_ids: list[int]) -> None:
+        self.cfg, self.ps, self.pad_id = cfg, ps, pad_id
+        # multi-turn rollouts would run the probe as episodes (tool calls and all): the checksums only
+        self.freq = 0 if cfg.actor_rollout_ref.rollout.multi_turn.enable else cfg.trainer.sync_check_freq
+        n = len(train_data)
+        first = ps.dp_rank * PROMPTS_PER_RANK
+        self.items = [train_data[(first + j) % n] for j in range(PROMPTS_PER_RANK)] if n else []
+        rollout = cfg.actor_rollout_ref.rollout
+        dtype = "float32" if ps.device.type == "cpu" else rollout.dtype
+        self.dtype, self.tolerance = dtype, TOLERANCE.get(dtype, 0.1)
+        self.params = SamplingParams(
+            n=1,
+            temperature=1.0,
+            greedy=True,
+            max_new_tokens=max(1, min(PROBE_TOKENS, cfg.data.max_response_length)),
+            stop_token_ids=list(stop_ids),
+            return_logprobs=True,
+            seed=cfg.data.seed,
+        )
+
+    def due(self, step: int) -> bool:
+        return self.freq > 0 and bool(self.items) and step % self.freq == 0
+
+    def run(self, step: int, rollouts, actor, passes) -> dict[str, float]:
+        """Generate the probe, score it with the actor, compare (module docstring). The caller times it
+        as one phase (the probe's own phases are not added to the step's gen/reshard)."""
+        from megatron_rl import ppo
+        from megatron_rl.metrics import Timer
+
+        ps = self.ps
+        prompts = [it.prompt_ids for it in self.items]
+        gens, _ = rollouts.generate(f"sync_check/{step}", prompts, self.params, Timer(ps.device), self.items)
+        batch = RolloutBatch.from_generations(
+            self.items, gens, self.pad_id, self.params.max_new_tokens, "sync-check-"
+        ).to(ps.device)
+        if batch.rollout_log_probs is None:
+            return {}
+        actor_lp = ppo.compute_log_probs(actor, ps, batch, passes.old_log_prob, 1.0)  # [b, r]
+        engine_lp = batch.rollout_log_probs.to(actor_lp.dtype)
+        mask = batch.response_mask.bool() & ~engine_lp.isnan()
+        diff = (actor_lp - engine_lp).abs().masked_fill(~mask, 0.0)
+        # sum, tokens, max over this DP rank's probe; then over every DP rank
+        total = torch.stack([diff.sum(), mask.sum().to(diff.dtype)]).to(torch.float64)
+        peak = diff.max().reshape(1).to(torch.float64)
+        if ps.dp_size > 1:
+            dist.all_reduce(total, group=ps.dp_group)
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=ps.dp_group)
+        mean = float(total[0] / total[1].clamp(min=1))
+        if mean > self.tolerance:
+            raise WeightSyncError(
+                f"step {step}: sync check failed: the rollout engine's log-probs differ from the actor's by "
+                f"{mean:.3g} on average (max {float(peak):.3g}) over {int(total[1])} greedy tokens of the "
+                f"fixed probe prompts, above {self.tolerance:g} for {self.dtype}: the engine generates from "
+                "another policy (a weight-stream layout or engine-loading bug; docs/reliability.md, Sync "
+                "integrity). trainer.sync_check_freq=0 turns the probe off.",
+                same_on_all_ranks=True,
+            )
+        return {"sync_check/logprob_diff_mean": mean, "sync_check/logprob_diff_max": float(peak)}

@@ -1,0 +1,91 @@
+"""One PPO update of a Qwen3-MoE actor (router aux loss and z-loss on) is invariant to the expert
+layout: EP1 on one rank, EP2 on two ranks (dense parameters data-parallel, experts split), EP1 on two
+ranks (experts data-parallel) and TP2 x EP2 on four, with the same rollouts. After the update, every
+copy of a parameter (router and dense weights over the EP ranks, experts over their DP ranks,
+replicated weights over the TP ranks at TP2 x EP2) is bit-identical. Weights are compared as whole
+HF tensors."""
+
+import pytest
+import torch
+
+# name -> (ranks, TP, EP, router-loss coefficient, the EP1 run it is compared with). At TP > 1 megatron
+# trains MoE layers with sequence parallelism only, whose right padding to a multiple of TP adds
+# tokens that the routers see: router losses and expert load then differ from TP1 by those tokens,
+# so TP2 x EP2 is compared without router losses (and without the load metric).
+LAYOUTS = {
+    "ep1": (1, 1, 1, 0.01, None),
+    "ep2": (2, 1, 2, 0.01, "ep1"),
+    "dp2": (2, 1, 1, 0.01, "ep1"),
+    "ep1_no_router_loss": (1, 1, 1, 0.0, None),
+    "tp2ep2": (4, 2, 2, 0.0, "ep1_no_router_loss"),
+}
+METRIC_RTOL = 1e-4
+WEIGHT_TOL = 5e-5  # fp32 summation order; the update moves weights by ~1e-3
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from megatron_rl.models.random_hf import save_random_hf_model
+    from tests.conftest import run_torchrun
+
+    root = tmp_path_factory.mktemp("moe_ppo")
+    model = save_random_hf_model(str(root / "qwen3_moe"), "qwen3_moe", seed=3, mlp_only_layers=[1])
+    out = {}
+    for name, (nproc, tp, ep, aux, _) in LAYOUTS.items():
+        d = root / name
+        d.mkdir()
+        flags = ["--model", model, "--tp", str(tp), "--ep", str(ep), "--aux", str(aux), "--out", str(d)]
+        run_torchrun("moe_ppo.py", nproc, flags)
+        out[name] = [torch.load(d / f"rank{r}.pt") for r in range(nproc)]
+    return out
+
+
+def merged(ranks: list[dict], key: str = "weights") -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Every tensor once, and the keys whose copies on different ranks differ at all."""
+    weights, differ = {}, []
+    for r in ranks:
+        for name, w in r[key].items():
+            if name in weights and not torch.equal(weights[name], w):
+                differ.append(name)
+            weights.setdefault(name, w)
+    return weights, differ
+
+
+@pytest.mark.parametrize("layout", ["ep2", "dp2", "tp2ep2"])
+def test_update_is_invariant_to_the_expert_layout(runs, layout):
+    (ref,) = runs[LAYOUTS[layout][4]]
+    for r in runs[layout]:
+        assert set(r["metrics"]) == set(ref["metrics"])
+        for key, want in ref["metrics"].items():
+            if key == "actor/moe_load_imbalance" and LAYOUTS[layout][1] > 1:
+                continue  # counts the sequence-parallel padding tokens (see LAYOUTS)
+            assert r["metrics"][key] == pytest.approx(want, rel=METRIC_RTOL, abs=1e-6), f"{key} at {layout}"
+    weights, _ = merged(runs[layout], "hf")
+    assert set(weights) == set(ref["hf"])
+    moved = max((ref["hf"][n] - ref["initial"][n]).abs().max().item() for n in weights)
+    assert moved > 20 * WEIGHT_TOL
+    for name, w in weights.items():
+        assert (w - ref["hf"][name]).abs().max().item() < WEIGHT_TOL, f"{name} at {layout}"
+
+
+@pytest.mark.parametrize("layout", ["ep2", "dp2", "tp2ep2"])
+def test_copies_stay_bit_identical(runs, layout):
+    ranks = runs[layout]
+    _, differ = merged(ranks)
+    assert differ == []
+    names = [set(r["weights"]) for r in ranks]
+    shared = names[0] & names[1]  # TP2 x EP2: ranks 0 and 1 are TP ranks of one model replica
+    assert any("mlp.router" in n for n in shared)  # the router is replicated over EP and TP
+    if layout == "tp2ep2":  # TP/EP copies: norms and router over TP, everything but experts over EP
+        assert any("layernorm" in n for n in shared)
+        assert {n for n in names[0] & names[2] if "local_experts" in n} == set()
+    experts = {n for n in shared if "local_experts" in n}
+    # EP2: each rank holds its own experts (TP2 x EP2: split over the TP pair), no whole copies
+    assert bool(experts) == (layout == "dp2") or (layout == "tp2ep2" and all("@tp" in n for n in experts))
+
+
+def test_router_metrics(runs):
+    m = runs["ep1"][0]["metrics"]
+    # max/mean tokens per expert: 1 if balanced, at most E/top_k = 2 (every token on the same 2 of 4)
+    assert 1.0 <= m["actor/moe_load_imbalance"] <= 2.0
+    assert m["actor/moe_aux_loss"] > 0 and m["actor/moe_z_loss"] > 0
