@@ -135,11 +135,17 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
     args = parser.parse_args(argv)
 
     examples = load_local(args.local_dataset_path) if args.local_dataset_path else load_from_hub()
-    out_dir = Path(os.path.expanduser(args.local_dir))
+    return write_splits(examples, args.local_dir, make_row)
+
+
+def write_splits(examples: dict, local_dir: str, row_of) -> dict[str, str]:
+    """``row_of(example, index, split)`` for every example -> ``local_dir/{split}.parquet``; returns
+    {split: path}."""
+    out_dir = Path(os.path.expanduser(local_dir))
     out_dir.mkdir(parents=True, exist_ok=True)
     written = {}
     for split in SPLITS:
-        rows = [make_row(ex, idx, split) for idx, ex in enumerate(examples[split])]
+        rows = [row_of(ex, idx, split) for idx, ex in enumerate(examples[split])]
         path = out_dir / f"{split}.parquet"
         pq.write_table(pa.Table.from_pylist(rows), path)
         written[split] = str(path)

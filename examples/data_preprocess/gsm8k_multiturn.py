@@ -15,14 +15,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gsm8k import SPLITS, load_from_hub, load_local  # noqa: E402
+from gsm8k import load_from_hub, load_local, write_splits  # noqa: E402
 from gsm8k import make_row as single_turn_row  # noqa: E402
 
 SYSTEM = (
@@ -50,16 +46,7 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
     parser.add_argument("--local_dataset_path", default=None, help="local copy of GSM8K (see gsm8k.py)")
     args = parser.parse_args(argv)
     examples = load_local(args.local_dataset_path) if args.local_dataset_path else load_from_hub()
-    out_dir = Path(os.path.expanduser(args.local_dir))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = {}
-    for split in SPLITS:
-        rows = [make_row(ex, idx, split) for idx, ex in enumerate(examples[split])]
-        path = out_dir / f"{split}.parquet"
-        pq.write_table(pa.Table.from_pylist(rows), path)
-        written[split] = str(path)
-        print(f"wrote {len(rows)} {split} rows to {path}", file=sys.stderr)
-    return written
+    return write_splits(examples, args.local_dir, make_row)
 
 
 if __name__ == "__main__":
