@@ -36,12 +36,12 @@ setup(
         # The GPU machine has its own torch build; install SGLang there with --no-deps from the kit.
         "sglang": ["sglang==0.5.17"],
         "dev": ["pytest", "ruff", "matplotlib"],
-        "plot": ["matplotlib"],  # python -m megatron_rl.plot
+        "plot": ["matplotlib"],  # python -m megatron_rl.run.plot
     },
     entry_points={
         "console_scripts": [
             "megatron-rl-train=megatron_rl.train:main",
-            "megatron-rl-config=megatron_rl.preflight:main",
+            "megatron-rl-config=megatron_rl.run.preflight:main",
             "megatron-rl-ckpt=ckpt_tools.__main__:main",
         ]
     },

@@ -143,7 +143,7 @@ else
     rdzv="$MASTER_ADDR:$MASTER_PORT"
     if [[ "$NODE_RANK" == 0 ]]; then
         # Fails with one line if the port is taken or MASTER_ADDR is not this machine.
-        PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m megatron_rl.launch_checks port \
+        PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m megatron_rl.run.launch_checks port \
             "$MASTER_ADDR" "$MASTER_PORT" 2>&1 | tee -a "$LOG" >&2
         [[ "${PIPESTATUS[0]}" == 0 ]] || exit 1
         is_host=1
@@ -236,7 +236,7 @@ saved_checkpoint() {
 }
 
 explain() {
-    PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m megatron_rl.launch_checks explain-log "$LOG" \
+    PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m megatron_rl.run.launch_checks explain-log "$LOG" \
         --node "$NODE_RANK" --rc "$rc" 2>&1 | tee -a "$LOG" >&2
 }
 

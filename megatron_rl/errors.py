@@ -1,7 +1,7 @@
 """Errors whose message is one actionable line for the launcher, and the words the explanations share.
 
 The bottom of the failure-reporting stack: any layer raises these without importing the layers that
-explain them (:mod:`megatron_rl.explain` on a rank, :mod:`megatron_rl.launch_checks` in the
+explain them (:mod:`megatron_rl.run.explain` on a rank, :mod:`megatron_rl.run.launch_checks` in the
 launcher). ``ConfigError`` and ``DataError`` live in :mod:`megatron_rl.config`, the bottom layer of
 the configuration.
 """

@@ -58,13 +58,13 @@ def main(argv: list[str] | None = None) -> None:
     hydra_notices: list[str] = []  # Hydra's --config-path/--config-name, as verl's scripts pass them
     a = ap.parse_args(hydra_config_args(list(sys.argv[1:] if argv is None else argv), hydra_notices))
     if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun: never outlive it (kill -9 included)
-        from megatron_rl.lifecycle import die_with_parent
+        from megatron_rl.run.lifecycle import die_with_parent
 
         die_with_parent()
 
     from megatron_rl.config import load_config
-    from megatron_rl.explain import explain_failures
-    from megatron_rl.preflight import preflight
+    from megatron_rl.run.explain import explain_failures
+    from megatron_rl.run.preflight import preflight
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))
@@ -133,11 +133,11 @@ def main(argv: list[str] | None = None) -> None:
 def serve_rollout(cfg, placement) -> None:
     """A rollout rank of a separate-rollout placement: start the engine, serve the training ranks until
     they say stop. Stop signals are left to the training ranks, which end the job after their step."""
-    from megatron_rl.lifecycle import PreemptionWatch
     from megatron_rl.models.loading import load_model_args_any
     from megatron_rl.parallel import init_parallel
+    from megatron_rl.roles.remote_rollout import RolloutServer
     from megatron_rl.rollout import create_engine
-    from megatron_rl.rollout.remote import RolloutServer
+    from megatron_rl.run.lifecycle import PreemptionWatch
 
     arr = cfg.actor_rollout_ref
     if arr.rollout.name == "sglang" and cfg.trainer.device == "cpu":
@@ -162,11 +162,11 @@ def serve_rollout(cfg, placement) -> None:
 def serve_critic(cfg, placement) -> None:
     """A critic rank of a placement that gives the critic ranks of its own: megatron's groups over the
     critic's ranks, then values and updates for the actor's ranks until they say stop."""
-    from megatron_rl.checkpoint import write_in_process
     from megatron_rl.config.checks import expert_layout
-    from megatron_rl.critic_role import CriticServer
-    from megatron_rl.lifecycle import PreemptionWatch
     from megatron_rl.parallel import init_parallel
+    from megatron_rl.roles.critic_server import CriticServer
+    from megatron_rl.run.checkpoint import write_in_process
+    from megatron_rl.run.lifecycle import PreemptionWatch
 
     write_in_process()  # its saves start no helper process that a stop signal to the group would kill
 

@@ -40,9 +40,18 @@ import torch.distributed as dist
 from megatron_rl.batch import RolloutBatch
 from megatron_rl.config import Config, ConfigError, to_dict
 from megatron_rl.config.placement import Placement, resolve_placement
-from megatron_rl.critic_role import LocalCritic, RemoteCritic
 from megatron_rl.errors import CheckpointError
-from megatron_rl.metrics import (
+from megatron_rl.microbatches import ForwardPasses, TokenStats
+from megatron_rl.mismatch import correct_mismatch, reject
+from megatron_rl.optim import NONFINITE_ADVANTAGES, NonFiniteGuard, count_nonfinite
+from megatron_rl.parallel import ParallelState
+from megatron_rl.roles.critic import LocalCritic, RemoteCritic
+from megatron_rl.roles.models import build_models
+from megatron_rl.roles.rollout import ColocatedRollout, SeparateRollout
+from megatron_rl.roles.sync_check import SyncProbe
+from megatron_rl.rollout import SamplingParams
+from megatron_rl.rollout.reshard import WeightSyncError
+from megatron_rl.run.metrics import (
     MetricsLogger,
     Timer,
     data_metrics,
@@ -50,16 +59,7 @@ from megatron_rl.metrics import (
     write_config_record,
     write_summary,
 )
-from megatron_rl.microbatches import ForwardPasses, TokenStats
-from megatron_rl.mismatch import correct_mismatch, reject
-from megatron_rl.optim import NONFINITE_ADVANTAGES, NonFiniteGuard, count_nonfinite
-from megatron_rl.parallel import ParallelState
-from megatron_rl.perf import measure_peak_flops, perf_metrics
-from megatron_rl.roles import build_models
-from megatron_rl.rollout import SamplingParams
-from megatron_rl.rollout.reshard import WeightSyncError
-from megatron_rl.rollouts import ColocatedRollout, SeparateRollout
-from megatron_rl.sync_check import SyncProbe
+from megatron_rl.run.perf import measure_peak_flops, perf_metrics
 
 log = logging.getLogger(__name__)
 
@@ -70,14 +70,14 @@ class Trainer:
 
         from megatron_rl.algos.kl import get_kl_controller
         from megatron_rl.algos.rollout_corr import parse_rs
-        from megatron_rl.checkpoint import CheckpointManager
         from megatron_rl.data import PromptDataset, ResumableDistributedSampler
         from megatron_rl.model_args import check_sliding_window
         from megatron_rl.models.loading import load_model_args_any
-        from megatron_rl.reward import RULE_DATA_SOURCES
+        from megatron_rl.reward.rules import RULE_DATA_SOURCES
+        from megatron_rl.reward.scoring import make_reward_fn
         from megatron_rl.rollout.base import stop_token_ids
         from megatron_rl.rollout.tools import prompt_tool_schemas
-        from megatron_rl.scoring import make_reward_fn
+        from megatron_rl.run.checkpoint import CheckpointManager
 
         self.cfg, self.ps = cfg, ps
         self.placement = placement or resolve_placement(cfg, ps.world_size)
@@ -214,8 +214,8 @@ class Trainer:
 
     def fit(self) -> dict[str, float]:
         """Resume (trainer.resume_mode), then train to the last step; a stop signal ends the loop after
-        the current step with a checkpoint and :class:`~megatron_rl.lifecycle.Preempted`."""
-        from megatron_rl.lifecycle import REPLACE, Preempted, PreemptionWatch
+        the current step with a checkpoint and :class:`~megatron_rl.run.lifecycle.Preempted`."""
+        from megatron_rl.run.lifecycle import REPLACE, Preempted, PreemptionWatch
 
         self._maybe_resume()
         self.rollouts.start(self.global_step)  # separate rollout: weights out, the next steps asked for
@@ -243,7 +243,7 @@ class Trainer:
             self.total_steps, self.global_step, enabled=self.ps.rank == 0 and "console" in cfg.logger
         )
         # SIGTERM / SIGINT / SIGUSR2 only set a flag; after each step (and its save) every rank agrees
-        # on it, so all save the same step and leave together (megatron_rl.lifecycle).
+        # on it, so all save the same step and leave together (megatron_rl.run.lifecycle).
         with PreemptionWatch() as watch:
             while self.global_step < self.total_steps:
                 self.global_step += 1
@@ -432,8 +432,8 @@ class Trainer:
         """Rollout and rewards; with algorithm.filter_groups, groups whose samples all score the same are
         dropped and more prompts generated until this rank has its share of the batch (every rank runs
         the same number of rounds: generation is collective)."""
-        from megatron_rl import scoring
         from megatron_rl.algos.dapo import informative_groups
+        from megatron_rl.reward import scoring
 
         fg, ps = self.cfg.algorithm.filter_groups, self.ps
         quota = len(prompt_indices) * self.cfg.actor_rollout_ref.rollout.n
@@ -525,13 +525,13 @@ class Trainer:
     def validate(self) -> dict[str, float]:
         """Generation with val_kwargs on every validation prompt once, scored under verl's names:
         val-core/<data_source>/reward/mean@<n> (``acc`` instead of ``reward`` when the reward function
-        returns it), its other keys and std@n under val-aux/ (megatron_rl.scoring.ValidationScores).
+        returns it), its other keys and std@n under val-aux/ (megatron_rl.reward.scoring.ValidationScores).
 
         Rank r of the data-parallel group takes prompts r, r + dp, ...; every rank runs the same number
         of batches of the same size (the engine's generate is collective), a short last batch is filled
         with a repeated prompt whose scores are not counted.
         """
-        from megatron_rl.scoring import ValidationScores, reward_scores
+        from megatron_rl.reward.scoring import ValidationScores, reward_scores
 
         ps = self.ps
         n_val = len(self.val_data)

@@ -1,8 +1,8 @@
 """``python -m megatron_rl.config``: the dry run of a launch and the key reference
-(:func:`megatron_rl.preflight.main`)."""
+(:func:`megatron_rl.run.preflight.main`)."""
 
 import sys
 
-from megatron_rl.preflight import main
+from megatron_rl.run.preflight import main
 
 sys.exit(main())

@@ -1,6 +1,6 @@
 """The key reference (``python -m megatron_rl.config --keys [PREFIX]``) and a resolved-config printer
 without checks (:func:`main`). ``python -m megatron_rl.config`` itself is the dry run of a launch
-(:func:`megatron_rl.preflight.main`): it also runs the trainer's pre-flight checks, which reach above
+(:func:`megatron_rl.run.preflight.main`): it also runs the trainer's pre-flight checks, which reach above
 this package (devices, model files)."""
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ Each role is either on the actor's ranks or on ranks of its own:
   (``actor_rollout_ref.rollout.max_staleness``);
 * separate critic: the critic ranks form a world of their own (megatron's TP x PP x DP over them) and
   compute values and the critic update while the actor computes log-probs and updates
-  (``megatron_rl.critic_role``).
+  (``megatron_rl.roles.critic``).
 
 This module imports nothing heavy: it runs before any process group starts (preflight).
 """

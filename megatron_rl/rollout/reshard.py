@@ -117,7 +117,7 @@ SKIP_BUCKET_ENV = "MEGATRON_RL_TEST_SKIP_BUCKET"
 """Fault injection for the integrity check's tests: ``"S:B"`` drops bucket B (0-based) of this process's
 S-th weight sync (1-based) before the engine sees it; the stream's checksums still cover it."""
 SCRAMBLE_BUCKET_ENV = "MEGATRON_RL_TEST_SCRAMBLE_BUCKET"
-"""Fault injection for the log-prob probe's tests (megatron_rl.sync_check): ``"S:B"`` reverses the rows
+"""Fault injection for the log-prob probe's tests (megatron_rl.roles.sync_check): ``"S:B"`` reverses the rows
 of the first tensor of bucket B in sync S and every later one, before it is checksummed and handed
 over, as a layout bug in the stream would: the checksums agree, the policy is another."""
 

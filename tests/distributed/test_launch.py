@@ -15,9 +15,9 @@ import sys
 
 import pytest
 
-from megatron_rl import explain as ex
-from megatron_rl import launch_checks as lc
-from megatron_rl import ports
+from megatron_rl.run import explain as ex
+from megatron_rl.run import launch_checks as lc
+from megatron_rl.run import ports
 from tests.conftest import ROOT
 
 SCRIPT = os.path.join(ROOT, "launch", "torchrun.sh")

@@ -16,11 +16,12 @@ import sys
 
 import pytest
 
-from megatron_rl import errors, ports
-from megatron_rl import explain as ex
-from megatron_rl import launch_checks as lc
-from megatron_rl import preflight as pf
+from megatron_rl import errors
 from megatron_rl.config import ConfigError, load_config
+from megatron_rl.run import explain as ex
+from megatron_rl.run import launch_checks as lc
+from megatron_rl.run import ports
+from megatron_rl.run import preflight as pf
 from tests.conftest import ROOT, read_json
 
 DEMO_CFG = os.path.join(ROOT, "yaml", "cpu_demo.yaml")
@@ -153,7 +154,7 @@ def test_missing_gpu():
 def test_gpu_oom_names_phase_sizes_and_keys():
     import torch
 
-    from megatron_rl.metrics import Timer
+    from megatron_rl.run.metrics import Timer
 
     # torch 2.11's message on the H200 (caching allocator), raised inside a timed trainer phase.
     text = (

@@ -61,7 +61,7 @@ def test_reward_model_scores_flow_into_training(demo, tmp_path):
 def test_reward_model_re_renders_the_conversation_in_its_own_template(demo, tmp_path):
     from megatron_rl.batch import RolloutBatch, SeqMeta
     from megatron_rl.demo.toy import build_toy_tokenizer
-    from megatron_rl.reward_model import ModelReward, reward_model_tokenizer
+    from megatron_rl.reward.model import ModelReward, reward_model_tokenizer
 
     actor_tok = build_toy_tokenizer()
     rm_path = _reward_model(demo, str(tmp_path / "rm"))

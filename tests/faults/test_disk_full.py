@@ -35,9 +35,9 @@ def test_disk_full_during_a_model_save_is_one_line_and_loses_nothing(tmp_path):
     unshare = _unshare()
     if unshare is None:
         pytest.skip("mounting a tmpfs needs root or user namespaces (unshare -rm), neither available here")
-    from megatron_rl.checkpoint import LATEST, ORDER_FILE
-    from megatron_rl.explain import PREFIX
     from megatron_rl.models.random_hf import save_random_hf_model
+    from megatron_rl.run.checkpoint import LATEST, ORDER_FILE
+    from megatron_rl.run.explain import PREFIX
 
     hf = save_random_hf_model(str(tmp_path / "hf"), "llama", num_hidden_layers=1)
     disk, report = tmp_path / "disk", tmp_path / "report"
@@ -68,12 +68,12 @@ def test_disk_full_during_a_model_save_is_one_line_and_loses_nothing(tmp_path):
 def _worker(root: str, hf_dir: str) -> None:
     """Rank 0 of a one-process gloo world: save step 1 (a 1-layer Llama, megatron GPTModel), fill the
     disk to half a checkpoint's room, save step 2."""
-    from megatron_rl.checkpoint import CheckpointManager
-    from megatron_rl.explain import explain_failures
     from megatron_rl.model_args import load_model_args
     from megatron_rl.models.builder import build_model, load_hf_weights
     from megatron_rl.parallel import init_parallel
-    from megatron_rl.ports import free_port
+    from megatron_rl.run.checkpoint import CheckpointManager
+    from megatron_rl.run.explain import explain_failures
+    from megatron_rl.run.ports import free_port
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     logging.basicConfig(level=logging.INFO)  # as the trainer's rank 0 logs

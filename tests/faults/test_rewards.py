@@ -13,7 +13,7 @@ from tests.faults import jobs
 
 REWARD = """
 import os, time
-from megatron_rl.reward import default_compute_score
+from megatron_rl.reward.rules import default_compute_score
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     if os.path.exists({mark!r}):

@@ -118,7 +118,7 @@ def test_a_stop_during_a_replacement_stops_the_job(demo, tmp_path):
 def _precedence_worker(rank: int, init_file: str, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from megatron_rl.lifecycle import PreemptionWatch
+    from megatron_rl.run.lifecycle import PreemptionWatch
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     with PreemptionWatch() as watch:

@@ -22,9 +22,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_rl import explain as ex
-from megatron_rl.checkpoint import LATEST, ORDER_FILE, CheckpointManager
 from megatron_rl.errors import CheckpointError
+from megatron_rl.run import explain as ex
+from megatron_rl.run.checkpoint import LATEST, ORDER_FILE, CheckpointManager
 from tests.conftest import ROOT
 
 
@@ -110,8 +110,8 @@ def test_files_and_directories_are_private_by_default(tmp_path):
 
 @pytest.mark.parametrize("value", ["0644x", "0400", "0755", "384"])
 def test_bad_permissions_are_a_one_line_config_error(value):
-    from megatron_rl.ckpt_files import parse_permissions
     from megatron_rl.config import ConfigError
+    from megatron_rl.run.ckpt_files import parse_permissions
 
     with pytest.raises(ConfigError, match="trainer.checkpoint_permissions") as e:
         parse_permissions(value)
@@ -164,7 +164,7 @@ def test_second_run_on_the_directory_fails_naming_the_holder(tmp_path):
     root = tmp_path / "run"
     root.mkdir()
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from megatron_rl.ckpt_files import DirLock; "
+        [sys.executable, "-c", "import sys, time; from megatron_rl.run.ckpt_files import DirLock; "
          "DirLock(sys.argv[1]).acquire(); print('locked', flush=True); time.sleep(120)", str(root)],
         env=_env(), cwd=ROOT, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -194,7 +194,7 @@ def test_leftovers_of_interrupted_saves_are_removed_at_start(tmp_path, caplog):
         (root / d).mkdir(parents=True)
     (root / ".global_step_6.partial" / "actor" / "x.distcp").write_bytes(b"half")
     manager = _manager(root)
-    with caplog.at_level(logging.INFO, logger="megatron_rl.checkpoint"):
+    with caplog.at_level(logging.INFO, logger="megatron_rl.run.checkpoint"):
         manager.claim()
     manager.release()
     assert _dirs(root) == ["global_step_4"]
@@ -260,10 +260,10 @@ def _worker(argv: list[str]) -> None:
 
     import torch
 
-    from megatron_rl import checkpoint
-    from megatron_rl.explain import explain_failures
     from megatron_rl.parallel import init_parallel
-    from megatron_rl.ports import free_port
+    from megatron_rl.run import checkpoint
+    from megatron_rl.run.explain import explain_failures
+    from megatron_rl.run.ports import free_port
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     logging.basicConfig(level=logging.INFO)

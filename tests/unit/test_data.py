@@ -261,7 +261,7 @@ def test_unreadable_and_missing_files_are_data_errors(tmp_path, tok):
 
 def test_rows_the_built_in_rules_cannot_score_fail_up_front(tmp_path, tok):
     from megatron_rl.config import DataError
-    from megatron_rl.reward import RULE_DATA_SOURCES
+    from megatron_rl.reward.rules import RULE_DATA_SOURCES
 
     good = _write(tmp_path, "good.parquet", [_row("12", 0)])
     bad_source = _write(tmp_path, "src.parquet", [_row("12", 0), _row("34", 1, data_source="my/task")])

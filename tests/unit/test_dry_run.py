@@ -15,7 +15,7 @@ import pytest
 
 from megatron_rl.config import ConfigError, load_config
 from megatron_rl.config.load import ConfigErrors, find_config
-from megatron_rl.preflight import check_logger_packages, dry_run, main
+from megatron_rl.run.preflight import check_logger_packages, dry_run, main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO = os.path.join(ROOT, "yaml", "cpu_demo.yaml")
@@ -102,7 +102,7 @@ def test_every_bad_key_of_a_command_line_at_once(demo, capsys):
     rc, errors = problems_of(capsys, [DEMO, *demo_overrides(demo), *bad])
     assert rc == 1 and len(errors) == 4
     # the trainer's one-line explanation prints them all, each as its own line
-    from megatron_rl.explain import explain
+    from megatron_rl.run.explain import explain
 
     assert explain(e.value).splitlines() == [f"config error: {p}" for p in problems]
 
@@ -244,7 +244,7 @@ def test_known_benign_warnings_are_filtered_by_message_and_module():
 
 
 def test_plot_says_how_to_get_matplotlib(monkeypatch, tmp_path):
-    from megatron_rl import plot
+    from megatron_rl.run import plot
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     with pytest.raises(SystemExit, match="pip install matplotlib"):

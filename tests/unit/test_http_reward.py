@@ -16,8 +16,8 @@ import torch
 from megatron_rl.config import HttpRewardConfig
 from megatron_rl.demo.toy import build_toy_tokenizer
 from megatron_rl.errors import LaunchError
-from megatron_rl.explain import explain
-from megatron_rl.http_reward import HttpReward, HttpRewardError, HttpRewardManager, prompt_ids_of
+from megatron_rl.reward.http import HttpReward, HttpRewardError, HttpRewardManager, prompt_ids_of
+from megatron_rl.run.explain import explain
 
 # A handler gets (request number from 1, parsed request body) and returns (status, body bytes).
 Handler = Callable[[int, dict], tuple[int, bytes]]

@@ -11,7 +11,8 @@ Enforced:
   naming one cycle with the import lines that make it);
 * inside each subpackage, the graph between its modules has no cycle;
 * the leaves (:data:`LEAVES`) import nothing from the package;
-* the layering config -> parallel -> weights -> models -> rollout/ppo -> trainer -> train
+* the layering config -> parallel -> weights -> models -> rollout/ppo/reward -> run -> roles ->
+  trainer -> train
   (:data:`LAYERS`, bottom first): no unit reaches, through any chain of imports, a unit of a
   higher layer.
 """
@@ -36,7 +37,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("parallel",),
     ("weights",),
     ("models",),
-    ("rollout", "ppo"),
+    ("rollout", "ppo", "reward"),
+    ("run",),
+    ("roles",),
     ("trainer",),
     ("train",),
 )

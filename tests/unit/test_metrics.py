@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_rl.batch import RolloutBatch, SeqMeta
-from megatron_rl.metrics import MetricsLogger, Timer, data_metrics, format_console
+from megatron_rl.run.metrics import MetricsLogger, Timer, data_metrics, format_console
 from tests.conftest import run_forked_ranks
 
 
@@ -147,18 +147,18 @@ def test_console_prints_a_line_per_step_and_the_block_every_n(capsys, tmp_path):
 
 def test_summary_names_the_metrics_file_whatever_the_logger(tmp_path, capsys):
     from megatron_rl.config import load_config
-    from megatron_rl.metrics import write_summary
+    from megatron_rl.run.metrics import write_summary
 
     cfg = load_config(None, [f"trainer.default_local_dir={tmp_path}", "trainer.logger=console"])
     jsonl = os.path.join(cfg.trainer.log_dir, "metrics.jsonl")
     write_summary(cfg, 3, {"critic/score/mean": 0.5}, None, jsonl)
     out = capsys.readouterr().out
-    assert f"metrics:    {jsonl}   plot: python -m megatron_rl.plot {cfg.trainer.log_dir}" in out
+    assert f"metrics:    {jsonl}   plot: python -m megatron_rl.run.plot {cfg.trainer.log_dir}" in out
     assert json.loads((tmp_path / "summary.json").read_text())["metrics"] == jsonl
 
 
 def test_progress_bar_is_off_when_output_is_not_a_terminal(capsys):
-    from megatron_rl.metrics import progress_bar
+    from megatron_rl.run.metrics import progress_bar
 
     bar = progress_bar(10, 0, enabled=True)  # pytest captures stdout/stderr: not terminals
     assert bar.disable

@@ -245,7 +245,7 @@ def test_ep_must_divide_the_experts():
 
 def test_moe_actor_with_a_rollout_engine_is_refused_in_one_line():
     """The live weight sync has no expert path yet: a run stops before building anything."""
-    from megatron_rl.roles import build_models
+    from megatron_rl.roles.models import build_models
     from tests.unit.test_config import cfg_with
 
     args = model_args_from_hf_config(qwen3_moe_config())

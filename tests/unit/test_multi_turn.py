@@ -459,7 +459,7 @@ def multi_turn_batch() -> RolloutBatch:
 
 def test_score_on_the_last_model_token_and_gae_grpo_skip_tool_tokens():
     from megatron_rl.algos.advantages import compute_gae, compute_grpo_outcome_advantage
-    from megatron_rl.scoring import place_scores
+    from megatron_rl.reward.scoring import place_scores
 
     batch = multi_turn_batch()
     place_scores(batch, torch.tensor([1.0, 0.5]))

@@ -158,7 +158,7 @@ def _train(m, opt, steps, seed):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_checkpoint_round_trip_continues_identically(ps, hf_dir, tmp_path, dtype):
     """Sharded optimizer state through dist_checkpointing (as the trainer's checkpoints hold it)."""
-    from megatron_rl.checkpoint import load_optimizer, save_optimizer
+    from megatron_rl.run.checkpoint import load_optimizer, save_optimizer
 
     cfg = dict(lr=0.05, lr_warmup_steps=2, lr_decay_style="cosine", min_lr=0.01)
     a, _ = tiny(ps, hf_dir, dtype)
@@ -366,7 +366,7 @@ def test_checkpoint_without_sharded_optimizer_state_is_refused_in_one_line(tmp_p
     mp_rank_*.pt holding the whole optimizer, no actor_optim/) names the keys that resume its weights."""
     import json
 
-    from megatron_rl.checkpoint import CheckpointManager
+    from megatron_rl.run.checkpoint import CheckpointManager
 
     ckpt = tmp_path / "global_step_4"
     (ckpt / "actor").mkdir(parents=True)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron_rl.demo.toy import TOY_DATA_SOURCE, build_toy_tokenizer
-from megatron_rl.reward import (
+from megatron_rl.reward.rules import (
     RewardManager,
     compute_score_gsm8k,
     default_compute_score,
@@ -294,11 +294,11 @@ def test_reward_manager_one_failure_is_logged_and_counted(tok, caplog):
 
     rm = RewardManager(tok, compute_score=flaky)
     responses = [_ids(tok, "1"), _ids(tok, "copy 9 9 ="), _ids(tok, "3")]
-    with caplog.at_level(logging.ERROR, logger="megatron_rl.reward"):
+    with caplog.at_level(logging.ERROR, logger="megatron_rl.reward.rules"):
         out = rm(responses, ["a", "src/b", "a"], ["1", "boom", "3"], [None, None, None])
     assert out.scores.tolist() == [1.0, 0.0, 1.0]
     assert out.num_errors == 1
-    errors = [r for r in caplog.records if r.name == "megatron_rl.reward"]
+    errors = [r for r in caplog.records if r.name == "megatron_rl.reward.rules"]
     assert len(errors) == 1
     msg = errors[0].getMessage()
     assert "sample 1" in msg and "src/b" in msg and "bad sample" in msg and "copy 9 9 =" in msg
@@ -338,7 +338,7 @@ def test_a_hung_reward_function_stops_at_its_timeout_naming_it(tok):
     import threading
     import time
 
-    from megatron_rl.reward import RewardFunctionError
+    from megatron_rl.reward.rules import RewardFunctionError
 
     release = threading.Event()
 
@@ -365,7 +365,7 @@ def test_a_hung_reward_function_stops_at_its_timeout_naming_it(tok):
 
 
 def test_a_reward_function_that_exits_is_named(tok):
-    from megatron_rl.reward import RewardFunctionError
+    from megatron_rl.reward.rules import RewardFunctionError
 
     def quits(data_source, solution_str, ground_truth, extra_info=None):
         sys.exit(3)

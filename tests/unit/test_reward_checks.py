@@ -87,7 +87,7 @@ def test_http_bounds_are_positive(key):
 
 
 def test_placement_messages_count_actor_ranks_not_the_world():
-    from megatron_rl.preflight import _check_layout
+    from megatron_rl.run.preflight import _check_layout
 
     # one actor rank (rollout on ranks 1 and 2) under TP=2
     cfg = cfg_with(

@@ -17,7 +17,7 @@ from megatron_rl.demo.toy import (
     make_toy_dataset,
     toy_compute_score,
 )
-from megatron_rl.reward import RewardManager, default_compute_score
+from megatron_rl.reward.rules import RewardManager, default_compute_score
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import torch
 from megatron_rl.algos import compute_policy_loss
 from megatron_rl.algos.rollout_corr import importance_weights, mismatch_metrics, parse_is_threshold
 from megatron_rl.batch import RolloutBatch, SeqMeta
-from megatron_rl.metrics import data_metrics
+from megatron_rl.run.metrics import data_metrics
 
 e = math.exp
 

@@ -37,7 +37,7 @@ def _grads_and_mlp_calls(ps, hf_dir, overrides: list[str]) -> tuple[torch.Tensor
     from megatron_rl import cpu_bridge
     from megatron_rl.model_args import load_model_args
     from megatron_rl.models.forward import causal_padding_mask
-    from megatron_rl.roles import _model
+    from megatron_rl.roles.models import _model
 
     mcfg = load_config(None, overrides).actor_rollout_ref.actor.megatron
     m = _model(ps, load_model_args(hf_dir), "actor", hf_dir, mcfg, recompute=True)

@@ -10,11 +10,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.batch import RolloutBatch, SeqMeta
-from megatron_rl.critic_role import MESSAGE_TYPES as CRITIC_TYPES
-from megatron_rl.ports import free_port
+from megatron_rl.roles.critic import MESSAGE_TYPES as CRITIC_TYPES
+from megatron_rl.roles.remote_rollout import MESSAGE_TYPES, WeightsPlan
+from megatron_rl.roles.transport import Mailbox, WireError, decode, encode, from_plain, to_plain
 from megatron_rl.rollout.base import Generation, SamplingParams
-from megatron_rl.rollout.remote import MESSAGE_TYPES, Mailbox, WeightsPlan, from_plain, to_plain
-from megatron_rl.rollout.wire import WireError, decode, encode
+from megatron_rl.run.ports import free_port
 
 
 @pytest.fixture
@@ -131,7 +131,7 @@ def test_unregistered_types_do_not_travel():
 
 
 def test_the_interface_that_reaches_a_host():
-    from megatron_rl.ports import interface_of
+    from megatron_rl.run.ports import interface_of
 
     assert interface_of("127.0.0.1") == "lo"
     assert interface_of("no-such-host.invalid") is None

@@ -19,8 +19,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from megatron_rl.explain import explain
-from megatron_rl.ports import free_port
+from megatron_rl.run.explain import explain
+from megatron_rl.run.ports import free_port
 
 
 def record(e: BaseException) -> dict:

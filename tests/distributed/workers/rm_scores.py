@@ -43,7 +43,7 @@ def main():
     from megatron_rl.models.builder import TrainingOptions, build_model, load_hf_weights
     from megatron_rl.models.loading import load_model_args_any, load_weights
     from megatron_rl.parallel import destroy_parallel, init_parallel
-    from megatron_rl.reward_model import compute_rm_scores
+    from megatron_rl.reward.model import compute_rm_scores
     from megatron_rl.weights.ckpt_write import save_torch_dist
 
     ps = init_parallel(a.tp, a.pp, seed=1, device="cpu")

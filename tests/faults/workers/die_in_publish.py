@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 
-from megatron_rl import checkpoint
+from megatron_rl.run import checkpoint
 
 AT, STEP = os.environ["FAULT_AT"], int(os.environ["FAULT_STEP"])
 

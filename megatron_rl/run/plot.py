@@ -1,4 +1,4 @@
-"""Plot a run: ``python -m megatron_rl.plot RUN_DIR [--out file.png]``.
+"""Plot a run: ``python -m megatron_rl.run.plot RUN_DIR [--out file.png]``.
 
 Reads RUN_DIR/metrics.jsonl (or RUN_DIR/logs/metrics.jsonl: every run writes it to trainer.log_dir)
 and draws reward, KL, losses and response length against the step. Needs matplotlib

@@ -11,7 +11,7 @@ torchrun's error file, so torchrun's failure summary shows the same line) and th
 status 1; anything else propagates unchanged with its traceback.
 
 One rule table (:data:`_RULES`, regex -> message) serves exceptions and log lines alike: the launcher's
-explanation of a node's log (:func:`megatron_rl.launch_checks.explain_log`) goes through
+explanation of a node's log (:func:`megatron_rl.run.launch_checks.explain_log`) goes through
 :func:`explain_line`. Nothing here imports torch at module level.
 """
 
@@ -31,7 +31,7 @@ from typing import Any
 
 from megatron_rl.config import ConfigError, DataError
 from megatron_rl.errors import COLLATERAL, LaunchError
-from megatron_rl.ports import busy_port_message
+from megatron_rl.run.ports import busy_port_message
 
 PREFIX = "megatron-rl error: "
 """Start of the one line a rank prints for an explained failure (``explain-log`` looks for it)."""

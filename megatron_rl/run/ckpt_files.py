@@ -1,7 +1,7 @@
 """The checkpoint directory's housekeeping: file permissions, atomic small files, full-disk
 detection, the one-run-per-directory lock, and the leftovers of interrupted saves and prunes.
 
-Used by :class:`megatron_rl.checkpoint.CheckpointManager` (the directory layout is described there).
+Used by :class:`megatron_rl.run.checkpoint.CheckpointManager` (the directory layout is described there).
 """
 
 from __future__ import annotations

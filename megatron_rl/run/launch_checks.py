@@ -2,17 +2,17 @@
 
 ``launch/torchrun.sh`` runs, on the node hosting the rendezvous, before torchrun starts::
 
-    python -m megatron_rl.launch_checks port HOST PORT     # exit 1 + one line if HOST:PORT is unusable
+    python -m megatron_rl.run.launch_checks port HOST PORT     # exit 1 + one line if HOST:PORT is unusable
 
 and after torchrun exited non-zero::
 
-    python -m megatron_rl.launch_checks explain-log NODE_LOG --node N --rc RC
+    python -m megatron_rl.run.launch_checks explain-log NODE_LOG --node N --rc RC
 
 which reads the node's log and prints one line, also for failures no Python handler sees: NCCL's
 watchdog aborts the process on a timeout (SIGABRT, no exception), and the rendezvous errors are raised
-in torchrun's agent, not in a worker. The lines come from the rule table of :mod:`megatron_rl.explain`
+in torchrun's agent, not in a worker. The lines come from the rule table of :mod:`megatron_rl.run.explain`
 (which explains a rank's own exception); the pre-flight checks of every rank are
-:mod:`megatron_rl.preflight`. Nothing here imports torch: the port check runs before any heavy import.
+:mod:`megatron_rl.run.preflight`. Nothing here imports torch: the port check runs before any heavy import.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import re
 import sys
 
 from megatron_rl.errors import COLLATERAL
-from megatron_rl.explain import PREFIX, explain_line
-from megatron_rl.ports import check_port, free_port
+from megatron_rl.run.explain import PREFIX, explain_line
+from megatron_rl.run.ports import check_port, free_port
 
 _EXC_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?(?P<type>(?:\w+\.)*\w+(?:Error|Exception)): (?P<msg>.+)$")
 _RANK_TAG = re.compile(r"\[[Rr]ank ?(\d+)\]")
@@ -70,7 +70,7 @@ def explain_log(text: str) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m megatron_rl.launch_checks", description=__doc__.split("\n\n")[0]
+        prog="python -m megatron_rl.run.launch_checks", description=__doc__.split("\n\n")[0]
     )
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("port", help="exit 1 with one line if HOST:PORT cannot host the rendezvous here")

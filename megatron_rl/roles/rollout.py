@@ -30,9 +30,9 @@ import torch.distributed as dist
 from megatron_rl.config import Config
 from megatron_rl.offload import HostParking
 from megatron_rl.parallel import ParallelState
-from megatron_rl.roles import Models, park_for_generation
+from megatron_rl.roles.models import Models, park_for_generation
+from megatron_rl.roles.transport import from_plain, to_plain
 from megatron_rl.rollout import Generation, SamplingParams, engine_dtype
-from megatron_rl.rollout.remote import from_plain, to_plain
 
 
 def make_agent(cfg: Config, ps: ParallelState, tokenizer):
@@ -204,7 +204,7 @@ class SeparateRollout(_Queue):
         sampling: Callable[[int], SamplingParams],
         total_steps: int,
     ):
-        from megatron_rl.rollout.remote import RolloutClient
+        from megatron_rl.roles.remote_rollout import RolloutClient
 
         super().__init__()
         rollout = cfg.actor_rollout_ref.rollout

@@ -68,7 +68,7 @@ if TYPE_CHECKING:
     import torch
 
     from megatron_rl.config import HttpRewardConfig
-    from megatron_rl.reward import RewardOutput
+    from megatron_rl.reward.rules import RewardOutput
 
 SAMPLE_KEYS = ("data_source", "prompt", "response", "ground_truth", "extra_info")
 """The keys of each sample in a request."""
@@ -413,7 +413,7 @@ class HttpRewardManager:
     ) -> RewardOutput:
         import torch
 
-        from megatron_rl.reward import RewardOutput
+        from megatron_rl.reward.rules import RewardOutput
 
         n = len(response_ids)
         if prompt_ids is None:

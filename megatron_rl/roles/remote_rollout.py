@@ -36,10 +36,18 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import torch
-import torch.distributed as dist
 
 from megatron_rl.model_args import DTYPES, ModelArgs
 from megatron_rl.parallel import ParallelState
+from megatron_rl.roles.transport import (
+    Mailbox,
+    all_gather_objects,
+    broadcast_root,
+    from_plain,
+    pair_group,
+    slice_bounds,
+    to_plain,
+)
 from megatron_rl.rollout.base import Generation, SamplingParams, is_dp_leader
 from megatron_rl.rollout.reshard import (
     Bucket,
@@ -49,63 +57,6 @@ from megatron_rl.rollout.reshard import (
     plan_buckets,
     tensor_checksum,
 )
-from megatron_rl.rollout.wire import all_gather_objects, decode, encode
-
-
-def slice_bounds(total: int, parts: int) -> list[tuple[int, int]]:
-    """[start, end) of ``parts`` contiguous slices of ``total`` items, sizes differing by at most 1."""
-    base, extra = divmod(total, parts)
-    out, start = [], 0
-    for j in range(parts):
-        end = start + base + (j < extra)
-        out.append((start, end))
-        start = end
-    return out
-
-
-def to_plain(gens: list[list[Generation]]) -> list[list[tuple]]:
-    """Generations as tuples of lists (for the store's wire format and ``torch.load(weights_only=True)``)."""
-    return [[(g.token_ids, g.logprobs, g.finish_reason) for g in per_prompt] for per_prompt in gens]
-
-
-def from_plain(rows: list[list[tuple]]) -> list[list[Generation]]:
-    return [[Generation(list(t), None if lp is None else list(lp), fr) for t, lp, fr in row] for row in rows]
-
-
-class Mailbox:
-    """Values under keys of the job's store in the wire format (``rollout.wire``); ``take`` deletes a
-    key after its last reader. ``types``: the dataclasses the messages may hold (by name)."""
-
-    def __init__(self, store: dist.Store, prefix: str = "rollout/", types: tuple[type, ...] = ()) -> None:
-        self.prefix, self.types = prefix, types
-        self.store = dist.PrefixStore(prefix, store)
-
-    def put(self, key: str, obj) -> None:
-        self.store.set(key, encode(obj, self.types))
-
-    def take(self, key: str, readers: int):
-        """The value under ``key`` (waits for it, up to the store's timeout); a value this format does not
-        describe raises rollout.wire.WireError (nothing of it is executed)."""
-        obj = decode(self.store.get(key), self.types, key=self.prefix + key)
-        if self.store.add(f"{key}#read", 1) == readers:
-            self.store.delete_key(key)
-            self.store.delete_key(f"{key}#read")
-        return obj
-
-
-def _pair_group(store: dist.Store, rank: int, size: int, backend: str, timeout: datetime.timedelta):
-    """The weights group (actor leader = 0, rollout ranks 1..): built directly on the job's store, since
-    each side's torch.distributed world holds only its own ranks."""
-    prefix = dist.PrefixStore("rollout/weights-group", store)
-    if backend == "nccl":
-        return dist.ProcessGroupNCCL(prefix, rank, size, dist.ProcessGroupNCCL.Options())
-    return dist.ProcessGroupGloo(prefix, rank, size, timeout)
-
-
-def _broadcast(group, tensor: torch.Tensor) -> None:
-    opts = dist.BroadcastOptions()
-    opts.rootRank, opts.rootTensor = 0, 0
-    group.broadcast([tensor], opts).wait()
 
 
 @dataclass(frozen=True)
@@ -153,11 +104,11 @@ class RolloutClient:
         index = self.posted
         self._post({"kind": "weights", "plan": plan})
         if self.leader and self._group is None:
-            self._group = _pair_group(ps.job_store, 0, 1 + self.rollout_ranks, ps.backend, self.timeout)
+            self._group = pair_group(ps.job_store, 0, 1 + self.rollout_ranks, ps.backend, self.timeout)
         sums = []
         for bucket in iter_hf_buckets(actor, ps, plan.bucket_bytes, dtype):
             if self.leader:
-                _broadcast(self._group, bucket.flat)
+                broadcast_root(self._group, bucket.flat)
                 sums += [tensor_checksum(t) for _, t in bucket]
         if self.leader:  # [tensors, 2] float64, in stream order: the engines check their copies
             self.box.put(f"sums/{index}", torch.stack(sums).cpu())
@@ -256,15 +207,13 @@ class RolloutServer:
     def _buckets(self, plan: WeightsPlan) -> Iterator[Bucket]:
         ps = self.ps
         if self._group is None:
-            self._group = _pair_group(
-                ps.job_store, 1 + self.index, 1 + self.readers, ps.backend, self.timeout
-            )
+            self._group = pair_group(ps.job_store, 1 + self.index, 1 + self.readers, ps.backend, self.timeout)
         dtype = DTYPES[plan.dtype]  # the actor's side chose it (fp32 on CPU)
         itemsize = torch.empty((), dtype=dtype).element_size()
         buckets = plan_buckets(self.args, plan.tp, plan.pp, plan.bucket_bytes, itemsize)
         flat = torch.empty(max(b.numel for b in buckets), dtype=dtype, device=ps.device)
         for b in buckets:
-            _broadcast(self._group, flat[: b.numel])
+            broadcast_root(self._group, flat[: b.numel])
             bucket = Bucket(
                 (t.name, flat[t.offset : t.offset + t.numel].view(t.shape))
                 for s in b.params

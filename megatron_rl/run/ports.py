@@ -2,8 +2,8 @@
 network interface that reaches the rendezvous host (what GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME should
 name, so the process groups listen there only: docs/reliability.md, Security and ports).
 
-Standard library only: ``launch/torchrun.sh`` runs the check (``python -m megatron_rl.launch_checks
-port HOST PORT``) before torchrun starts, ahead of any heavy import; ``python -m megatron_rl.ports
+Standard library only: ``launch/torchrun.sh`` runs the check (``python -m megatron_rl.run.launch_checks
+port HOST PORT``) before torchrun starts, ahead of any heavy import; ``python -m megatron_rl.run.ports
 interface HOST`` prints the interface's name.
 """
 
@@ -100,9 +100,9 @@ def interface_of(host: str) -> str | None:
     return None
 
 
-if __name__ == "__main__":  # python -m megatron_rl.ports interface HOST
+if __name__ == "__main__":  # python -m megatron_rl.run.ports interface HOST
     if len(sys.argv) != 3 or sys.argv[1] != "interface":
-        sys.exit("usage: python -m megatron_rl.ports interface HOST")
+        sys.exit("usage: python -m megatron_rl.run.ports interface HOST")
     name = interface_of(sys.argv[2])
     if name is None:
         sys.exit(1)

@@ -106,7 +106,7 @@ def build_models(
     cfg: Config, ps: ParallelState, model_args, total_steps: int, with_critic: bool = True
 ) -> Models:
     """The run's models (module docstring); ``model_args`` are the actor's. ``with_critic=False``: the
-    critic trains on ranks of its own (megatron_rl.critic_role), not here."""
+    critic trains on ranks of its own (megatron_rl.roles.critic), not here."""
     from megatron_rl.models.loading import load_model_args_any
     from megatron_rl.optim import ModelOptimizer
 

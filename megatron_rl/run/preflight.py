@@ -8,7 +8,7 @@ The trainer (``megatron_rl.train.main``)::
         ...                               # init_parallel, Trainer(cfg, ps).fit()
 
 Each check raises a one-line :class:`~megatron_rl.errors.LaunchError` or ``ConfigError``, which
-:func:`megatron_rl.explain.explain_failures` prints without a traceback. The dry run
+:func:`megatron_rl.run.explain.explain_failures` prints without a traceback. The dry run
 (``python -m megatron_rl.config FILE.yaml --nproc N``, :func:`dry_run`) runs the same
 :func:`checks` and reports every failure.
 """
@@ -24,7 +24,7 @@ from typing import Any
 from megatron_rl.config import ConfigError, validate
 from megatron_rl.config.placement import resolve_placement
 from megatron_rl.errors import LaunchError
-from megatron_rl.explain import PREFIX, explain_text, no_gpu_for_local_rank
+from megatron_rl.run.explain import PREFIX, explain_text, no_gpu_for_local_rank
 
 
 def preflight(

@@ -49,7 +49,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_rl.ckpt_files import (
+from megatron_rl.errors import COLLATERAL, CheckpointError
+from megatron_rl.parallel import ParallelState
+from megatron_rl.run.ckpt_files import (
     DirLock,
     chmod_tree,
     is_disk_full,
@@ -58,8 +60,6 @@ from megatron_rl.ckpt_files import (
     remove_leftovers,
     write_atomic,
 )
-from megatron_rl.errors import COLLATERAL, CheckpointError
-from megatron_rl.parallel import ParallelState
 from megatron_rl.weights.hf_io import copy_side_files
 from megatron_rl.weights.safe_load import safe_dist_load, safe_torch_load
 

@@ -1,8 +1,10 @@
-"""The wire format of the job's key-value store: a JSON header and raw tensor bytes, never pickle.
+"""How roles on ranks of their own talk: the job's key-value store (:class:`Mailbox`), pair groups
+for bulk tensors (:func:`pair_group`), and the store's wire format -- a JSON header and raw tensor
+bytes, never pickle.
 
-Roles on ranks of their own (``rollout.remote``, ``critic_role``) exchange requests, generations,
-batches and values through torchrun's TCPStore, which any process that reaches its port can write
-to. A value read from it is therefore data to validate, not code to run:
+Roles on ranks of their own (``roles.remote_rollout``, ``roles.critic_server``) exchange requests,
+generations, batches and values through torchrun's TCPStore, which any process that reaches its port
+can write to. A value read from it is therefore data to validate, not code to run:
 
     b"MRLW1\\n" | header length (8 bytes, little endian) | JSON header | tensor bytes
 
@@ -26,6 +28,7 @@ collectives.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import math
 import struct
@@ -33,6 +36,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from megatron_rl.rollout.base import Generation
 
 MAGIC = b"MRLW1\n"
 
@@ -234,3 +239,63 @@ def broadcast_object(obj: Any, src: int, group, device: torch.device, types: tup
         data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     dist.broadcast(data, src=src, group=group)
     return decode(data.cpu().numpy().tobytes(), types, key=f"rank {src}", source="process group message from")
+
+
+# ---------------------------------------------------------------------------------------------- roles
+
+
+def slice_bounds(total: int, parts: int) -> list[tuple[int, int]]:
+    """[start, end) of ``parts`` contiguous slices of ``total`` items, sizes differing by at most 1."""
+    base, extra = divmod(total, parts)
+    out, start = [], 0
+    for j in range(parts):
+        end = start + base + (j < extra)
+        out.append((start, end))
+        start = end
+    return out
+
+
+def to_plain(gens: list[list[Generation]]) -> list[list[tuple]]:
+    """Generations as tuples of lists (for the store's wire format and ``torch.load(weights_only=True)``)."""
+    return [[(g.token_ids, g.logprobs, g.finish_reason) for g in per_prompt] for per_prompt in gens]
+
+
+def from_plain(rows: list[list[tuple]]) -> list[list[Generation]]:
+    return [[Generation(list(t), None if lp is None else list(lp), fr) for t, lp, fr in row] for row in rows]
+
+
+class Mailbox:
+    """Values under keys of the job's store in the wire format (:func:`encode`); ``take`` deletes a
+    key after its last reader. ``types``: the dataclasses the messages may hold (by name)."""
+
+    def __init__(self, store: dist.Store, prefix: str = "rollout/", types: tuple[type, ...] = ()) -> None:
+        self.prefix, self.types = prefix, types
+        self.store = dist.PrefixStore(prefix, store)
+
+    def put(self, key: str, obj) -> None:
+        self.store.set(key, encode(obj, self.types))
+
+    def take(self, key: str, readers: int):
+        """The value under ``key`` (waits for it, up to the store's timeout); a value this format does not
+        describe raises :class:`WireError` (nothing of it is executed)."""
+        obj = decode(self.store.get(key), self.types, key=self.prefix + key)
+        if self.store.add(f"{key}#read", 1) == readers:
+            self.store.delete_key(key)
+            self.store.delete_key(f"{key}#read")
+        return obj
+
+
+def pair_group(store: dist.Store, rank: int, size: int, backend: str, timeout: datetime.timedelta):
+    """A group of a leader (rank 0) and another role's ranks (1..), e.g. the separate rollout's
+    weights group: built directly on the job's store, since each side's torch.distributed world holds
+    only its own ranks."""
+    prefix = dist.PrefixStore("rollout/weights-group", store)
+    if backend == "nccl":
+        return dist.ProcessGroupNCCL(prefix, rank, size, dist.ProcessGroupNCCL.Options())
+    return dist.ProcessGroupGloo(prefix, rank, size, timeout)
+
+
+def broadcast_root(group, tensor: torch.Tensor) -> None:
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor = 0, 0
+    group.broadcast([tensor], opts).wait()

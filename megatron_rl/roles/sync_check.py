@@ -65,7 +65,7 @@ class SyncProbe:
         """Generate the probe, score it with the actor, compare (module docstring). The caller times it
         as one phase (the probe's own phases are not added to the step's gen/reshard)."""
         from megatron_rl import ppo
-        from megatron_rl.metrics import Timer
+        from megatron_rl.run.metrics import Timer
 
         ps = self.ps
         prompts = [it.prompt_ids for it in self.items]

@@ -216,7 +216,7 @@ class MetricsLogger:
     """Fan-out of one metrics dict per step to the sinks named in trainer.logger (rank 0 only).
 
     ``log_dir/metrics.jsonl`` is written whatever the sinks (the console is for people, the file for
-    tools such as ``python -m megatron_rl.plot``); ``jsonl`` in trainer.logger asks for nothing more.
+    tools such as ``python -m megatron_rl.run.plot``); ``jsonl`` in trainer.logger asks for nothing more.
     It belongs to one run: :meth:`begin` keeps the rows of the steps a resumed run
     continues from (those after it are dropped, so no step appears twice) and moves the file of an
     earlier, unrelated run aside (``metrics.1.jsonl``, ...) rather than appending to it. The console
@@ -358,7 +358,7 @@ def write_summary(cfg, global_step: int, last: dict[str, float], checkpoint: str
         "checkpoint": checkpoint,
         "config": os.path.join(t.default_local_dir, "config.yaml"),
         "metrics": jsonl,  # written whatever trainer.logger says
-        "plot": f"python -m megatron_rl.plot {t.log_dir}",
+        "plot": f"python -m megatron_rl.run.plot {t.log_dir}",
         "precision": precision_record(cfg),
     }
     with open(os.path.join(t.default_local_dir, "summary.json"), "w") as f:

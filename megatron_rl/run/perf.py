@@ -21,9 +21,9 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from megatron_rl.batch import RolloutBatch
     from megatron_rl.config import Config
-    from megatron_rl.metrics import Timer
     from megatron_rl.parallel import ParallelState
-    from megatron_rl.roles import Models
+    from megatron_rl.roles.models import Models
+    from megatron_rl.run.metrics import Timer
 
 
 def perf_metrics(

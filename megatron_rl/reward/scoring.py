@@ -25,25 +25,25 @@ import torch.distributed as dist
 
 from megatron_rl.algos.dapo import overlong_penalty
 from megatron_rl.batch import RolloutBatch
-from megatron_rl.http_reward import prompt_ids_of
+from megatron_rl.reward.http import prompt_ids_of
 
 if TYPE_CHECKING:
     from megatron_rl.config import Config
-    from megatron_rl.http_reward import HttpRewardManager
     from megatron_rl.parallel import ParallelState
-    from megatron_rl.reward import RewardManager
+    from megatron_rl.reward.http import HttpRewardManager
+    from megatron_rl.reward.rules import RewardManager
 
 
 def make_reward_fn(cfg: Config, tokenizer, ps: ParallelState | None = None, reward_model=None):
     """Where rewards come from: the reward model (``reward_model``, built by roles.build_models), a reward
     server (reward_model.http.url), or the rules / custom_reward_function."""
-    from megatron_rl.reward import RewardManager, load_custom_reward_function
+    from megatron_rl.reward.rules import RewardManager, load_custom_reward_function
 
     rm, crf = cfg.reward_model, cfg.custom_reward_function
     if reward_model is not None:
         from transformers import AutoTokenizer
 
-        from megatron_rl.reward_model import ModelReward, reward_model_tokenizer
+        from megatron_rl.reward.model import ModelReward, reward_model_tokenizer
 
         actor_tok = tokenizer
         if rm.model.input_tokenizer:
@@ -52,7 +52,7 @@ def make_reward_fn(cfg: Config, tokenizer, ps: ParallelState | None = None, rewa
         rm_tok = reward_model_tokenizer(rm.model.path, actor_tok, rm.model.trust_remote_code)
         return ModelReward(reward_model, ps, rm.micro_batch_size_per_gpu, actor_tok, rm_tok, rm.max_length)
     if rm.http.url:
-        from megatron_rl.http_reward import HttpRewardManager
+        from megatron_rl.reward.http import HttpRewardManager
 
         return HttpRewardManager(tokenizer, rm.http)
     compute_score = load_custom_reward_function(crf.path, crf.name) if crf.path else None
