@@ -38,9 +38,11 @@ test-gpu:
 test-slurm: install
 	bash launch/test_slurm.sh
 
+# ruff everywhere; mypy on the typed core ([tool.mypy] files in pyproject.toml).
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 format: install
 	$(BIN)/ruff check --fix .

@@ -12,8 +12,8 @@ It prepares a random HF model (Qwen2.5-1.5B shape, or a tiny one), a word-level 
 tokens are ``t0 .. t{V-1}`` (so prompts are plain token ids), and parquet prompts of exactly
 --prompt-len tokens; then it runs ``torchrun -m megatron_rl.train`` unchanged, twice unless
 --no-compare: colocated (the engine's memory released during training, and the training state parked
-in host memory during generation: every *.megatron.*_offload key on) and not (free_cache_engine=False,
-no offload),
+in host memory during generation: what the memory planner parks (the *_offload keys' default, auto), or
+with --offload on every *.megatron.*_offload key on) and not (free_cache_engine=False, no offload),
 and summarises the JSONL metrics (steps after the first, which includes compilation and warm-up):
 per-phase seconds, tokens/s/GPU, actor MFU against the bf16 matmul peak measured in the same run,
 peak device memory, and the colocated/non-colocated peak-memory ratio. Responses are
@@ -158,7 +158,8 @@ def run(
         "actor_rollout_ref.rollout.free_cache_engine": colocate,
         "actor_rollout_ref.rollout.gpu_memory_utilization": a.gpu_memory_utilization,
         "actor_rollout_ref.rollout.enable_cuda_graph": a.cuda_graph,
-        **{k: colocate for k in OFFLOAD_KEYS},
+        # colocated: every key on, or (--offload auto) the memory planner's choice
+        **{k: (("auto" if a.offload == "auto" else True) if colocate else False) for k in OFFLOAD_KEYS},
         **{
             f"{m}.megatron.{key}": not off
             for m in ("actor_rollout_ref.actor", "critic")
@@ -229,6 +230,7 @@ def summarize(rows: list[dict], nproc: int) -> dict:
             (r.get("perf/max_device_memory_used_gb", 0) for r in rows), default=None
         ),
         "optimizer_state_gb_per_gpu": mean("perf/optimizer_state_gb"),
+        "parked_gb_per_gpu": mean("perf/parked_gb"),
         "response_length": mean("response_length/mean"),
         "padding_fraction": mean("perf/padding_fraction"),
         # old_log_prob + ref + values + both updates: the passes that micro-batching shapes
@@ -298,6 +300,12 @@ def main() -> None:
         "--no-cuda-graph", dest="cuda_graph", action="store_false", help="SGLang without decode CUDA graphs"
     )
     ap.add_argument("--no-compare", action="store_true", help="skip the non-colocated run")
+    ap.add_argument(
+        "--offload",
+        default="auto",
+        choices=["on", "auto"],
+        help="colocated runs: auto (the default: park only what does not fit) or every *_offload key on",
+    )
     ap.add_argument(
         "--only",
         choices=["colocated", "separate", "padded", "dynamic", "placed_s0", "placed_s1", "critic_placed"],

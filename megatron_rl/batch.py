@@ -113,27 +113,34 @@ class RolloutBatch:
 
         A multi-turn episode (``g.response_mask`` set) keeps its tool/user tokens in the response with
         response_mask 0, and its sequence's extra_info gains verl's ``num_turns`` and
-        ``rollout_reward_scores`` (calc_reward per tool), plus ``tool_rewards`` and ``turn_scores``."""
+        ``rollout_reward_scores`` (calc_reward per tool), plus ``tool_rewards`` and ``turn_scores``.
+        An agent-function episode (``info["prompt_ids"]``) has the prompt its session rendered, not the
+        item's; its ``info["agent_reward"]`` is in extra_info and, when not None, counts as the
+        episode's ``tool_reward`` (scored with multi_turn.tool_reward_weight)."""
         from megatron_rl.data import collate_left_pad
 
         prompts, metas, responses, logprobs, trained = [], [], [], [], []
         for it, samples in zip(items, generations, strict=True):
             for g in samples:
-                prompts.append(it)
+                own = None if g.info is None else g.info.get("prompt_ids")
+                prompts.append(it if own is None else list(own))  # the session's prompt [P_i]
                 responses.append(g.token_ids[:max_response_length])
                 trained.append(None if g.response_mask is None else g.response_mask[:max_response_length])
                 logprobs.append(g.logprobs)
                 uid = f"{uid_prefix}{it.index}"
                 extra = it.extra_info
                 if g.info is not None:  # a copy per sample: the n samples of a prompt share its dict
+                    agent = g.info.get("agent_reward")
                     extra = {
                         **extra,
                         "num_turns": g.info.get("num_turns", 1),
                         "rollout_reward_scores": dict(g.info.get("reward_scores", {})),
                         "tool_rewards": list(g.info.get("tool_rewards", [])),
                         "turn_scores": list(g.info.get("turn_scores", [])),
-                        "tool_reward": float(g.info.get("tool_reward", 0.0)),
+                        "tool_reward": float(g.info.get("tool_reward", 0.0)) + float(agent or 0.0),
                     }
+                    if "agent_reward" in g.info:
+                        extra["agent_reward"] = agent
                 metas.append(SeqMeta(uid, it.data_source, it.ground_truth, extra, it.messages))
         prompt_ids, prompt_mask = collate_left_pad(prompts, pad_id)
         width = max(1, max(len(r) for r in responses))
@@ -187,7 +194,7 @@ class RolloutBatch:
         cols = torch.arange(width, device=keep.device)[None]  # [1, L]
         real = cols < length[:, None]  # [b, L]
         src = ((p - p_len)[:, None] + cols).clamp(max=s - 1)  # where each kept token sits now
-        kw = {  # the [b, R] fields
+        kw: dict[str, Any] = {  # the [b, R] fields
             name: None if getattr(self, name) is None else getattr(self, name)[:, :r]
             for name in _TENSOR_FIELDS
             if name not in ("prompts", "input_ids", "attention_mask")
@@ -206,7 +213,7 @@ class RolloutBatch:
             idx = index.tolist() if isinstance(index, torch.Tensor) else list(index)
             meta = [self.meta[i] for i in idx]
             index = torch.as_tensor(idx, dtype=torch.long)
-        kw = {}
+        kw: dict[str, Any] = {}
         for name in (*_TENSOR_FIELDS, "response_index"):
             t = getattr(self, name)
             kw[name] = (
@@ -249,11 +256,17 @@ class RolloutBatch:
                 for b in batches
             ]
         )
+
+        def cat_required(name: str, width: int, left: bool, value: float) -> torch.Tensor:
+            t = cat(name, width, left, value)
+            assert t is not None, f"RolloutBatch.{name} is always set"
+            return t
+
         out = cls.from_tokens(
-            cat("prompts", p, True, pad_id),
+            cat_required("prompts", p, True, pad_id),
             prompt_mask,
-            cat("responses", r, False, pad_id),
-            cat("response_mask", r, False, 0),
+            cat_required("responses", r, False, pad_id),
+            cat_required("response_mask", r, False, 0),
             [m for b in batches for m in b.meta],
             response_attention,
         )
@@ -263,5 +276,7 @@ class RolloutBatch:
 
     def to(self, device: torch.device) -> RolloutBatch:
         names = (*_TENSOR_FIELDS, "response_index")
-        kw = {n: (None if getattr(self, n) is None else getattr(self, n).to(device)) for n in names}
+        kw: dict[str, Any] = {
+            n: (None if getattr(self, n) is None else getattr(self, n).to(device)) for n in names
+        }
         return dataclasses.replace(self, **kw)

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from megatron_rl.batch import RolloutBatch
 from megatron_rl.config import Config, ConfigError
@@ -186,6 +187,15 @@ def micro_batches(
     if stats is not None:
         stats.add_pass(micro, int(batch.attention_mask.sum()), multiple)
     return micro, groups
+
+
+def response_keep(mb: RolloutBatch) -> torch.Tensor:
+    """[b, r] float32: 1 where the micro-batch's response position holds a real token (the token after
+    each predicting position is attended), 0 on the right padding."""
+    if mb.response_index is None:
+        return mb.attention_mask[:, -mb.response_length :].float()
+    padded = F.pad(mb.attention_mask, (0, 1))  # the last index + 1 may be the width
+    return padded.gather(1, mb.response_index + 1).float()
 
 
 @dataclass(frozen=True)

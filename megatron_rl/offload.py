@@ -13,7 +13,8 @@ span two slabs): torch's pinned allocator rounds every request up to a power of 
 cost up to 2x the parked bytes with one buffer per tensor. The slabs are allocated by the first park
 and reused, in the same order, by every later one; a step pays two PCIe copies of the parked bytes.
 The torch allocator keeps freed device blocks cached; the caller empties the cache before the engine
-takes the memory.
+takes the memory. What is parked is decided once per run by run/memory_plan.py (the *_offload keys,
+``auto`` by default: only what would not fit beside the engine).
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ class HostParking:
         self._pin = device.type == "cuda"
         self._host = _HostSlabs(slab_bytes, self._pin)
         self._parked: list[tuple[torch.UntypedStorage, int, list[torch.Tensor]]] = []
+        self.last_parked_bytes = 0
+        """Bytes the last park-reload cycle held off the device (the perf/parked_gb metric)."""
 
     @property
     def parked_bytes(self) -> int:
@@ -112,5 +115,6 @@ class HostParking:
                 off += piece.numel()
         if self._pin:
             torch.cuda.synchronize(self.device)  # the slabs are reused by the next park
+        self.last_parked_bytes = self.parked_bytes
         self._parked = []
         self._host.used = 0

@@ -9,6 +9,10 @@ fast links), pipeline stages are furthest apart. Experts of a mixture-of-experts
 their own over the same ranks (megatron's "expert" decomposition): expert TP (ETP) x expert parallel
 (EP) x expert DP x PP, so that within one pipeline stage EP x ETP ranks share out the experts and the
 remaining ``world / (PP x EP x ETP)`` are expert data-parallel copies.
+
+A ParallelState holds megatron's group objects, which megatron destroys when its parallel state is
+re-initialized (:func:`init_parallel` again, :func:`destroy_parallel`): each state records the
+generation it was built in and :meth:`ParallelState.check_current` refuses a state from an older one.
 """
 
 from __future__ import annotations
@@ -54,6 +58,25 @@ class ParallelState:
     """This process's rank in the whole job (``rank`` is its rank in its world: trainer.placement)."""
     job_store: dist.Store | None = None
     """The job's key-value store; set when the rollout has ranks of its own (rollout.remote uses it)."""
+    generation: int | None = None
+    """The :func:`generation` of megatron's parallel state this object was built in (init_parallel sets
+    it); None: a hand-built state whose groups this module does not track."""
+
+    def check_current(self) -> None:
+        """Raise if megatron's parallel state was destroyed or re-initialized since this state was built:
+        its groups are then destroyed ones (collectives on them hang or fail far from the cause)."""
+        if self.generation is None:
+            return
+        from megatron.core import parallel_state as mps
+
+        stale = self.generation != _generation or not mps.model_parallel_is_initialized()
+        if not stale:  # megatron re-initialized behind init_parallel's back: its groups are new objects
+            stale = mps.get_tensor_model_parallel_group(check_initialized=False) is not self.tp_group
+        if stale:
+            raise RuntimeError(
+                "this ParallelState was built before megatron's parallel state was re-initialized; "
+                "rebuild it with megatron_rl.parallel.init_parallel"
+            )
 
     @property
     def is_first_stage(self) -> bool:
@@ -66,7 +89,22 @@ class ParallelState:
     @property
     def pp_last_rank(self) -> int:
         """Global rank of the last pipeline stage in this rank's pipeline."""
+        self.check_current()
         return dist.get_global_rank(self.pp_group, self.pp_size - 1)
+
+
+_generation = 0
+"""Bumped each time megatron's parallel state is initialized or destroyed through this module."""
+
+
+def generation() -> int:
+    """The current generation of megatron's parallel state (see :meth:`ParallelState.check_current`)."""
+    return _generation
+
+
+def _bump_generation() -> None:
+    global _generation
+    _generation += 1
 
 
 def _free_port() -> int:
@@ -173,6 +211,7 @@ def init_parallel(
         )
     if mps.model_parallel_is_initialized():
         mps.destroy_model_parallel()
+    _bump_generation()
     mps.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
@@ -205,6 +244,7 @@ def init_parallel(
         expert_dp_group=mps.get_expert_data_parallel_group(),
         global_rank=job_rank,
         job_store=job_store,
+        generation=_generation,
     )
     seed_all(seed, state)
     return state
@@ -212,6 +252,7 @@ def init_parallel(
 
 def seed_all(seed: int, state: ParallelState) -> None:
     """Same seed on every rank for host-side sampling; megatron's TP/DP streams for dropout."""
+    state.check_current()
     import random
 
     import numpy as np
@@ -229,5 +270,6 @@ def destroy_parallel() -> None:
 
     if mps.model_parallel_is_initialized():
         mps.destroy_model_parallel()
+    _bump_generation()
     if dist.is_initialized():
         dist.destroy_process_group()

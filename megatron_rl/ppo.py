@@ -5,13 +5,15 @@ Shapes: B sequences on this data-parallel rank, P prompt tokens (left padded), R
 
 Forward passes (no grad, micro-batched through megatron's pipeline schedule):
 
-    compute_log_probs(actor|ref)  input_ids [B, S] -> decoder output at positions P-1 .. S-2 only
-                                  -> logits [b, R, V_pad/TP] / temperature -> log p(responses) [B, R]
-                                  (vocab-parallel softmax, see models/logprobs.py), broadcast to every stage
+    compute_log_probs(actor|ref)  input_ids [B, S] -> final hidden states at positions P-1 .. S-2 only
+                                  [R, b, h] -> LM head fused with the vocab-parallel log-softmax, chunked
+                                  (no [b, R, V_pad/TP] logits; models/logprobs.py) -> log p [B, R]
     compute_values(critic)        -> values [b, S, 1] -> values[:, P-1 : S-1] -> [B, R]
 
 Response token t sits at position P+t of input_ids and is predicted from position P+t-1, so both the
-log-prob and the value of token t come from position P+t-1.
+log-prob and the value of token t come from position P+t-1. The update's forward uses the same fused
+head (its backward recomputes each chunk's logits). When roles.actor.old_log_prob_is_first_forward holds,
+the old-log-prob pass is skipped and the update takes its first forward, detached, as old_log_probs.
 
 One update (:func:`update_actor` / :func:`update_critic`), for each of ppo_epochs passes:
 
@@ -55,7 +57,7 @@ from megatron_rl.algos import (
 )
 from megatron_rl.batch import RolloutBatch
 from megatron_rl.config import ActorConfig, ConfigError, CriticConfig
-from megatron_rl.microbatches import MicroBatching, TokenStats, micro_batches
+from megatron_rl.microbatches import MicroBatching, TokenStats, micro_batches, response_keep
 from megatron_rl.models.forward import (
     Positions,
     broadcast_from_last_stage,
@@ -63,7 +65,7 @@ from megatron_rl.models.forward import (
     select_positions,
     sequence_multiple,
 )
-from megatron_rl.models.logprobs import vocab_parallel_log_probs_and_entropy
+from megatron_rl.models.logprobs import DEFAULT_CHUNK_TOKENS, fused_log_probs_and_entropy
 from megatron_rl.models.moe_metrics import RouterStats
 from megatron_rl.optim import ModelOptimizer
 from megatron_rl.parallel import ParallelState
@@ -75,6 +77,29 @@ from megatron_rl.parallel import ParallelState
 
 def _response_positions(mb: RolloutBatch) -> Positions:
     return mb.response_positions
+
+
+def _log_prob_head(
+    ps: ParallelState, vocab: int, temperature: float, with_entropy: bool, entropy_grad: bool, chunk: int
+) -> Callable[[RolloutBatch, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """run_pipeline's ``head`` of the log-prob passes: hidden [r, b, h] of positions p-1 .. s-2 and the
+    weight [V_pad/TP, h] -> [r, b, 1 or 2] (log p, entropy) of the responses, fused and chunked."""
+
+    def head(mb: RolloutBatch, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        out = fused_log_probs_and_entropy(
+            hidden,
+            weight,
+            mb.responses.T,  # [r, b]: position p+t-1 predicts response token t
+            ps,
+            vocab,
+            temperature,
+            with_entropy=with_entropy,
+            entropy_grad=entropy_grad,
+            chunk_tokens=chunk,
+        )
+        return torch.stack(out, dim=-1) if with_entropy else out[..., None]
+
+    return head
 
 
 def _micro(micro: int | MicroBatching) -> MicroBatching:
@@ -98,20 +123,29 @@ def _forward_response(
     rows: int,
     positions: Callable[[RolloutBatch], Positions] | None = None,
     stats: TokenStats | None = None,
+    head: Callable[[RolloutBatch, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Run ``batch`` through the pipeline; ``per_micro_batch(mb, output) -> [rows, b, r]`` on the last
-    stage (r: the micro-batch's response width); returns [rows, B, R] float32 on every rank, 0 past
-    each sequence's last response token (whatever the micro-batching)."""
-    n, r = len(batch), batch.response_length
+    """Run ``batch`` through the pipeline (``head``: see run_pipeline); ``per_micro_batch(mb, output)
+    -> [rows, b, r]`` on the last stage (r: the micro-batch's response width); returns [rows, B, R]
+    float32 on every rank, 0 past each sequence's last response token (whatever the micro-batching)."""
     mbs, groups = _split(model, ps, batch, _micro(micro), stats)
-    outs = run_pipeline(model, ps, mbs, per_micro_batch, forward_only=True, positions=positions)
+    outs = run_pipeline(model, ps, mbs, per_micro_batch, forward_only=True, positions=positions, head=head)
+    # the last stage's outputs (none elsewhere); the fixed path's filler rows are dropped
+    parts = [(i, out[:, : len(i)]) for out, i in zip(outs, groups, strict=True)] if ps.is_last_stage else []
+    return _assemble(parts, batch, ps, rows)
+
+
+def _assemble(parts: list, batch: RolloutBatch, ps: ParallelState, k: int) -> torch.Tensor:
+    """(rows of ``batch``, values [k, rows, r]) per micro-batch of the last stage -> [k, B, R] float32 on
+    every stage, 0 past each sequence's last response token (whatever the micro-batching)."""
+    n, r = len(batch), batch.response_length
     result = None
     if ps.is_last_stage:
-        result = torch.zeros(rows, n, r, dtype=torch.float32, device=ps.device)
-        for out, index in zip(outs, groups, strict=True):  # the fixed path's filler rows are dropped
-            result[:, index, : out.shape[2]] = out[:, : len(index)]
+        result = torch.zeros(k, n, r, dtype=torch.float32, device=ps.device)
+        for index, values in parts:
+            result[:, index, : values.shape[2]] = values
         result *= batch.attention_mask[:, -r:].to(result.dtype)  # [B, R]: 1 on real response tokens
-    return broadcast_from_last_stage(result, ps, (rows, n, r), torch.float32)
+    return broadcast_from_last_stage(result, ps, (k, n, r), torch.float32)
 
 
 def compute_log_probs(
@@ -120,27 +154,43 @@ def compute_log_probs(
     batch: RolloutBatch,
     micro: int | MicroBatching,
     temperature: float = 1.0,
-    with_entropy: bool = False,
     stats: TokenStats | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> torch.Tensor:
     """Log-probs [B, R] float32 of ``batch.responses`` under ``model`` (actor or reference), on every rank.
 
     ``micro``: sequences per micro-batch, or a :class:`~megatron_rl.microbatches.MicroBatching`. Logits
-    are divided by ``temperature`` (the rollout's sampling temperature) before the softmax; with
-    ``with_entropy`` the per-token entropy [B, R] is returned too. ``stats`` counts the tokens.
+    are divided by ``temperature`` (the rollout's sampling temperature) before the softmax. ``stats``
+    counts the tokens. The LM head runs fused with the log-softmax, ``chunk_tokens`` tokens at a time
+    (models/logprobs.py).
     """
-    vocab = model.args.vocab_size
+    return _log_probs(model, ps, batch, micro, temperature, False, stats, chunk_tokens)[0]
 
-    def per_micro_batch(mb: RolloutBatch, logits: torch.Tensor) -> torch.Tensor:
-        # logits [b, r, V_pad/TP] of positions p-1 .. s-2; position p+t-1 predicts response token t.
-        out = vocab_parallel_log_probs_and_entropy(
-            logits, mb.responses, ps, vocab, temperature, with_entropy=with_entropy
-        )
-        return torch.stack(out) if with_entropy else out[None]  # [2 or 1, b, R]
+
+def compute_log_probs_and_entropy(
+    model: nn.Module,
+    ps: ParallelState,
+    batch: RolloutBatch,
+    micro: int | MicroBatching,
+    temperature: float = 1.0,
+    stats: TokenStats | None = None,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`compute_log_probs` and the per-token entropy [B, R] of the same distributions."""
+    res = _log_probs(model, ps, batch, micro, temperature, True, stats, chunk_tokens)
+    return res[0], res[1]
+
+
+def _log_probs(model, ps, batch, micro, temperature, with_entropy, stats, chunk_tokens) -> torch.Tensor:
+    head = _log_prob_head(ps, model.args.vocab_size, temperature, with_entropy, False, chunk_tokens)
+
+    def per_micro_batch(mb: RolloutBatch, out: torch.Tensor) -> torch.Tensor:
+        return out.permute(2, 0, 1)  # [b, r, 1 or 2] -> [1 or 2, b, r]
 
     rows = 2 if with_entropy else 1
-    res = _forward_response(model, ps, batch, micro, per_micro_batch, rows, _response_positions, stats)
-    return (res[0], res[1]) if with_entropy else res[0]
+    return _forward_response(
+        model, ps, batch, micro, per_micro_batch, rows, _response_positions, stats, head=head
+    )
 
 
 def compute_values(
@@ -161,7 +211,7 @@ def compute_values(
 
 
 # --------------------------------------------------------------------------------------------------
-# The update
+# The old-log-prob pass, when the update's first forward gives the same values
 # --------------------------------------------------------------------------------------------------
 
 
@@ -221,10 +271,13 @@ def _run_update(
     key: str,
     positions: Callable[[RolloutBatch], Positions] | None = None,
     stats: TokenStats | None = None,
+    head: Callable[[RolloutBatch, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    rows_of: dict[int, torch.Tensor] | None = None,
 ) -> dict[str, float]:
     """epochs x mini-batches x micro-batches; ``make_loss_fn(counts)`` builds a mini-batch's loss_fn,
-    which returns (loss share, num tokens, metric shares [len(names)]). ``positions``: see
-    :func:`~megatron_rl.models.forward.run_pipeline`."""
+    which returns (loss share, num tokens, metric shares [len(names)]). ``positions``, ``head``: see
+    :func:`~megatron_rl.models.forward.run_pipeline`. ``rows_of`` is filled, for the mini-batch in
+    flight, with id(micro-batch) -> the rows of ``batch`` it holds (filler rows not listed)."""
     if epochs < 1:
         raise ConfigError(f"{key}.ppo_epochs must be >= 1, got {epochs}")
     model.train()
@@ -240,16 +293,22 @@ def _run_update(
         else:
             order = torch.arange(len(batch))
         for j in range(n_mini):
-            mini = batch.select(order[j * rows : (j + 1) * rows])
+            index = order[j * rows : (j + 1) * rows]
+            mini = batch.select(index)
             counts = _global_counts(mini.response_mask, ps)
+            mbs, groups = _split(model, ps, mini, micro, stats)
+            if rows_of is not None:
+                rows_of.clear()
+                rows_of.update({id(mb): index[g] for mb, g in zip(mbs, groups, strict=True)})
             optimizer.zero_grad()
             outs = run_pipeline(
                 optimizer.ddp,
                 ps,
-                _split(model, ps, mini, micro, stats)[0],
+                mbs,
                 make_loss_fn(counts),
                 forward_only=False,
                 positions=positions,
+                head=head,
             )
             for m in outs:  # last stage only
                 shares += m
@@ -289,6 +348,7 @@ def update_actor(
     temperature: float = 1.0,
     shuffle_seed: int = 0,
     stats: TokenStats | None = None,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
 ) -> dict[str, float]:
     """One PPO update of the actor on this rank's share of the rollout batch (see the module docstring).
 
@@ -296,12 +356,18 @@ def update_actor(
     response_mask, old_log_probs, advantages, rollout_is_weights when set and, with ``cfg.use_kl_loss``,
     ref_log_probs. The policy loss is ``cfg.policy_loss.loss_mode``'s (algos/policy_loss.py).
     ``temperature`` is the rollout's sampling temperature; ``shuffle_seed`` (e.g. the global step)
-    seeds the mini-batch order when ``cfg.shuffle``.
+    seeds the mini-batch order when ``cfg.shuffle``. ``chunk_tokens``: tokens per chunk of the fused
+    LM head and log-softmax (models/logprobs.py).
+
+    ``batch.old_log_probs = None`` (one mini-batch, one epoch: see roles.actor.old_log_prob_is_first_forward)
+    takes the update's own forward, detached, as the old log-probs (the ratio is exactly 1), and
+    stores them on ``batch.old_log_probs`` afterwards ([B, R], 0 past each response, as
+    :func:`compute_log_probs` gives them).
     Returns actor/loss, pg_loss, pg_clipfrac, pg_clipfrac_lower, ppo_kl, entropy, [kl_loss], grad_norm (of
     the finite steps), lr, nonfinite_grad_steps.
     """
     key = "actor_rollout_ref.actor"
-    for name in ("old_log_probs", "advantages") + (("ref_log_probs",) if cfg.use_kl_loss else ()):
+    for name in ("advantages",) + (("ref_log_probs",) if cfg.use_kl_loss else ()):
         if getattr(batch, name) is None:
             raise ValueError(f"update_actor: batch.{name} is not set (compute it before the update)")
     micro = MicroBatching.of(
@@ -311,6 +377,15 @@ def update_actor(
         f"{key}.ppo_max_token_len_per_gpu",
     )
     rows = _mini_batch_rows(batch, cfg.ppo_mini_batch_size, micro, rollout_n, ps.dp_size, key)
+    first_forward = batch.old_log_probs is None
+    if first_forward and (cfg.ppo_epochs != 1 or rows != len(batch)):
+        raise ValueError(
+            f"update_actor: batch.old_log_probs is not set, but {key}.ppo_epochs={cfg.ppo_epochs} and "
+            f"{len(batch) // rows} mini-batches ({key}.ppo_mini_batch_size) need them: compute them "
+            f"before the update (only ppo_epochs=1 with one mini-batch per step may skip that pass)."
+        )
+    rows_of: dict[int, torch.Tensor] = {}
+    first: list[tuple[torch.Tensor, torch.Tensor]] = []  # (batch rows, their detached log-probs [1, n, r])
     vocab = model.args.vocab_size
     low = cfg.clip_ratio if cfg.clip_ratio_low is None else cfg.clip_ratio_low
     high = cfg.clip_ratio if cfg.clip_ratio_high is None else cfg.clip_ratio_high
@@ -337,14 +412,17 @@ def update_actor(
         pg_denom = _denominator(counts, effective_agg_mode(loss_mode, cfg.loss_agg_mode))
         tokens = counts[0]
 
-        def loss_fn(mb: RolloutBatch, logits: torch.Tensor):
+        def loss_fn(mb: RolloutBatch, out: torch.Tensor):
             mask = mb.response_mask
-            # logits [b, r, V_pad/TP]: the head ran on positions p-1 .. s-2 only
-            log_probs, entropy = vocab_parallel_log_probs_and_entropy(
-                logits, mb.responses, ps, vocab, temperature, with_entropy=True
-            )
+            # out [b, r, 2]: the fused head's log p and entropy of positions p-1 .. s-2
+            log_probs, entropy = out[..., 0], out[..., 1]
+            old_log_probs = mb.old_log_probs
+            if old_log_probs is None:  # the same values as compute_log_probs gives (0 past the response)
+                old_log_probs = log_probs.detach() * response_keep(mb)
+                index = rows_of[id(mb)]
+                first.append((index, old_log_probs[None, : len(index)]))
             pg_loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss(
-                mb.old_log_probs,
+                old_log_probs,
                 log_probs,
                 mb.advantages,
                 mask,
@@ -399,8 +477,12 @@ def update_actor(
             key=key,
             positions=_response_positions,
             stats=stats,
+            head=_log_prob_head(ps, vocab, temperature, True, bool(cfg.entropy_coeff), chunk_tokens),
+            rows_of=rows_of if first_forward else None,
         )
     metrics.update(router.metrics())
+    if first_forward:
+        batch.old_log_probs = _assemble(first, batch, ps, 1)[0]
     return metrics
 
 

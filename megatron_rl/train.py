@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
             for line in notices:  # verl keys this trainer accepts without acting on them
                 print(f"megatron-rl: {line}", flush=True)
         preflight(cfg, world, typed=typed)
-        from megatron_rl.config.checks import expert_layout
+        from megatron_rl.config.layout import expert_layout
         from megatron_rl.config.placement import resolve_placement
         from megatron_rl.parallel import destroy_parallel, init_parallel
 
@@ -93,11 +93,8 @@ def main(argv: list[str] | None = None) -> None:
         )
         # Our own level, set on our logger: SGLang reconfigures the root logger when its engine starts.
         logging.getLogger("megatron_rl").setLevel(logging.INFO if lead else logging.WARNING)
-        server = None  # a rank of a role on ranks of its own serves the actor's ranks
-        if placement.separate_rollout and rank in placement.rollout:
-            server = serve_rollout
-        elif placement.separate_critic and rank in placement.critic:
-            server = serve_critic
+        # a rank of a role on ranks of its own serves the actor's ranks (Placement.role_of decides)
+        server = {"rollout": serve_rollout, "critic": serve_critic}.get(placement.role_of(rank))
         if server is not None:
             try:
                 server(cfg, placement)
@@ -124,9 +121,7 @@ def main(argv: list[str] | None = None) -> None:
             trainer.fit()
         finally:
             if trainer is not None:
-                trainer.rollouts.shutdown()
-                if trainer.critic is not None:
-                    trainer.critic.shutdown()
+                trainer.roles.shutdown()
             destroy_parallel()
 
 
@@ -138,6 +133,7 @@ def serve_rollout(cfg, placement) -> None:
     from megatron_rl.roles.remote_rollout import RolloutServer
     from megatron_rl.rollout import create_engine
     from megatron_rl.run.lifecycle import PreemptionWatch
+    from megatron_rl.run.memory_plan import cuda_graph_max_bs
 
     arr = cfg.actor_rollout_ref
     if arr.rollout.name == "sglang" and cfg.trainer.device == "cpu":
@@ -151,10 +147,14 @@ def serve_rollout(cfg, placement) -> None:
         ranks=placement.rollout,
     )
     args = load_model_args_any(arr.model.path)
-    engine = create_engine(arr.rollout, arr.model.path, args, ps, seed=cfg.data.seed)
+    graph_bs = cuda_graph_max_bs(cfg, ps.world_size // arr.rollout.tensor_model_parallel_size)
+    engine = create_engine(
+        arr.rollout, arr.model.path, args, ps, seed=cfg.data.seed, cuda_graph_max_bs=graph_bs
+    )
     try:
         with PreemptionWatch():
-            RolloutServer(engine, args, ps, list(placement.rollout), cfg.trainer.dist_timeout_minutes).serve()
+            tp, minutes = arr.rollout.tensor_model_parallel_size, cfg.trainer.dist_timeout_minutes
+            RolloutServer(engine, args, ps, placement, tp, minutes).serve()
     finally:
         engine.shutdown()
 
@@ -162,7 +162,7 @@ def serve_rollout(cfg, placement) -> None:
 def serve_critic(cfg, placement) -> None:
     """A critic rank of a placement that gives the critic ranks of its own: megatron's groups over the
     critic's ranks, then values and updates for the actor's ranks until they say stop."""
-    from megatron_rl.config.checks import expert_layout
+    from megatron_rl.config.layout import expert_layout
     from megatron_rl.parallel import init_parallel
     from megatron_rl.roles.critic_server import CriticServer
     from megatron_rl.run.checkpoint import write_in_process

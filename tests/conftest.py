@@ -1,4 +1,5 @@
-"""Shared fixtures: launching real multi-process jobs (torchrun, or forked gloo ranks) on CPU."""
+"""Shared fixtures: launching real multi-process jobs (torchrun, or forked gloo ranks) on CPU, and a
+world of one for in-process tests of megatron models."""
 
 from __future__ import annotations
 
@@ -52,3 +53,16 @@ def torchrun():
 def read_json(path: str):
     with open(path) as f:
         return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def ps():
+    """A world of one (gloo) with megatron's groups: DP = TP = PP = 1, no collectives to speak of."""
+    from megatron_rl.parallel import destroy_parallel, init_parallel
+
+    environ = dict(os.environ)  # init_parallel sets RANK/WORLD_SIZE/MASTER_*: keep them from later tests
+    state = init_parallel(1, 1, seed=0, device="cpu")
+    yield state
+    destroy_parallel()
+    os.environ.clear()
+    os.environ.update(environ)

@@ -13,6 +13,9 @@ pi_rollout`` per token (``log rho = old_log_prob - rollout_log_prob``), over the
         rollout_corr/log_ppl_diff, log_ppl_abs_diff   per sequence mean rollout lp - mean training lp
         rollout_corr/chi2_token, chi2_seq             E[rho^2] - 1 per token and per sequence
 
+    missing_log_probs    response tokens the engine gave no log-prob for (NaN) and all response
+                         tokens; ``rollout_corr/missing_log_probs`` is their ratio
+
     importance_weights   (``algorithm.rollout_correction.rollout_is``: token | sequence)
         truncated IS (TIS): w = min(rho, T) per token, or min(prod_t rho_t, T) per sequence, detached,
         multiplied into the per-token policy loss; T = rollout_is_threshold. A threshold "L_U" is
@@ -45,6 +48,7 @@ __all__ = [
     "RS_OPTIONS",
     "importance_weights",
     "mismatch_metrics",
+    "missing_log_probs",
     "parse_is_threshold",
     "parse_rs",
     "rejection_mask",
@@ -66,6 +70,18 @@ def _sum(t: torch.Tensor, group: ProcessGroup | None, op=dist.ReduceOp.SUM) -> t
 
 def _log_rho(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor) -> torch.Tensor:
     return torch.clamp(old_log_prob.double() - rollout_log_prob.double(), -20.0, 20.0)
+
+
+@torch.no_grad()
+def missing_log_probs(
+    rollout_log_prob: torch.Tensor, mask: torch.Tensor, group: ProcessGroup | None = None
+) -> tuple[float, float]:
+    """(tokens under ``mask`` whose ``rollout_log_prob`` [B, T] is NaN, tokens under ``mask``), summed
+    over the ranks of ``group``."""
+    on = mask > 0
+    counts = torch.stack([(rollout_log_prob.isnan() & on).double().sum(), on.double().sum()])
+    n_missing, n_tokens = _sum(counts, group).tolist()
+    return n_missing, n_tokens
 
 
 @torch.no_grad()

@@ -10,12 +10,14 @@ data-parallel size, parallel sizes against the model's head counts) before any p
 
 ``python -m megatron_rl.config yaml/X.yaml key=value ...`` prints the fully resolved config.
 
-The package: ``schema`` (the sections and errors), ``load`` (load_config, derived defaults), ``checks``
-(validate), ``describe`` (the key reference and the command line).
+The package: ``schema`` (the sections and errors), ``model_sections`` (the model, optimizer and megatron
+sections), ``load`` (load_config, derived defaults), ``checks`` (validate), ``describe`` (the key
+reference and the command line).
 """
 
-from megatron_rl.config.checks import RANGES, check_layout_against_model, get_key, range_rule, validate
+from megatron_rl.config.checks import RANGES, get_key, range_rule, validate
 from megatron_rl.config.describe import describe_keys, field_docs, main
+from megatron_rl.config.layout import check_layout_against_model
 from megatron_rl.config.load import known_keys, load_config, to_dict
 from megatron_rl.config.schema import (
     ActorConfig,
@@ -30,6 +32,7 @@ from megatron_rl.config.schema import (
     DataConfig,
     DataError,
     FilterGroupsConfig,
+    FrozenMegatronConfig,
     HttpRewardConfig,
     KLCtrlConfig,
     MegatronConfig,
@@ -59,6 +62,7 @@ __all__ = [
     "DataConfig",
     "DataError",
     "FilterGroupsConfig",
+    "FrozenMegatronConfig",
     "HttpRewardConfig",
     "KLCtrlConfig",
     "MegatronConfig",

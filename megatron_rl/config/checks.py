@@ -10,7 +10,14 @@ import json
 import os
 from typing import Any
 
+from megatron_rl.config.layout import (
+    _read_model_dims,
+    check_expert_layout,
+    check_layout_against_model,
+    parallel_sizes,
+)
 from megatron_rl.config.load import known_keys
+from megatron_rl.config.model_sections import FrozenMegatronConfig
 from megatron_rl.config.placement import resolve_placement
 from megatron_rl.config.schema import Config, ConfigError
 
@@ -118,6 +125,13 @@ RANGES: dict[str, str] = {
     "actor_rollout_ref.rollout.multi_turn.tool_timeout_s": ">0",
     "actor_rollout_ref.rollout.multi_turn.tool_workers": ">=1",
     "actor_rollout_ref.rollout.multi_turn.tool_reward_weight": "any",
+    "actor_rollout_ref.rollout.multi_turn.endpoint.port": ">=0",
+    "actor_rollout_ref.rollout.multi_turn.endpoint.max_body_bytes": ">=1",
+    "actor_rollout_ref.rollout.multi_turn.endpoint.request_timeout_s": ">0",
+    "actor_rollout_ref.rollout.multi_turn.endpoint.max_sessions": ">=1",
+    "actor_rollout_ref.rollout.multi_turn.endpoint.max_batch": ">=1",
+    "actor_rollout_ref.rollout.multi_turn.endpoint.batch_window_s": ">=0",
+    "actor_rollout_ref.rollout.multi_turn.endpoint.episode_timeout_s": ">0",
     "critic.cliprange_value": ">0",
     "algorithm.gamma": "[0,1]",
     "algorithm.lam": "[0,1]",
@@ -157,7 +171,8 @@ def _validate_token_budgets(cfg: Config) -> None:
     """With use_dynamic_bsz, every budget must hold the longest possible sequence (it is never cut)."""
     arr = cfg.actor_rollout_ref
     actor, ref, critic = arr.actor.megatron, arr.ref.megatron, cfg.critic.megatron
-    passes = [  # (switch, budget, the model's megatron section: its TP and sequence parallelism)
+    # (switch, budget, the model's megatron section: its TP and sequence parallelism)
+    passes: list[tuple[str, str, FrozenMegatronConfig]] = [
         (
             "actor_rollout_ref.actor.use_dynamic_bsz",
             "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
@@ -273,8 +288,7 @@ def validate(cfg: Config, world_size: int, model_dims: dict[str, int] | None = N
     rollout_ranks = len(placement.rollout)
     job_size, world_size = world_size, len(placement.actor)
 
-    mp = actor.megatron
-    tp, pp = mp.tensor_model_parallel_size, mp.pipeline_model_parallel_size
+    tp, pp = parallel_sizes(actor.megatron, "actor_rollout_ref.actor.megatron")
     others = (
         ("actor_rollout_ref.ref", arr.ref.megatron),
         ("critic", cfg.critic.megatron),
@@ -305,6 +319,7 @@ def validate(cfg: Config, world_size: int, model_dims: dict[str, int] | None = N
             "actor_rollout_ref.rollout.multi_turn.enable=true runs on the colocated engine only; "
             "multi-turn rollouts on ranks of their own (trainer.placement.rollout) are not built: drop one."
         )
+    _check_agent_function(cfg, tp * pp, placement.separate_rollout)
     dp = world_size // (tp * pp)
     rtp = rollout.tensor_model_parallel_size
     if rtp < 1 or rollout_ranks % rtp:
@@ -340,6 +355,11 @@ def validate(cfg: Config, world_size: int, model_dims: dict[str, int] | None = N
         )
     if cfg.critic.enable:
         crit_mb, crit_dp, where = cfg.critic.ppo_mini_batch_size, dp, ""
+        if crit_mb is None:  # load_config sets it to the actor's
+            raise ConfigError(
+                "critic.ppo_mini_batch_size is None: load the config with load_config, which sets it to "
+                "actor_rollout_ref.actor.ppo_mini_batch_size."
+            )
         if placement.separate_critic:  # the critic's own ranks: its own data-parallel size
             where = f" of the critic's ranks trainer.placement.critic={list(placement.critic)}"
             if len(placement.critic) % (tp * pp):
@@ -375,26 +395,20 @@ def validate(cfg: Config, world_size: int, model_dims: dict[str, int] | None = N
     if actor.clip_ratio_c <= 1.0:
         raise ConfigError(f"actor_rollout_ref.actor.clip_ratio_c={actor.clip_ratio_c} must be > 1.0.")
     _validate_algorithm_options(cfg)
-    if not 0.0 < rollout.gpu_memory_utilization <= 1.0:
-        raise ConfigError("actor_rollout_ref.rollout.gpu_memory_utilization must be in (0, 1].")
-    for section, m in (
-        ("actor_rollout_ref.ref", arr.ref.megatron),
-        ("reward_model", cfg.reward_model.megatron),
+    trained = ("param_offload", "grad_offload", "optimizer_offload")
+    for section, keys in (
+        ("actor_rollout_ref.actor", trained),
+        ("critic", trained),
+        ("actor_rollout_ref.ref", ("param_offload",)),  # forward only: the type has no other offload
+        ("reward_model", ("param_offload",)),
     ):
-        for key in ("grad_offload", "optimizer_offload"):
-            if getattr(m, key):
+        for key in keys:
+            v = getattr(get_key(cfg, section + ".megatron"), key)
+            if not (v is True or v is False or v == "auto"):
                 raise ConfigError(
-                    f"{section}.megatron.{key}=True: that model is not trained; only "
-                    f"{section}.megatron.param_offload applies to it."
+                    f"{section}.megatron.{key}={v!r}: accepted true, false or auto (the memory planner "
+                    "parks only what does not fit beside the rollout engine)."
                 )
-    for key in ("actor_rollout_ref.actor.megatron", "critic.megatron"):
-        if get_key(cfg, key).recompute_num_layers < 1:
-            raise ConfigError(f"{key}.recompute_num_layers must be >= 1.")
-    if rollout.update_weights_bucket_megabytes <= 0:
-        raise ConfigError("actor_rollout_ref.rollout.update_weights_bucket_megabytes must be > 0.")
-    for key in ("data.max_prompt_length", "data.max_response_length"):
-        if get_key(cfg, key) <= 0:
-            raise ConfigError(f"{key} must be > 0.")
     perms = cfg.trainer.checkpoint_permissions
     if not (isinstance(perms, str) and len(perms) == 4 and perms[0] == "0" and set(perms) <= set("01234567")):
         raise ConfigError(
@@ -420,6 +434,77 @@ def validate(cfg: Config, world_size: int, model_dims: dict[str, int] | None = N
         model_dims = _read_model_dims(arr.model.path)
     if model_dims:
         check_layout_against_model(model_dims, tp, pp, rtp)
+    if not placement.separate_rollout and rollout.name == "sglang":  # hf: a model on each DP leader only
+        idle = placement.idle_colocated_engines(tp, pp, rtp)
+        if idle:
+            sizes = [r for r in range(1, world_size + 1) if not world_size % r]
+            fits = [r for r in sizes if not placement.idle_colocated_engines(tp, pp, r)]
+            raise ConfigError(
+                f"actor_rollout_ref.rollout.tensor_model_parallel_size={rtp} leaves the colocated engines on "
+                f"ranks {idle} without prompts (each is fed by the first rank of an actor TP group of the "
+                f"first pipeline stage; actor_rollout_ref.actor.megatron.tensor/pipeline_model_parallel_size"
+                f"={tp}/{pp}): set actor_rollout_ref.rollout.tensor_model_parallel_size to one of {fits}."
+            )
+
+
+_AGENT = "actor_rollout_ref.rollout.multi_turn.agent_function"
+
+
+def _check_agent_function(cfg: Config, actor_mp: int, separate_rollout: bool) -> None:
+    """multi_turn.agent_function: its file defines the function (parsed, not run), the endpoint binds a
+    loopback address, and the engine answers on one rank (the server calls generate on its own
+    schedule, which no other rank mirrors)."""
+    import ast
+    import ipaddress
+
+    rollout = cfg.actor_rollout_ref.rollout
+    mt, path = rollout.multi_turn, rollout.multi_turn.agent_function.path
+    if not path:
+        return
+    if not mt.enable:
+        raise ConfigError(
+            f"{_AGENT}.path is set but actor_rollout_ref.rollout.multi_turn.enable=false: set it to true."
+        )
+    if not os.path.isfile(os.path.expanduser(path)):
+        raise ConfigError(f"{_AGENT}.path={path}: no such file; point it at the .py file of the harness.")
+    name = mt.agent_function.name
+    try:
+        with open(os.path.expanduser(path)) as f:
+            tree = ast.parse(f.read(), filename=path)
+    except (OSError, SyntaxError, ValueError) as e:
+        raise ConfigError(f"{_AGENT}.path={path} cannot be parsed as Python ({e}).") from None
+    defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    defined |= {
+        t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)
+    }
+    defined |= {(a.asname or a.name) for n in tree.body if isinstance(n, ast.ImportFrom) for a in n.names}
+    if name not in defined:
+        raise ConfigError(
+            f"{_AGENT}.name={name!r}: {path} defines no top-level function of that name; set {_AGENT}.name."
+        )
+    for key in ("tool_config_path", "interaction_config_path"):
+        if getattr(mt, key):
+            raise ConfigError(
+                f"actor_rollout_ref.rollout.multi_turn.{key} is set together with {_AGENT}.path: the agent "
+                "function runs its own tools and users; unset one of them."
+            )
+    if separate_rollout or actor_mp > 1 or rollout.tensor_model_parallel_size > 1:
+        raise ConfigError(
+            f"{_AGENT}.path needs an engine that answers on one rank (trainer.placement.rollout unset, "
+            "actor_rollout_ref.actor.megatron.tensor/pipeline_model_parallel_size = 1 and "
+            "actor_rollout_ref.rollout.tensor_model_parallel_size = 1): the endpoint calls generate on "
+            "its own schedule, which other ranks do not mirror."
+        )
+    host = mt.endpoint.host
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.multi_turn.endpoint.host={host!r} is not a loopback address (the "
+            "endpoint has no authentication): set it to 127.0.0.1."
+        )
 
 
 def _validate_algorithm_options(cfg: Config) -> None:
@@ -503,88 +588,4 @@ def _check_reward_source(cfg: Config) -> None:
         raise ConfigError(
             f"reward_model.model.path={path} is a causal LM ({', '.join(archs)}), not a reward model: give "
             "an HF ...ForSequenceClassification model with num_labels=1 (a score head)."
-        )
-
-
-def _read_model_dims(path: str) -> dict[str, int] | None:
-    cfg_file = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_file):
-        return None
-    with open(cfg_file) as f:
-        hf = json.load(f)
-    heads = hf.get("num_attention_heads")
-    return {
-        "num_attention_heads": heads,
-        "num_key_value_heads": hf.get("num_key_value_heads") or heads,
-        "num_layers": hf.get("num_hidden_layers"),
-    }
-
-
-TP_KEY = "actor_rollout_ref.actor.megatron.tensor_model_parallel_size"
-PP_KEY = "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size"
-
-
-def check_layout_against_model(
-    dims: dict[str, int],
-    tp: int,
-    pp: int,
-    rollout_tp: int | None = None,
-    tp_key: str = TP_KEY,
-    pp_key: str = PP_KEY,
-) -> None:
-    """TP (and the rollout's TP) must divide the attention and key/value heads, PP the layers. The
-    trainer's config check; ``ckpt_tools`` runs it too, naming its own ``--tp``/``--pp``."""
-    heads, kv, layers = dims["num_attention_heads"], dims["num_key_value_heads"], dims["num_layers"]
-    sizes = [(tp_key, tp)] + (
-        [] if rollout_tp is None else [("actor_rollout_ref.rollout.tensor_model_parallel_size", rollout_tp)]
-    )
-    for key, size in sizes:
-        if heads % size or kv % size:
-            raise ConfigError(
-                f"{key}={size} must divide the model's attention heads ({heads}) and key/value heads ({kv}); "
-                f"choose one of {[d for d in range(1, kv + 1) if heads % d == 0 and kv % d == 0]}."
-            )
-    if layers % pp:
-        raise ConfigError(f"{pp_key}={pp} must divide the model's {layers} layers.")
-
-
-EP_KEY = "actor_rollout_ref.actor.megatron.expert_model_parallel_size"
-
-
-def expert_layout(mcfg, actor_mcfg=None) -> tuple[int, int]:
-    """(EP, expert TP) of one model's megatron section: None falls back to the actor's, then to
-    EP = 1 and expert TP = the tensor-parallel size (megatron's default)."""
-    ep = mcfg.expert_model_parallel_size
-    etp = mcfg.expert_tensor_parallel_size
-    if actor_mcfg is not None:
-        ep = ep if ep is not None else actor_mcfg.expert_model_parallel_size
-        etp = etp if etp is not None else actor_mcfg.expert_tensor_parallel_size
-    tp = mcfg.tensor_model_parallel_size or 1
-    return (1 if ep is None else ep), (tp if etp is None else etp)
-
-
-def check_expert_layout(cfg, world_size: int) -> None:
-    """Every model shares the actor's expert layout, and EP x expert TP x PP divides the world.
-    Whether EP divides the number of experts is checked where the model is read (models.builder)."""
-    arr = cfg.actor_rollout_ref
-    am = arr.actor.megatron
-    ep, etp = expert_layout(am)
-    pp = am.pipeline_model_parallel_size or 1
-    others = (
-        ("actor_rollout_ref.ref", arr.ref.megatron),
-        ("critic", cfg.critic.megatron),
-        ("reward_model", cfg.reward_model.megatron),
-    )
-    for name, m in others:
-        if expert_layout(m, am) != (ep, etp):
-            raise ConfigError(
-                f"{name}.megatron.expert_model_parallel_size/expert_tensor_parallel_size = "
-                f"{expert_layout(m, am)} differ from the actor's {(ep, etp)}; all models share one "
-                "parallel layout: set them equal."
-            )
-    if world_size % (ep * etp * pp):
-        raise ConfigError(
-            f"{EP_KEY}={ep}: expert_model_parallel_size x expert_tensor_parallel_size x "
-            f"pipeline_model_parallel_size = {ep} x {etp} x {pp} does not divide the {world_size} training "
-            "ranks: change it or the number of processes."
         )

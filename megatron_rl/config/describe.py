@@ -27,8 +27,10 @@ def _own_field_docs(cls: type) -> dict[str, str]:
     import ast
     import inspect
 
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body
+    class_def = ast.parse(inspect.getsource(cls)).body[0]
+    if not isinstance(class_def, ast.ClassDef):  # getsource of a class is its class statement
+        raise TypeError(f"{cls.__qualname__}: its source does not start with its class statement")
+    body = class_def.body
     docs = {}
     for node, nxt in zip(body, body[1:], strict=False):
         if (
@@ -42,44 +44,14 @@ def _own_field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-# The reference model and the reward model only run forward passes: the keys of the shared megatron
-# section that shape training (gradients, the optimizer, recomputation in the backward pass) say so
-# instead of describing what they do for the actor.
-_FORWARD_ONLY = {
-    "actor_rollout_ref.ref.megatron.": "the reference model",
-    "reward_model.megatron.": "the reward model",
-}
-_TRAINING_KEYS = {
-    "grad_offload": "refused when True: {model} is never trained, so it has no gradients to offload; "
-    "param_offload is the offload key that applies to it.",
-    "optimizer_offload": "refused when True: {model} is never trained, so it has no optimizer state; "
-    "param_offload is the offload key that applies to it.",
-    "use_distributed_optimizer": "no effect: {model} is never trained (no optimizer).",
-    "overlap_grad_reduce": "no effect: {model} is never trained (no gradients).",
-    "overlap_param_gather": "no effect: {model} is never trained (no optimizer).",
-    "grad_reduce_in_fp32": "no effect: {model} is never trained (no gradients).",
-    **dict.fromkeys(
-        ("recompute_granularity", "recompute_method", "recompute_num_layers"),
-        "no effect: {model} runs forward passes only (recomputation serves the backward pass).",
-    ),
-}
-
-
-def _doc_of(path: str, name: str, docs: dict[str, str]) -> str | None:
-    model = _FORWARD_ONLY.get(path)
-    if model is not None and name in _TRAINING_KEYS:
-        text = _TRAINING_KEYS[name].format(model=model)
-        return text[0].upper() + text[1:]
-    return docs.get(name)
-
-
 def describe_keys(prefix: str = "") -> str:
     """Every key under ``prefix`` with its type, default and docstring, section by section."""
     lines: list[str] = []
 
     def walk(obj: Any, path: str) -> None:
         docs = field_docs(type(obj))
-        leaves, sections = [], []
+        leaves: list[tuple[dataclasses.Field[Any], Any]] = []  # (field, its value)
+        sections: list[tuple[dataclasses.Field[Any], Any]] = []
         for f in dataclasses.fields(obj):
             value = getattr(obj, f.name)
             (sections if dataclasses.is_dataclass(value) else leaves).append((f, value))
@@ -88,7 +60,7 @@ def describe_keys(prefix: str = "") -> str:
             lines.append(f"[{path[:-1] or 'config'}]")
             for f, v in shown:
                 lines.append(f"  {path}{f.name}: {f.type} = {v!r}")
-                doc = _doc_of(path, f.name, docs)
+                doc = docs.get(f.name)
                 if doc:
                     lines.append(f"      {doc}")
         for f, v in sections:

@@ -6,8 +6,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-from typing import Any
+from typing import Any, cast
 
+from megatron_rl.config.model_sections import TRAINED_MEGATRON_SECTIONS, TRAINED_ONLY_KEYS
 from megatron_rl.config.schema import Config, ConfigError
 from megatron_rl.dotted import leaves
 
@@ -56,10 +57,21 @@ def _key_problems(raw: dict, source: str) -> list[tuple[str, str]]:
                 )
             )
         elif key not in known and not key.startswith(free):
-            near = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
-            hint = f" Did you mean '{near[0]}'?" if near else ""
-            out.append((key, f"Unknown config key '{key}' (from {source}).{hint}"))
+            out.append((key, f"Unknown config key '{key}' (from {source}).{_unknown_hint(key, known)}"))
     return out
+
+
+def _unknown_hint(key: str, known: dict[str, Any]) -> str:
+    """What an unknown key may have meant: a training-only key on a forward-only model's megatron
+    section says where it applies; any other key gets a did-you-mean."""
+    section, _, leaf = key.rpartition(".")
+    if section.endswith(".megatron") and section in known and leaf in TRAINED_ONLY_KEYS:
+        return (
+            f" {leaf} applies only to trained models ({' / '.join(TRAINED_MEGATRON_SECTIONS)}): "
+            f"{section.rsplit('.', 1)[0]} runs forward passes only; drop the key."
+        )
+    near = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+    return f" Did you mean '{near[0]}'?" if near else ""
 
 
 def _merge_into(dst: dict, src: dict) -> None:
@@ -98,7 +110,7 @@ def _lists_from_scalars(raw: dict, prefix: str = "") -> dict:
     """A scalar given for a list-typed key becomes a one-element list (``data.train_files=x.parquet``,
     ``trainer.logger=console``), as verl's command lines write them."""
     known = known_keys(Config)
-    out = {}
+    out: dict[str, Any] = {}
     for k, v in raw.items():
         key = f"{prefix}{k}"
         if isinstance(v, dict):
@@ -207,7 +219,8 @@ def load_config(
     if problems:
         raise ConfigErrors(problems) if len(problems) > 1 else ConfigError(problems[0])
     try:
-        cfg = OmegaConf.to_object(merged)
+        # merged is OmegaConf.structured(Config) merged with plain layers: to_object builds a Config
+        cfg = cast(Config, OmegaConf.to_object(merged))
     except OmegaConfBaseException as e:
         raise ConfigError(
             f"Config could not be resolved at '{getattr(e, 'full_key', '?')}': {e.msg}"
@@ -261,7 +274,7 @@ def _fill_derived(cfg: Config) -> None:
     # "~" in paths means the home directory, as in a shell (the paths reach no shell)
     cfg.data.train_files = [os.path.expanduser(f) for f in cfg.data.train_files]
     cfg.data.val_files = [os.path.expanduser(f) for f in cfg.data.val_files]
-    for section, key in (
+    for owner, key in (
         (cfg.data, "tokenizer"),
         (arr.model, "path"),
         (cfg.critic.model, "path"),
@@ -269,8 +282,8 @@ def _fill_derived(cfg: Config) -> None:
         (cfg.custom_reward_function, "path"),
         (cfg.trainer, "default_local_dir"),
     ):
-        if isinstance(getattr(section, key), str):
-            setattr(section, key, os.path.expanduser(getattr(section, key)))
+        if isinstance(getattr(owner, key), str):
+            setattr(owner, key, os.path.expanduser(getattr(owner, key)))
     if arr.rollout.dtype is None:
         arr.rollout.dtype = arr.actor.megatron.params_dtype
     if arr.actor.loss_scale_factor is None:

@@ -50,28 +50,57 @@ class Placement:
         """The critic trains on ranks of its own (not on the actor's)."""
         return not set(self.critic) & set(self.actor)
 
+    def role_of(self, rank: int) -> str:
+        """The role global rank ``rank`` serves: "rollout" or "critic" (on ranks of their own: a server
+        for the actor's ranks) or "actor" (trains; colocated roles included). The one routing decision:
+        train.py starts the process by it, :meth:`world_of` groups ranks by it."""
+        if self.separate_rollout and rank in self.rollout:
+            return "rollout"
+        if self.separate_critic and rank in self.critic:
+            return "critic"
+        return "actor"
+
     def world_of(self, rank: int) -> tuple[int, ...]:
         """The ranks of ``rank``'s torch.distributed world: the actor's, the critic's or the rollout's."""
-        if self.separate_rollout and rank in self.rollout:
-            return self.rollout
-        if self.separate_critic and rank in self.critic:
-            return self.critic
-        return self.actor
+        return {"actor": self.actor, "critic": self.critic, "rollout": self.rollout}[self.role_of(rank)]
+
+    def rollout_engines(self, rollout_tp: int) -> int:
+        """Engines of a separate rollout (one per rollout-TP group of its ranks): the count the training
+        side slices requests by and the rollout world's data-parallel size."""
+        if rollout_tp < 1 or len(self.rollout) % rollout_tp:
+            raise ConfigError(
+                f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout_tp} does not divide the "
+                f"{len(self.rollout)} rollout ranks of trainer.placement.rollout={list(self.rollout)}."
+            )
+        return len(self.rollout) // rollout_tp
+
+    def idle_colocated_engines(self, tp: int, pp: int, rollout_tp: int) -> list[int]:
+        """Ranks of the first pipeline stage hosting a colocated SGLang engine that never gets a prompt.
+        The actor's ranks are cut into engine groups of ``rollout_tp`` consecutive ranks, each engine on
+        its group's first rank; prompts reach an engine only from the DP leaders in its group
+        (tensor- and pipeline-rank 0 of each replica: in megatron's tp-cp-ep-dp-pp order, every
+        ``tp``-th of the first world/pp ranks). A group without a leader idles. With PP > 1 the groups
+        of the later stages idle whatever ``rollout_tp`` (short of one engine over stages): not counted."""
+        stage = len(self.actor) // pp  # ranks of the first pipeline stage
+        leaders = set(range(0, stage, tp))  # positions in the actor's ranks
+        groups = range(0, stage, rollout_tp)
+        return [self.actor[g] for g in groups if not leaders & set(range(g, g + rollout_tp))]
 
     def describe(self) -> str:
         return f"actor {list(self.actor)}, critic {list(self.critic)}, rollout {list(self.rollout)}"
 
 
 def _read_file(path: str) -> dict[str, list[int]]:
-    import yaml
+    # mypy resolves "yaml" to the checkout's yaml/ folder of configs (a namespace package), not PyYAML
+    from yaml import YAMLError, safe_load  # type: ignore[attr-defined]  # PyYAML ships no stubs
 
     key = "trainer.placement.file"
     if not os.path.isfile(path):
         raise ConfigError(f"{key}={path}: no such file; write one with actor/critic/rollout rank lists.")
     with open(path) as f:
         try:
-            data = yaml.safe_load(f) or {}
-        except yaml.YAMLError as e:
+            data = safe_load(f) or {}
+        except YAMLError as e:
             raise ConfigError(f"{key}={path}: not valid YAML ({str(e).splitlines()[0]}).") from None
     unknown = sorted(set(data) - set(ROLES)) if isinstance(data, dict) else ["<not a mapping>"]
     if unknown:

@@ -1,10 +1,20 @@
 """The config's sections: one dataclass per section, verl's key names, a docstring per field (the
-reference ``python -m megatron_rl.config --keys`` prints), and the two errors config problems raise."""
+reference ``python -m megatron_rl.config --keys`` prints), and the two errors config problems raise.
+The model sections (weights, optimizer, megatron layout) are in :mod:`megatron_rl.config.model_sections`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from megatron_rl.config.model_sections import (
+    ActorMegatronConfig,
+    CriticModelConfig,
+    FrozenMegatronConfig,
+    MegatronConfig,
+    ModelConfig,
+    OptimConfig,
+)
 
 
 class ConfigError(ValueError):
@@ -49,125 +59,6 @@ class DataConfig:
     """Drop prompts longer than max_prompt_length (the count is logged) instead of truncating."""
     truncation: str = "error"
     """What to do with an overlong prompt when it is not filtered: error | left | right | middle."""
-
-
-@dataclass
-class CriticModelConfig:
-    path: str = ""
-    """Critic trunk: HF directory or Megatron checkpoint; defaults to the actor's model (it reads the
-    actor's tokens, so its vocabulary must be the actor's)."""
-    enable_gradient_checkpointing: bool = False
-    """Recompute activations in the backward pass (critic.megatron.recompute_* shape it)."""
-
-
-@dataclass
-class ModelConfig:
-    path: str = ""
-    """HF model directory, torch_dist checkpoint or legacy Megatron-LM checkpoint (auto-detected)."""
-    tokenizer_path: str | None = None
-    """Tokenizer directory if it is not beside the weights."""
-    trust_remote_code: bool = False
-    """Passed to transformers when loading the tokenizer."""
-    enable_gradient_checkpointing: bool = False
-    """Recompute activations in the backward pass (megatron's recompute, shaped by the model's
-    megatron.recompute_* keys) instead of keeping them: less memory, about one more forward."""
-
-
-@dataclass
-class OptimConfig:
-    lr: float = 1e-6
-    """Peak learning rate."""
-    min_lr: float = 0.0
-    """Final learning rate of a decaying schedule."""
-    lr_warmup_steps: int = -1
-    """Linear warmup steps; -1 derives them from lr_warmup_steps_ratio."""
-    lr_warmup_steps_ratio: float = 0.0
-    """Warmup length as a fraction of the total optimizer steps (used when lr_warmup_steps < 0)."""
-    lr_decay_style: str = "constant"
-    """Schedule after warmup: constant | cosine | linear."""
-    weight_decay: float = 0.01
-    """AdamW weight decay (not applied to biases and norms)."""
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    """Adam betas."""
-    eps: float = 1e-8
-    """Adam epsilon."""
-    clip_grad: float = 1.0
-    """Clip the global gradient norm (over all TP/PP/DP shards) to this value; 0 disables."""
-    stochastic_rounding: bool = True
-    """bf16 models: round the fp32 main weights into the bf16 parameters stochastically (unbiased)
-    instead of to nearest, so that updates smaller than half a bf16 ulp (RL learning rates: most of
-    them) still move the policy; seeded by (actor.megatron.seed, optimizer step), so a resumed run
-    rounds as the uninterrupted one. No effect on fp32 models; fp16 rounds to nearest."""
-    loss_scale: float | None = None
-    """fp16 models: a fixed loss scale; None = megatron's dynamic scaler (the keys below)."""
-    initial_loss_scale: float = 65536.0
-    """fp16: the dynamic loss scale's start (2^16). An overflow skips that update and is logged as
-    actor|critic/loss_scale_skips, never as a failure."""
-    min_loss_scale: float = 1.0
-    """fp16: the dynamic scale's floor; an overflow at the floor counts as a non-finite step
-    (trainer.max_nonfinite_steps)."""
-    loss_scale_window: int = 1000
-    """fp16: optimizer steps without an overflow before the scale doubles."""
-    hysteresis: int = 2
-    """fp16: overflows in a row before the scale halves (each one still skips its update)."""
-
-
-@dataclass
-class MegatronConfig:
-    tensor_model_parallel_size: int | None = None
-    """Tensor-parallel size; None: 1 for the actor, the actor's for ref and critic (they must match)."""
-    pipeline_model_parallel_size: int | None = None
-    """Pipeline-parallel size; None: 1 for the actor, the actor's for ref and critic (they must match)."""
-    expert_model_parallel_size: int | None = None
-    """Mixture-of-experts models: ranks the experts are distributed over (whole experts; must divide
-    the experts and world / (PP x expert_tensor_parallel_size)); None: 1 for the actor, the actor's
-    for ref and critic. No effect on a dense model."""
-    expert_tensor_parallel_size: int | None = None
-    """Mixture-of-experts models: ranks each expert's matrices are split over; None: the
-    tensor-parallel size (megatron's default)."""
-    params_dtype: str = "bfloat16"
-    """Parameter dtype of the Megatron model: float32 | bfloat16 | float16 (float32 on CPU)."""
-    use_sdpa_attention: bool = True
-    """Use torch's scaled_dot_product_attention as the core attention (fused, same math)."""
-    param_offload: bool = False
-    """Hold this model's weights in host memory while the rollout engine generates (the actor's after
-    the weight sync); they return to the GPU before the next training phase."""
-    grad_offload: bool = False
-    """Free the gradient buckets while the rollout engine generates (zeroed before each update anyway)."""
-    optimizer_offload: bool = False
-    """Hold AdamW's moments and the fp32 master weights in host memory while the rollout engine generates."""
-    use_distributed_optimizer: bool = True
-    """Shard the fp32 master weights and Adam's moments over the data-parallel ranks (megatron's
-    distributed optimizer, ZeRO-1): optimizer memory per GPU falls as 1/DP. Its checkpoints resume at
-    any DP size; a run resumes only with the setting it was saved with."""
-    overlap_grad_reduce: bool = False
-    """Reduce each gradient bucket over DP as soon as the backward pass has filled it."""
-    overlap_param_gather: bool = False
-    """With the distributed optimizer: all-gather updated parameters during the next forward pass."""
-    grad_reduce_in_fp32: bool = True
-    """Accumulate and reduce gradients in fp32 (bf16/fp16 models); off halves the gradient buffers."""
-    sequence_parallel: bool = True
-    """With TP > 1: split norms, dropout and residuals along the sequence over the TP ranks (less
-    activation memory, reduce-scatter/all-gather instead of all-reduce). Ignored at TP = 1."""
-    recompute_granularity: str = "full"
-    """With model.enable_gradient_checkpointing: full (whole layers) | selective (attention core only)."""
-    recompute_method: str = "uniform"
-    """Full recompute: uniform (every layer, in chunks of recompute_num_layers) | block (the first
-    recompute_num_layers layers of each pipeline stage)."""
-    recompute_num_layers: int = 1
-    """Full recompute: layers per chunk (uniform) or recomputed layers per stage (block)."""
-    override_transformer_config: dict[str, Any] = field(default_factory=dict)
-    """verl's megatron-core TransformerConfig overrides that change what runs here, kept as
-    TransformerConfig keyword arguments: recompute_modules (selective recompute) and moe_* (router
-    dtype, token dispatcher, grouped GEMM, aux losses; MoE models only). The other keys verl's scripts
-    set here are aliased (recompute_*, sequence_parallel) or accepted with a notice (verl_compat)."""
-
-
-@dataclass
-class ActorMegatronConfig(MegatronConfig):
-    seed: int = 42
-    """Seed of the job's RNG streams (model-parallel streams, dropout, sampling order): the other models
-    load their weights and draw nothing."""
 
 
 @dataclass
@@ -246,8 +137,9 @@ class RefConfig:
     """Token-budget micro-batches for the reference log-probs; None means actor.use_dynamic_bsz."""
     log_prob_max_token_len_per_gpu: int | None = None
     """Most tokens in one reference forward; None means actor.ppo_max_token_len_per_gpu."""
-    megatron: MegatronConfig = field(default_factory=MegatronConfig)
-    """Parallel layout of the reference model (TP/PP must equal the actor's)."""
+    megatron: FrozenMegatronConfig = field(default_factory=FrozenMegatronConfig)
+    """Parallel layout of the reference model (TP/PP must equal the actor's); forward only, so no
+    gradient, optimizer or recompute keys."""
 
 
 @dataclass
@@ -262,6 +154,37 @@ class ValKwargs:
     """Samples per validation prompt."""
     do_sample: bool = False
     """Sample during validation (False = greedy)."""
+
+
+@dataclass
+class AgentFunctionConfig:
+    path: str | None = None
+    """A .py file defining fn(item, base_url) -> reward | None: a harness that runs one episode through
+    the OpenAI chat API at base_url; None = the built-in agent loop (docs/multi_turn.md)."""
+    name: str = "agent_fn"
+    """The function's name in that file."""
+
+
+@dataclass
+class OpenAIServerConfig:
+    host: str = "127.0.0.1"
+    """Address to bind; loopback only (the endpoint has no authentication)."""
+    port: int = 0
+    """Port to bind; 0 = a free port chosen by the OS (one server per rank)."""
+    max_body_bytes: int = 1 << 20
+    """Largest request body accepted; a larger one is refused with HTTP 413 before it is read."""
+    request_timeout_s: float = 300.0
+    """Seconds a chat request may wait for the engine (queue + generation); then HTTP 504."""
+    max_sessions: int = 64
+    """Most sessions (episodes) open at once; also the number of harness threads."""
+    max_batch: int = 64
+    """Most requests answered by one engine.generate call."""
+    batch_window_s: float = 0.02
+    """Seconds the engine thread waits after the first queued request for others to join its batch."""
+    episode_timeout_s: float = 1800.0
+    """Seconds one agent function call may take; a slower episode fails the rollout."""
+    model_name: str = "megatron-rl-policy"
+    """The model id GET /v1/models lists and replies carry (a request's model is not checked)."""
 
 
 @dataclass
@@ -291,8 +214,12 @@ class MultiTurnConfig:
     tool_workers: int = 16
     """Threads running tool calls concurrently (all episodes of a turn at once)."""
     tool_reward_weight: float = 0.0
-    """Each episode's tool rewards (execute's step rewards + calc_reward) times this are added to its
-    score."""
+    """Each episode's tool rewards (execute's step rewards + calc_reward, or the agent function's
+    reward) times this are added to its score."""
+    agent_function: AgentFunctionConfig = field(default_factory=AgentFunctionConfig)
+    """A harness that runs the episodes through an OpenAI chat endpoint instead of the built-in loop."""
+    endpoint: OpenAIServerConfig = field(default_factory=OpenAIServerConfig)
+    """Bounds of the OpenAI-compatible endpoint the agent function talks to."""
 
 
 @dataclass
@@ -505,8 +432,9 @@ class RewardModelConfig:
     """Sequences per reward-model forward."""
     max_length: int | None = None
     """Longest re-tokenized conversation the reward model reads (default: prompt + response lengths)."""
-    megatron: MegatronConfig = field(default_factory=MegatronConfig)
-    """Parallel layout (the actor's) and memory options of the reward model."""
+    megatron: FrozenMegatronConfig = field(default_factory=FrozenMegatronConfig)
+    """Parallel layout (the actor's) and weight offload of the reward model; forward only, so no
+    gradient, optimizer or recompute keys."""
     http: HttpRewardConfig = field(default_factory=HttpRewardConfig)
     """Rewards served over HTTP (instead of the rules or a reward model)."""
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)

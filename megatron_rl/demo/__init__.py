@@ -11,6 +11,13 @@ random, so the policy learns nothing from them)::
     torchrun --nproc_per_node=2 -m megatron_rl.train --config yaml/cpu_demo.yaml \
         reward_model.enable=true reward_model.model.path=.demo/reward_model trainer.total_training_steps=3
 
+``--moe`` also writes ``OUT/model_moe``: a tiny random Qwen3-MoE actor (4 experts, top-2) with the demo's
+tokenizer, trained by ``yaml/cpu_demo_moe.yaml`` (its experts reach the rollout engine through the same
+weight stream)::
+
+    python -m megatron_rl.demo --out .demo --moe
+    torchrun --nproc_per_node=2 -m megatron_rl.train --config yaml/cpu_demo_moe.yaml
+
 Nothing is downloaded: the model (hidden 64, 2 layers) is initialised in code with HF's default
 init, so the untrained policy is close to uniform and scores near chance on the toy task.
 """
@@ -22,9 +29,10 @@ import os
 import sys
 
 
-def prepare(out: str, seed: int = 0, reward_model: bool = False) -> dict[str, str]:
+def prepare(out: str, seed: int = 0, reward_model: bool = False, moe: bool = False) -> dict[str, str]:
     """The demo's model, tokenizer and data under ``out`` (kept if already there); with
-    ``reward_model`` also a tiny reward model (``out/reward_model``) at the same layout."""
+    ``reward_model`` also a tiny reward model (``out/reward_model``) at the same layout, with ``moe``
+    a tiny Qwen3-MoE actor (``out/model_moe``)."""
     from megatron_rl.demo.toy import build_toy_tokenizer, make_toy_dataset
     from megatron_rl.models.random_hf import save_random_hf_model
 
@@ -53,6 +61,16 @@ def prepare(out: str, seed: int = 0, reward_model: bool = False) -> dict[str, st
         if not os.path.isfile(os.path.join(rm_dir, "model.safetensors")):
             save_random_hf_model(rm_dir, "llama", seed=seed + 1, head="score", init="hf", **dims)
         paths["reward_model"] = rm_dir
+    if moe:
+        moe_dir = os.path.join(out, "model_moe")
+        build_toy_tokenizer(moe_dir)
+        if not os.path.isfile(os.path.join(moe_dir, "model.safetensors")):
+            # 4 experts of width 64, top-2: about as many active parameters per token as the dense demo
+            moe_dims = dict(
+                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True
+            )
+            save_random_hf_model(moe_dir, "qwen3_moe", seed=seed, init="hf", **dims, **moe_dims)
+        paths["model_moe"] = moe_dir
     return paths
 
 
@@ -69,10 +87,15 @@ def main() -> None:
         action="store_true",
         help="also write OUT/reward_model, a tiny random reward model for trying reward_model.enable",
     )
+    ap.add_argument(
+        "--moe",
+        action="store_true",
+        help="also write OUT/model_moe, a tiny random Qwen3-MoE actor for yaml/cpu_demo_moe.yaml",
+    )
     a = ap.parse_args()
     if not sys.stderr.isatty():  # transformers' save bars would land in a redirected log as frames
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-    paths = prepare(a.out, seed=a.seed, reward_model=a.reward_model)
+    paths = prepare(a.out, seed=a.seed, reward_model=a.reward_model, moe=a.moe)
     print(" ".join(f"{k}={v}" for k, v in paths.items()))

@@ -3,8 +3,9 @@
 Every forward in the trainer (old/ref log-probs, values, the PPO update) goes through
 :func:`run_pipeline`, which hands megatron's ``get_forward_backward_func`` a forward step that
 returns ``(output, loss_fn)``; megatron hides micro-batching and pipeline p2p. On the last stage
-``loss_fn(mb, output)`` turns this micro-batch's output ([b, s, vocab/TP] logits or [b, s, 1]
-values) into either collected data (forward only) or ``(loss, num_tokens, metrics)``.
+``loss_fn(mb, output)`` turns this micro-batch's output ([b, s, vocab/TP] logits, [b, r, 2] fused
+log-probs and entropy, or [b, s, 1] values) into either collected data (forward only) or
+``(loss, num_tokens, metrics)``.
 """
 
 from __future__ import annotations
@@ -53,40 +54,61 @@ def select_positions(x: torch.Tensor, where: Positions, seq_first: bool) -> torc
     return x[where.T, rows] if seq_first else x[rows[:, None], where]
 
 
+Head = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""A replacement of the LM head: ``head(hidden [r, b, h], weight [V_pad/TP, h]) -> [r, b, k]``."""
+
+
 @contextlib.contextmanager
-def output_positions(model: torch.nn.Module, positions: Callable[[], Positions] | None) -> Iterator[None]:
+def output_positions(
+    model: torch.nn.Module, positions: Callable[[], Positions] | None, head: Head | None = None
+) -> Iterator[None]:
     """Only sequence positions ``positions()`` reach the output layer: the model returns [b, r, ...].
 
     Log-probs need the LM head on the response positions alone; with a 150k vocabulary the head is
     ~15% of a 1.5B model's FLOPs and its [b, s, V/TP] logits the largest activation, so computing it
-    on the prompt too would waste both. A forward pre-hook slices the decoder output [s, b, h] before
-    the head; gradients flow back to those positions. ``positions`` is asked at every forward (the
-    micro-batches of one pass may have different widths). Under sequence parallelism the decoder output
-    is [s/TP, b, h]: the hook gathers it first and the head runs without its own gather (one all-reduce
-    of the sliced input's gradient replaces the head's reduce-scatter).
+    on the prompt too would waste both. The output layer's input, the decoder output [s, b, h], is
+    sliced before the head; gradients flow back to those positions. ``positions`` is asked at every
+    forward (the micro-batches of one pass may have different widths). Under sequence parallelism the
+    decoder output is [s/TP, b, h]: it is gathered first and the head runs without its own gather (one
+    all-reduce of the sliced input's gradient replaces the head's reduce-scatter).
+
+    With ``head``, the output layer's matmul is replaced: ``head(hidden, weight)`` gets the (sliced,
+    gathered) final hidden states [r, b, h] and the weight megatron would multiply them with (the
+    output layer's, or the tied embedding's), and its [r, b, k] result is what the model returns
+    (as [b, r, k]). ``head`` then owns the TP all-reduce of the hidden states' gradient.
     """
-    head = getattr(model, "output_layer", None)  # absent before the last pipeline stage
-    if positions is None or head is None:
+    layer = getattr(model, "output_layer", None)  # absent before the last pipeline stage
+    if layer is None or (positions is None and head is None):
         yield
         return
-    sequence_parallel = getattr(head, "sequence_parallel", False)
+    sequence_parallel = getattr(layer, "sequence_parallel", False)
 
-    def keep(module, args, kwargs):
-        where = positions()
-        x = args[0]
+    def gather_and_slice(x: torch.Tensor) -> torch.Tensor:
         if sequence_parallel:
             from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
             x = gather_from_sequence_parallel_region(x, False)
-        return (select_positions(x, where, seq_first=True), *args[1:]), kwargs
+        return x if positions is None else select_positions(x, positions(), seq_first=True)
 
-    handle = head.register_forward_pre_hook(keep, with_kwargs=True)
-    head.sequence_parallel = False
+    def keep(module, args, kwargs):
+        return (gather_and_slice(args[0]), *args[1:]), kwargs
+
+    def fused(input_, weight=None, runtime_gather_output=None):
+        return head(gather_and_slice(input_), layer.weight if weight is None else weight), None
+
+    if head is None:
+        handle = layer.register_forward_pre_hook(keep, with_kwargs=True)
+    else:
+        layer.forward = fused  # the instance attribute shadows ColumnParallelLinear.forward
+    layer.sequence_parallel = False
     try:
         yield
     finally:
-        head.sequence_parallel = sequence_parallel
-        handle.remove()
+        layer.sequence_parallel = sequence_parallel
+        if head is None:
+            handle.remove()
+        else:
+            del layer.forward
 
 
 def sequence_multiple(model: torch.nn.Module, ps: ParallelState) -> int:
@@ -139,6 +161,7 @@ def run_pipeline(
     loss_fn: Callable[[Any, torch.Tensor], Any],
     forward_only: bool,
     positions: Callable[[Any], Positions] | None = None,
+    head: Callable[[Any, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> list:
     """One pass over ``microbatches`` ([b, s] each; shapes may differ between micro-batches) through
     the pipeline schedule.
@@ -148,7 +171,9 @@ def run_pipeline(
     metrics dicts (training); an empty list on other stages. With ``positions(mb)``, the last stage's
     output covers only those sequence positions of ``mb`` (:func:`output_positions`). Under sequence
     parallelism each micro-batch is right-padded to a multiple of TP (outputs then hold the padded
-    positions too).
+    positions too). With ``head(mb, hidden [r, b, h], weight)`` the LM head's matmul is replaced by
+    it (:func:`output_positions`) and the last stage's output is its result as [b, r, k], e.g. the
+    fused log-probs of :func:`megatron_rl.models.logprobs.fused_log_probs_and_entropy`.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -156,7 +181,7 @@ def run_pipeline(
     multiple = sequence_multiple(model, ps)
     shapes = {tuple(mb.input_ids.shape) for mb in microbatches}
     b, s = microbatches[0].input_ids.shape
-    current: list[Positions] = []  # the response positions of the micro-batch in the forward
+    current: list = [None, None]  # the micro-batch in the forward, and its response positions
     moe = not forward_only and inner.config.num_moe_experts is not None
     if moe:
         _install_aux_loss_scale()
@@ -170,8 +195,9 @@ def run_pipeline(
         if moe:  # the tokens each router saw: [s/TP * b] under sequence parallelism, [s * b] otherwise
             tokens = ids.numel() // (ps.tp_size if inner.config.sequence_parallel else 1)
             _AUX_SCALE[0] = 1.0 / (tokens * len(microbatches) * ps.dp_size)
+        current[0] = mb
         if positions is not None:
-            current[:] = [positions(mb)]
+            current[1] = positions(mb)
         out = model(ids, None, causal_padding_mask(keep))
 
         def on_output(output, non_loss_data=False):
@@ -181,7 +207,11 @@ def run_pipeline(
 
     with (
         cpu_bridge.device_mode(),
-        output_positions(inner, None if positions is None else lambda: current[0]),
+        output_positions(
+            inner,
+            None if positions is None else lambda: current[1],
+            None if head is None else lambda hidden, weight: head(current[0], hidden, weight),
+        ),
         _variable_shapes(inner.config, len(shapes) > 1),
     ):
         return get_forward_backward_func()(

@@ -63,6 +63,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from megatron_rl.errors import LaunchError
+from megatron_rl.reward.source import RewardSource, response_token_lists
 
 if TYPE_CHECKING:
     import torch
@@ -384,8 +385,9 @@ class HttpReward:
         return values, out
 
 
-class HttpRewardManager:
-    """RewardManager's interface over :class:`HttpReward`: token ids in, a RewardOutput out.
+class HttpRewardManager(RewardSource):
+    """RewardManager's interface over :class:`HttpReward`: token ids in, a RewardOutput out (a reward
+    source of reward.source's protocol, on one rank per replica, reading the prompts too).
 
     ``__call__`` takes RewardManager's arguments plus ``prompt_ids`` (each prompt's real tokens, see
     :func:`prompt_ids_of`); both are decoded with ``skip_special_tokens=True``. A failure raises
@@ -393,7 +395,7 @@ class HttpRewardManager:
     """
 
     needs_prompts = True
-    """scoring.reward_scores passes ``prompt_ids`` to reward managers that set this."""
+    """The server receives the prompt text too (:meth:`score_batch` passes ``prompt_ids``)."""
 
     def __init__(self, tokenizer: Any, cfg: HttpRewardConfig) -> None:
         self.tokenizer = tokenizer
@@ -402,6 +404,16 @@ class HttpRewardManager:
     @property
     def name(self) -> str:
         return f"reward server {self.http.url}"
+
+    def score_batch(self, batch, response_lengths: torch.Tensor) -> RewardOutput:
+        prompt_ids = prompt_ids_of(batch.prompts, batch.attention_mask[:, : batch.prompts.shape[1]])
+        return self(
+            response_token_lists(batch, response_lengths),
+            [mt.data_source for mt in batch.meta],
+            [mt.ground_truth for mt in batch.meta],
+            [mt.extra_info for mt in batch.meta],
+            prompt_ids=prompt_ids,
+        )
 
     def __call__(
         self,

@@ -31,6 +31,7 @@ from torch import nn
 
 from megatron_rl.models.forward import broadcast_from_last_stage, run_pipeline
 from megatron_rl.parallel import ParallelState
+from megatron_rl.reward.source import RewardSource
 
 
 @dataclass
@@ -105,9 +106,10 @@ def compute_rm_scores(
     return broadcast_from_last_stage(result, ps, (n,), torch.float32)
 
 
-class ModelReward:
+class ModelReward(RewardSource):
     """``reward_model.enable``: each response's score from the reward model, on every rank (the forward is
-    collective over TP/PP, so unlike a reward function it does not run on one rank per replica).
+    collective over TP/PP, so unlike a reward function it does not run on one rank per replica: a
+    ``collective`` reward source).
 
     When the reward model reads the actor's tokens (``tokenizer`` None: the same vocabulary and chat
     template), the rollout batch goes in as it is, and the score is taken at the last response token.
@@ -118,7 +120,10 @@ class ModelReward:
     """
 
     collective = True
-    name = "reward model"
+
+    @property
+    def name(self) -> str:
+        return "reward model"
 
     def __init__(
         self,
@@ -140,6 +145,11 @@ class ModelReward:
             ids, mask = self._retokenize(batch)
         dev = self.ps.device
         return compute_rm_scores(self.model, self.ps, ids.to(dev), mask.to(dev), self.micro_batch_size)
+
+    def score_batch(self, batch, response_lengths: torch.Tensor):
+        from megatron_rl.reward.rules import RewardOutput
+
+        return RewardOutput(self(batch).float().cpu(), {}, 0)
 
     def _retokenize(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         lengths = batch.response_mask.sum(-1).long().tolist()

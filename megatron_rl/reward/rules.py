@@ -39,6 +39,7 @@ import torch
 
 from megatron_rl.demo.toy import TOY_DATA_SOURCE, toy_compute_score
 from megatron_rl.errors import LaunchError
+from megatron_rl.reward.source import RewardSource, response_token_lists
 
 logger = logging.getLogger(__name__)
 
@@ -179,8 +180,9 @@ def _truncate(text: str, limit: int = 300) -> str:
     return f"{text[:half]} ...[{len(text) - limit} chars]... {text[-half:]}"
 
 
-class RewardManager:
-    """Scores decoded responses with ``compute_score``, one float per sequence.
+class RewardManager(RewardSource):
+    """Scores decoded responses with ``compute_score``, one float per sequence (the built-in rules, or
+    custom_reward_function: a reward source of reward.source's protocol, on one rank per replica).
 
     A sample whose reward function raises (or returns a non-finite or non-numeric value) is logged with
     its index, data_source and response, scores 0.0, and is counted in ``RewardOutput.num_errors``
@@ -212,6 +214,14 @@ class RewardManager:
     def name(self) -> str:
         fn = self.compute_score
         return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+    def score_batch(self, batch, response_lengths: torch.Tensor) -> RewardOutput:
+        return self(
+            response_token_lists(batch, response_lengths),
+            [mt.data_source for mt in batch.meta],
+            [mt.ground_truth for mt in batch.meta],
+            [mt.extra_info for mt in batch.meta],
+        )
 
     def _call(
         self, i: int, data_source: str, text: str, ground_truth: Any, extra_info: Any

@@ -1,7 +1,8 @@
 """Rewards on a rollout batch, DAPO's group filter, and validation scores under verl's names.
 
-reward_scores(batch)        the reward function (rules, a custom function or a reward server) on
-                            the first rank of each model replica, plus
+reward_scores(batch)        the reward source (reward.source.RewardSource: rules, a custom function,
+                            a reward server on the first rank of each model replica; a reward
+                            model on every rank), plus
                             overlong shaping; scores [B] and the reward's extra keys broadcast to
                             the replica's TP/PP peers (a non-deterministic reward function must not
                             give the shards of one model different losses); extras land in
@@ -9,6 +10,7 @@ reward_scores(batch)        the reward function (rules, a custom function or a r
 place_scores(batch, s)      scores on each response's last real token -> batch.token_level_scores
 reward_metrics(batch)       reward/num_errors, reward/<extra key>/mean over the data-parallel group
 filter_values(batch, m)     the per-sequence value algorithm.filter_groups.metric names
+validation_metrics(gen)     every validation prompt once, scored into ValidationScores
 ValidationScores            per data source and variable: val-core/<source>/<var>/mean@N (the core
                             variable: "acc" when the reward function returns it, else "reward"),
                             every other variable and std@N under val-aux/
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,16 +28,16 @@ import torch.distributed as dist
 
 from megatron_rl.algos.dapo import overlong_penalty
 from megatron_rl.batch import RolloutBatch
-from megatron_rl.reward.http import prompt_ids_of
+from megatron_rl.reward.source import RewardSource
 
 if TYPE_CHECKING:
     from megatron_rl.config import Config
     from megatron_rl.parallel import ParallelState
-    from megatron_rl.reward.http import HttpRewardManager
-    from megatron_rl.reward.rules import RewardManager
 
 
-def make_reward_fn(cfg: Config, tokenizer, ps: ParallelState | None = None, reward_model=None):
+def make_reward_fn(
+    cfg: Config, tokenizer, ps: ParallelState | None = None, reward_model=None
+) -> RewardSource:
     """Where rewards come from: the reward model (``reward_model``, built by roles.build_models), a reward
     server (reward_model.http.url), or the rules / custom_reward_function."""
     from megatron_rl.reward.rules import RewardManager, load_custom_reward_function
@@ -64,7 +67,7 @@ def _on_leader(ps: ParallelState) -> bool:
 
 
 def reward_scores(
-    reward_fn: RewardManager | HttpRewardManager, batch: RolloutBatch, ps: ParallelState, cfg: Config
+    reward_fn: RewardSource, batch: RolloutBatch, ps: ParallelState, cfg: Config
 ) -> tuple[torch.Tensor, int]:
     """Per-sequence scores [B] on ``ps.device`` (overlong shaping included) and the number of reward
     errors on this replica; sets ``meta[i].reward_extras`` on every rank of the replica. Multi-turn
@@ -80,33 +83,22 @@ def reward_scores(
 
 
 def _reward_scores(
-    reward_fn: RewardManager | HttpRewardManager,
+    reward_fn: RewardSource,
     batch: RolloutBatch,
     ps: ParallelState,
     cfg: Config,
     lengths: torch.Tensor,
 ) -> tuple[torch.Tensor, int]:
-    if getattr(reward_fn, "collective", False):  # a reward model: every rank runs its forward
-        scores, extras = _overlong_shaped(reward_fn(batch).float().cpu(), {}, lengths, cfg)
+    if reward_fn.collective:  # a reward model: every rank runs its forward
+        out = reward_fn.score_batch(batch, lengths)
+        scores, extras = _overlong_shaped(out.scores.float().cpu(), dict(out.extras), lengths, cfg)
         for i, mt in enumerate(batch.meta):
             mt.reward_extras = {k: float(v[i]) for k, v in extras.items()}
-        return scores.to(ps.device), 0
+        return scores.to(ps.device), out.num_errors
     keys: list[str] = []
     packed = None
     if _on_leader(ps):
-        responses = batch.responses.cpu()
-        kwargs = {}
-        if getattr(reward_fn, "needs_prompts", False):  # a reward server receives the prompt text too
-            kwargs["prompt_ids"] = prompt_ids_of(
-                batch.prompts, batch.attention_mask[:, : batch.prompts.shape[1]]
-            )
-        out = reward_fn(
-            [responses[i, :n].tolist() for i, n in enumerate(lengths.tolist())],
-            [mt.data_source for mt in batch.meta],
-            [mt.ground_truth for mt in batch.meta],
-            [mt.extra_info for mt in batch.meta],
-            **kwargs,
-        )
+        out = reward_fn.score_batch(batch, lengths)
         scores, extras = _overlong_shaped(out.scores, dict(out.extras), lengths, cfg)
         keys = sorted(extras)
         # [B + 1, 1 + K]: scores and the extras per row; the error count in the last row.
@@ -262,3 +254,32 @@ class ValidationScores:
             if self.n > 1:
                 out[f"val-aux/{source}/{var}/std@{self.n}"] = std_sum / prompts
         return out
+
+
+def validation_metrics(
+    generate: Callable[[list[int]], RolloutBatch],
+    reward_fn: RewardSource,
+    n_val: int,
+    ps: ParallelState,
+    cfg: Config,
+) -> dict[str, float]:
+    """Generation with val_kwargs on every validation prompt once (``generate(indices)``: the rollout
+    role's validation batch), scored under verl's names: val-core/<data_source>/reward/mean@<n>
+    (``acc`` instead of ``reward`` when the reward function returns it), its other keys and std@n under
+    val-aux/ (:class:`ValidationScores`).
+
+    Rank r of the data-parallel group takes prompts r, r + dp, ...; every rank runs the same number
+    of batches of the same size (the engine's generate is collective), a short last batch is filled
+    with a repeated prompt whose scores are not counted.
+    """
+    mine = list(range(ps.dp_rank, n_val, ps.dp_size))
+    per_rank = -(-n_val // ps.dp_size)
+    bs = max(1, (cfg.data.val_batch_size or n_val) // ps.dp_size)
+    scores = ValidationScores(cfg.actor_rollout_ref.rollout.val_kwargs.n)
+    for start in range(0, per_rank, bs):
+        idx = mine[start : start + bs]
+        real = len(idx) * scores.n
+        idx += [0] * (min(bs, per_rank - start) - len(idx))
+        batch = generate(idx)
+        scores.add(batch, reward_scores(reward_fn, batch, ps, cfg)[0], real)
+    return scores.metrics(ps)

@@ -1,19 +1,25 @@
-"""The critic role as the loop sees it, whether it trains on the actor's ranks or on ranks of its own
-(trainer.placement.critic).
+"""The critic role: one protocol whether it trains on the actor's ranks, on ranks of its own
+(trainer.placement.critic), or not at all (GRPO and the other outcome estimators: ``NullCritic``).
 
-    critic.begin_values(step, batch)      nothing            | post the batch: the critic ranks start
-    batch.values = critic.values(batch)   the forward pass   | wait for the critic ranks' values
-    critic.begin_update(batch, seed)      the update         | post returns and mask: they update
-    metrics = critic.update_metrics()     the update's       | wait for their metrics
-    critic.counters() / save(dir) / load(path, counters)     the critic ranks write/read critic*/
+    pending = critic.values_async(step, batch, stats)   at once            | post the batch: the critic
+    ...                                                                     | ranks start computing
+    batch.values = pending.result()                     the values [B, R]  | wait for their values
+    pending = critic.update_async(step, batch, stats)   the update, at once | post returns and mask
+    ...                                                                     | (they update meanwhile)
+    metrics = pending.result()                          the update's        | wait for their metrics
+    critic.register_state(registry)     critic/, critic_optim/ and the optimizer's counters in the
+                                        checkpoint (remote: the counters ride in the actor's shard
+                                        files, the critic ranks write their files before publishing)
 
-The loop calls them in that order around the actor's work (old log-probs between the first two, the
-actor update between the last two), so a critic on ranks of its own computes values while the actor
-computes log-probs and updates while the actor updates.
+NullCritic's handles hold None and {} (the values stay None; nothing updates). The loop calls these
+around the actor's work (old log-probs between the first two, the actor update between the last two),
+so a critic on ranks of its own computes values while the actor computes log-probs and updates while
+the actor updates. Each call times itself under timing_s/values and timing_s/update_critic (remote:
+the actor's wait for the critic ranks).
 
-On ranks of its own the critic is a server (``CriticServer``) working through requests the actor's
-rank 0 posts in the job's store (``rollout.remote.Mailbox`` under "critic/"); batches, values and
-returns travel the same way, CPU tensors in the store's wire format (``rollout.wire``, never pickle):
+On ranks of its own the critic is a server (``roles.critic_server.CriticServer``) working through
+requests the actor's rank 0 posts in the job's store (``roles.transport.Mailbox`` under "critic/");
+batches, values and returns travel the same way, CPU tensors in the store's wire format (never pickle):
 
     ("init", total_steps, pad_id)   build the critic and its optimizer (LR schedule over the run)
     ("values", step, parts)         actor DP rank p put batch/<step>/<p>; the critic concatenates the
@@ -26,51 +32,133 @@ returns travel the same way, CPU tensors in the store's wire format (``rollout.w
     ("save", dir) / ("load", path, counters)   critic/ and critic_optim/ in the checkpoint; ack/<i>
     ("stop",)
 
-A checkpoint has the same files either way (the counters ride in the actor's shard files), so a run
-resumes in either placement. The critic's RNG state is not saved: nothing in it draws random numbers
-(no dropout; mini-batch shuffling is seeded by the step).
+A checkpoint has the same files either way, so a run resumes in either placement. The critic's RNG
+state is not saved: nothing in it draws random numbers (no dropout; mini-batch shuffling is seeded by
+the step). A new kind of critic implements :class:`CriticRole`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, runtime_checkable
 
 import torch
 
 from megatron_rl.batch import RolloutBatch, SeqMeta
 from megatron_rl.config import Config
-from megatron_rl.errors import CheckpointError
 from megatron_rl.microbatches import ForwardPasses, TokenStats
 from megatron_rl.parallel import ParallelState
-from megatron_rl.roles.transport import Mailbox, broadcast_object
+from megatron_rl.roles.transport import Mailbox, broadcast_object, job_store
+from megatron_rl.run.metrics import Timer
+from megatron_rl.run.state import SHARD, StateRegistry
+
+if TYPE_CHECKING:
+    from megatron_rl.optim import ModelOptimizer
 
 MESSAGE_TYPES = (RolloutBatch, SeqMeta)
 """The dataclasses the critic's messages carry."""
 
+T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
 
-class LocalCritic:
-    """The critic on the actor's ranks: each call does its work there and then."""
 
-    def __init__(self, cfg: Config, ps: ParallelState, model, optim, passes: ForwardPasses) -> None:
-        self.cfg, self.ps, self.model, self.optim, self.passes = cfg, ps, model, optim, passes
-        self._metrics: dict[str, float] = {}
+class Done(Generic[T]):
+    """A handle whose work is done: ``result()`` returns it."""
 
-    def begin_values(self, step: int, batch: RolloutBatch) -> None:
+    def __init__(self, value: T) -> None:
+        self._value = value
+
+    def result(self) -> T:
+        return self._value
+
+
+class Pending(Generic[T]):
+    """A handle on posted work: ``result()`` waits for it (once; later calls return the same)."""
+
+    def __init__(self, wait: Callable[[], T]) -> None:
+        self._wait: Callable[[], T] | None = wait
+        self._value: T | None = None
+
+    def result(self) -> T:
+        if self._wait is not None:
+            self._value, self._wait = self._wait(), None
+        return self._value  # type: ignore[return-value]
+
+
+@runtime_checkable
+class Handle(Protocol[T_co]):
+    def result(self) -> T_co: ...
+
+
+@runtime_checkable
+class CriticRole(Protocol):
+    """What the loop asks of a critic (module docstring)."""
+
+    @property
+    def model(self) -> torch.nn.Module | None:
+        """The critic's module on these ranks (None: on ranks of its own, or no critic)."""
+
+    @property
+    def optim(self) -> ModelOptimizer | None:
+        """Its optimizer (roles.models.ModelOptimizer) on these ranks, or None."""
+
+    def values_async(self, step: int, batch: RolloutBatch, stats: TokenStats) -> Handle: ...
+
+    def update_async(self, step: int, batch: RolloutBatch, stats: TokenStats) -> Handle: ...
+
+    def register_state(self, registry: StateRegistry) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+class NullCritic:
+    """No critic (critic.enable=false): no values, no update, nothing in the checkpoint."""
+
+    model: torch.nn.Module | None = None
+    optim: ModelOptimizer | None = None
+
+    def values_async(self, step: int, batch: RolloutBatch, stats: TokenStats) -> Done[None]:
+        return Done(None)
+
+    def update_async(self, step: int, batch: RolloutBatch, stats: TokenStats) -> Done[dict[str, float]]:
+        return Done({})
+
+    def register_state(self, registry: StateRegistry) -> None:
         pass
 
-    def values(self, batch: RolloutBatch, stats: TokenStats | None = None) -> torch.Tensor:
+    def shutdown(self) -> None:
+        pass
+
+
+class LocalCritic:
+    """The critic on the actor's ranks: each call does its work there and then. The one home of the
+    critic's module and optimizer on these ranks (parking, perf metrics and the checkpoint read them
+    from here)."""
+
+    def __init__(
+        self, cfg: Config, ps: ParallelState, model, optim, passes: ForwardPasses, timer: Timer
+    ) -> None:
+        self.cfg, self.ps, self.model, self.optim, self.passes = cfg, ps, model, optim, passes
+        self.timer = timer
+
+    def values_async(self, step: int, batch: RolloutBatch, stats: TokenStats) -> Done[torch.Tensor]:
         from megatron_rl import ppo
 
-        return ppo.compute_values(self.model, self.ps, batch, self.passes.values, stats=stats)
+        with self.timer("values"):
+            return Done(ppo.compute_values(self.model, self.ps, batch, self.passes.values, stats=stats))
 
-    def begin_update(self, batch: RolloutBatch, seed: int, stats: TokenStats | None = None) -> None:
+    def update_async(self, step: int, batch: RolloutBatch, stats: TokenStats) -> Done[dict[str, float]]:
         from megatron_rl import ppo
 
         n = self.cfg.actor_rollout_ref.rollout.n
-        self._metrics = ppo.update_critic(
-            self.model, self.optim, self.ps, batch, self.cfg.critic, n, shuffle_seed=seed, stats=stats
-        )
+        with self.timer("update_critic"):  # seed: mini-batch shuffling, the step's
+            metrics = ppo.update_critic(
+                self.model, self.optim, self.ps, batch, self.cfg.critic, n, shuffle_seed=step, stats=stats
+            )
+        return Done(metrics)
 
-    def update_metrics(self) -> dict[str, float]:
-        return self._metrics
+    def register_state(self, registry: StateRegistry) -> None:
+        registry.register_model("critic", self.model, self.optim)
 
     def shutdown(self) -> None:
         pass
@@ -80,10 +168,12 @@ class RemoteCritic:
     """The actor's side of a critic on ranks of its own (module docstring). Every call is collective
     over the actor's ranks; only rank 0 posts requests."""
 
-    def __init__(self, ps: ParallelState, total_steps: int, pad_id: int) -> None:
-        self.ps, self.box = ps, Mailbox(ps.job_store, "critic/", MESSAGE_TYPES)
+    model: torch.nn.Module | None = None
+    optim: ModelOptimizer | None = None
+
+    def __init__(self, ps: ParallelState, total_steps: int, pad_id: int, timer: Timer) -> None:
+        self.ps, self.box, self.timer = ps, Mailbox(job_store(ps), "critic/", MESSAGE_TYPES), timer
         self.posted = 0
-        self.step = 0
         self._counters: dict[str, int] = {"num_steps": 0, "skipped_steps": 0}
         self._post({"kind": "init", "total_steps": total_steps, "pad_id": pad_id})
 
@@ -99,30 +189,51 @@ class RemoteCritic:
         self.posted += 1
         return i
 
-    def begin_values(self, step: int, batch: RolloutBatch) -> None:
-        self.step = step
-        if self._puts_rows:
-            self.box.put(f"batch/{step}/{self.ps.dp_rank}", batch.to(torch.device("cpu")))
-        self._post({"kind": "values", "step": step, "parts": self.ps.dp_size})
-
-    def values(self, batch: RolloutBatch, stats: TokenStats | None = None) -> torch.Tensor:
+    def values_async(self, step: int, batch: RolloutBatch, stats: TokenStats) -> Pending[torch.Tensor]:
         ps = self.ps
-        values = self.box.take(f"values/{self.step}/{ps.dp_rank}", ps.tp_size * ps.pp_size)
-        return values.to(ps.device)
-
-    def begin_update(self, batch: RolloutBatch, seed: int, stats: TokenStats | None = None) -> None:
         if self._puts_rows:
-            rows = (batch.returns.cpu(), batch.response_mask.cpu())
-            self.box.put(f"returns/{self.step}/{self.ps.dp_rank}", rows)
-        self._post({"kind": "update", "step": self.step, "seed": seed})
+            self.box.put(f"batch/{step}/{ps.dp_rank}", batch.to(torch.device("cpu")))
+        self._post({"kind": "values", "step": step, "parts": ps.dp_size})
 
-    def update_metrics(self) -> dict[str, float]:
-        metrics, self._counters = self.box.take(f"metrics/{self.step}", self.ps.world_size)
-        return metrics
+        def wait() -> torch.Tensor:
+            with self.timer("values"):
+                return self.box.take(f"values/{step}/{ps.dp_rank}", ps.tp_size * ps.pp_size).to(ps.device)
 
-    def counters(self) -> dict[str, int]:
-        """The critic optimizer's counters as of its last update (saved in the actor's shard files)."""
+        return Pending(wait)
+
+    def update_async(self, step: int, batch: RolloutBatch, stats: TokenStats) -> Pending[dict[str, float]]:
+        with self.timer("update_critic"):
+            if self._puts_rows:
+                assert batch.returns is not None, "the advantage stage sets the returns"
+                rows = (batch.returns.cpu(), batch.response_mask.cpu())
+                self.box.put(f"returns/{step}/{self.ps.dp_rank}", rows)
+            self._post({"kind": "update", "step": step, "seed": step})
+
+        def wait() -> dict[str, float]:
+            with self.timer("update_critic"):
+                metrics, self._counters = self.box.take(f"metrics/{step}", self.ps.world_size)
+            return metrics
+
+        return Pending(wait)
+
+    # checkpoint: the optimizer's counters in the actor's shard files, critic*/ written by the critic ranks
+    def state_dict(self) -> dict[str, int]:
+        """The critic optimizer's counters as of its last update."""
         return dict(self._counters)
+
+    def load_state_dict(self, counters: dict[str, int]) -> None:
+        self._counters = dict(counters)
+
+    def save_files(self, partial_dir: str) -> None:
+        """The critic ranks write critic/ and critic_optim/ into the partial checkpoint."""
+        self._ask({"kind": "save", "dir": partial_dir})
+
+    def load_files(self, path: str) -> None:
+        self._ask({"kind": "load", "path": path, "counters": dict(self._counters)})
+
+    def register_state(self, registry: StateRegistry) -> None:
+        registry.register("critic_optim", self, SHARD)
+        registry.register_files("critic", self)
 
     def _ask(self, msg: dict) -> None:
         """Post ``msg``, wait for the critic ranks' acknowledgement; their error is raised on every rank."""
@@ -130,16 +241,30 @@ class RemoteCritic:
         error = self.box.take(f"ack/{i}", 1) if self.ps.rank == 0 else None
         if self.ps.world_size > 1:
             error = broadcast_object(error, 0, None, self.ps.device)
-        if error is not None:
-            raise CheckpointError(f"the critic ranks: {error}")
+        from megatron_rl.roles.critic_server import raise_failure  # same layer; critic_server imports this
 
-    def save(self, directory: str) -> None:
-        """The critic ranks write critic/ and critic_optim/ into ``directory`` (the partial checkpoint)."""
-        self._ask({"kind": "save", "dir": directory})
-
-    def load(self, path: str, counters: dict[str, int]) -> None:
-        self._ask({"kind": "load", "path": path, "counters": counters})
-        self._counters = dict(counters)
+        raise_failure(msg["kind"], error)
 
     def shutdown(self) -> None:
         self._post({"kind": "stop"})
+
+
+def make_critic(
+    cfg: Config,
+    ps: ParallelState,
+    built: tuple[torch.nn.Module, ModelOptimizer] | None,
+    separate: bool,
+    total_steps: int,
+    pad_id: int,
+    passes: ForwardPasses,
+    timer: Timer,
+) -> CriticRole:
+    """The run's critic role: none (critic.enable=false), on ranks of its own (``separate``), or here
+    with ``built`` (the module and optimizer roles.models.build_models made)."""
+    if not cfg.critic.enable:
+        return NullCritic()
+    if separate:
+        return RemoteCritic(ps, total_steps, pad_id, timer)
+    if built is None:
+        raise ValueError("critic.enable: build_models(with_critic=True) builds the critic for these ranks")
+    return LocalCritic(cfg, ps, built[0], built[1], passes, timer)

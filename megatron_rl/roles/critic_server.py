@@ -1,19 +1,82 @@
 """The critic's ranks, when trainer.placement.critic gives it ranks of its own: a server that works
 through the actor's requests (protocol in ``roles.critic``) until "stop".
+
+A failed save or load is acknowledged, not raised, so the actor's ranks fail together: each critic
+rank logs its traceback (with its rank), rank 0 puts the first failure under ``ack/<i>`` as a plain
+dict (:func:`failure`: its type, message, rank, traceback and whether it is a checkpoint problem), and
+:func:`raise_failure` raises it on the actor's ranks: a :class:`CheckpointError` (one line, no
+traceback: disk, permissions, missing files) only for a checkpoint problem, chained from a
+:class:`CriticServerError` that carries the critic rank's traceback; anything else (a bug) is the
+:class:`CriticServerError` itself.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+import traceback
+from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_rl.batch import RolloutBatch
+from megatron_rl.batch import RolloutBatch, SeqMeta
 from megatron_rl.config import Config
+from megatron_rl.errors import CheckpointError
 from megatron_rl.microbatches import ForwardPasses
 from megatron_rl.parallel import ParallelState
-from megatron_rl.roles.critic import MESSAGE_TYPES
-from megatron_rl.roles.transport import Mailbox, all_gather_objects, slice_bounds
+from megatron_rl.roles.transport import Mailbox, all_gather_objects, job_store, slice_bounds
+
+if TYPE_CHECKING:
+    from megatron_rl.optim import ModelOptimizer
+
+log = logging.getLogger(__name__)
+
+MESSAGE_TYPES = (RolloutBatch, SeqMeta)
+"""The dataclasses the critic's messages carry (the same as ``roles.critic.MESSAGE_TYPES``; defined
+here too so that this module does not import ``roles.critic``, which imports :func:`raise_failure`)."""
+
+
+class CriticServerError(RuntimeError):
+    """A request failed on a critic rank; the message ends with that rank's traceback."""
+
+    def __init__(self, message: str, rank: int, remote_traceback: str) -> None:
+        super().__init__(f"{message}\n--- traceback on critic rank {rank} ---\n{remote_traceback.rstrip()}")
+        self.rank, self.remote_traceback = rank, remote_traceback
+
+
+def is_checkpoint_failure(e: BaseException) -> bool:
+    """A problem with the checkpoint's files (disk, permissions, missing or unreadable files), as
+    opposed to a bug in the code that writes or reads them."""
+    if isinstance(e, (OSError, CheckpointError)):
+        return True
+    try:
+        from megatron.core.dist_checkpointing.core import CheckpointingException
+    except ImportError:  # pragma: no cover - megatron-core is a dependency
+        return False
+    return isinstance(e, CheckpointingException)
+
+
+def failure(e: BaseException, rank: int) -> dict:
+    """The wire form of a failed request (plain values only: the store's format takes no pickles)."""
+    return {
+        "type": type(e).__name__,
+        "message": str(e),
+        "rank": rank,
+        "traceback": "".join(traceback.format_exception(type(e), e, e.__traceback__)),
+        "checkpoint": is_checkpoint_failure(e),
+    }
+
+
+def raise_failure(what: str, f: dict | None) -> None:
+    """On the actor's ranks: raise the critic's acknowledged failure ``f`` of request ``what`` (None: it
+    succeeded). A checkpoint problem becomes a CheckpointError chained from the remote traceback."""
+    if f is None:
+        return
+    line = f"the critic ranks' {what} failed on critic rank {f['rank']}: {f['type']}: {f['message']}"
+    remote = CriticServerError(line, f["rank"], f["traceback"])
+    if f["checkpoint"]:
+        raise CheckpointError(line) from remote
+    raise remote
 
 
 class CriticServer:
@@ -21,8 +84,8 @@ class CriticServer:
 
     def __init__(self, cfg: Config, ps: ParallelState, side_file_dirs: tuple[str, ...] = ()) -> None:
         self.cfg, self.ps, self.side_file_dirs = cfg, ps, side_file_dirs
-        self.box = Mailbox(ps.job_store, "critic/", MESSAGE_TYPES)
-        self.model = self.optim = None
+        self.box = Mailbox(job_store(ps), "critic/", MESSAGE_TYPES)
+        self._built: tuple[torch.nn.Module, ModelOptimizer] | None = None  # by the "init" request
         self.pad_id = 0
         self.mine: RolloutBatch | None = None  # this rank's slice of the step's batch
         self.part_rows: list[tuple[int, int]] = []  # (rows, response width) of each actor DP part
@@ -43,7 +106,19 @@ class CriticServer:
         from megatron_rl.roles.models import build_critic
 
         self.pad_id = msg["pad_id"]
-        self.model, self.optim = build_critic(self.cfg, self.ps, msg["total_steps"])
+        self._built = build_critic(self.cfg, self.ps, msg["total_steps"])
+
+    @property
+    def model(self) -> torch.nn.Module:
+        if self._built is None:
+            raise RuntimeError("the critic server got a request before its init request")
+        return self._built[0]
+
+    @property
+    def optim(self) -> ModelOptimizer:
+        if self._built is None:
+            raise RuntimeError("the critic server got a request before its init request")
+        return self._built[1]
 
     def _slice(self, rows: int) -> slice:
         a, b = slice_bounds(rows, self.ps.dp_size)[self.ps.dp_rank]
@@ -56,12 +131,12 @@ class CriticServer:
         parts = [self.box.take(f"batch/{step}/{p}", ps.world_size) for p in range(msg["parts"])]
         self.part_rows = [(len(b), b.response_length) for b in parts]
         full = parts[0] if len(parts) == 1 else RolloutBatch.concat(parts, self.pad_id)
-        self.mine = full.select(self._slice(len(full))).to(ps.device)
-        self.mine.values = ppo.compute_values(self.model, ps, self.mine, self.passes.values)  # [b, R]
+        self.mine = mine = full.select(self._slice(len(full))).to(ps.device)
+        mine.values = ppo.compute_values(self.model, ps, mine, self.passes.values)  # [b, R]
         # rank 0 collects every DP replica's slice and hands each actor DP rank its part
         slices: list = []
         if ps.tp_rank == 0 and ps.pp_rank == 0:  # no pickle: the store's wire format over the group
-            slices = all_gather_objects(self.mine.values.cpu(), ps.dp_group, ps.device)
+            slices = all_gather_objects(mine.values.cpu(), ps.dp_group, ps.device)
         if ps.rank == 0:
             values, first = torch.cat(slices), 0  # [B, R]
             for p, (rows, width) in enumerate(self.part_rows):
@@ -72,19 +147,21 @@ class CriticServer:
     def _update(self, i: int, msg: dict) -> None:
         from megatron_rl import ppo
 
-        ps, step, start = self.ps, msg["step"], time.perf_counter()
-        width = self.mine.response_length
+        ps, step, start, mine = self.ps, msg["step"], time.perf_counter(), self.mine
+        if mine is None:
+            raise RuntimeError(f"the critic server got the update of step {step} before its values request")
+        width = mine.response_length
         parts = [self.box.take(f"returns/{step}/{p}", ps.world_size) for p in range(len(self.part_rows))]
 
         def full(k: int) -> torch.Tensor:  # [B, R]: the parts right-padded with zeros (off the mask)
             return torch.cat([torch.nn.functional.pad(t[k], (0, width - t[k].shape[1])) for t in parts])
 
         rows = self._slice(sum(n for n, _ in self.part_rows))
-        self.mine.returns = full(0)[rows].to(ps.device)
-        self.mine.response_mask = full(1)[rows].to(ps.device)
+        mine.returns = full(0)[rows].to(ps.device)
+        mine.response_mask = full(1)[rows].to(ps.device)
         n = self.cfg.actor_rollout_ref.rollout.n
         metrics = ppo.update_critic(
-            self.model, self.optim, ps, self.mine, self.cfg.critic, n, shuffle_seed=msg["seed"]
+            self.model, self.optim, ps, mine, self.cfg.critic, n, shuffle_seed=msg["seed"]
         )
         self.mine = None
         if ps.rank == 0:
@@ -93,13 +170,15 @@ class CriticServer:
             metrics["perf/critic_busy_s"] = self.values_seconds + time.perf_counter() - start
             self.box.put(f"metrics/{step}", (metrics, self.optim.counters()))
 
-    def _acknowledge(self, i: int, work) -> None:
-        """Run ``work()`` on every critic rank; rank 0 acknowledges request ``i`` with the first error."""
+    def _acknowledge(self, i: int, work, what: str = "request") -> None:
+        """Run ``work()`` on every critic rank; rank 0 acknowledges request ``i`` with the first failure
+        (:func:`failure`), which the actor's ranks raise (:func:`raise_failure`)."""
         try:
             work()
             error = None
         except Exception as e:  # reported to the actor's ranks, which fail the save or load
-            error = f"{type(e).__name__}: {e}"
+            log.error("critic rank %d: %s (request %d) failed", self.ps.rank, what, i, exc_info=True)
+            error = failure(e, self.ps.rank)
         errors = all_gather_objects(error, None, self.ps.device)
         if self.ps.rank == 0:
             self.box.put(f"ack/{i}", next((e for e in errors if e is not None), None))
@@ -118,7 +197,7 @@ class CriticServer:
                 copy_side_files(list(self.side_file_dirs), out)
             save_optimizer(self.optim, self.ps, os.path.join(msg["dir"], "critic_optim"))
 
-        self._acknowledge(i, work)
+        self._acknowledge(i, work, "save")
 
     def _load(self, i: int, msg: dict) -> None:
         import os
@@ -136,4 +215,4 @@ class CriticServer:
             load_optimizer(self.optim, os.path.join(path, "critic_optim"))
             self.optim.load_counters(msg["counters"])
 
-        self._acknowledge(i, work)
+        self._acknowledge(i, work, "load")

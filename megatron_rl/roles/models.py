@@ -1,10 +1,13 @@
-"""The models of a run, by role: actor (+ optimizer), reference, critic (+ optimizer), reward model.
+"""The models of a run, by role: actor (+ optimizer), reference, reward model; and the critic's builder.
 
     build_models(cfg, ps, model_args, total_steps)
         actor     actor_rollout_ref.model.path, trained (ModelOptimizer over megatron's DDP)
         ref       the same weights, frozen; only when a KL term needs it (use_kl_loss / use_kl_in_reward)
-        critic    critic.model.path with a value head, trained; when critic.enable (GAE by default)
         reward    reward_model.model.path with a score head, frozen; when reward_model.enable
+    build_critic(cfg, ps, total_steps)
+        critic    critic.model.path with a value head, trained; when critic.enable (GAE by default).
+                  Handed to the critic role (roles.critic.make_critic; on ranks of its own the critic
+                  server builds it), its only home: Models holds no critic.
 
 Each role uses its own ``megatron`` section for dtype, attention and activation recompute; the parallel
 layout (TP x PP) is the actor's for all of them (validated with the config); a critic on ranks of its
@@ -15,25 +18,27 @@ steps each model will actually take (the actor none during trainer.critic_warmup
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_rl.config import Config, MegatronConfig
+from megatron_rl.config import Config, FrozenMegatronConfig
 from megatron_rl.parallel import ParallelState
+
+if TYPE_CHECKING:
+    from megatron_rl.optim import ModelOptimizer
 
 
 @dataclasses.dataclass
 class Models:
     actor: torch.nn.Module
-    actor_optim: object
+    actor_optim: ModelOptimizer
     ref: torch.nn.Module | None
-    critic: torch.nn.Module | None
-    critic_optim: object | None
     reward: torch.nn.Module | None = None  # reward_model.enable
 
 
 def _model(
-    ps: ParallelState, args, role: str, path: str, mcfg: MegatronConfig, recompute: bool = False
+    ps: ParallelState, args, role: str, path: str, mcfg: FrozenMegatronConfig, recompute: bool = False
 ) -> torch.nn.Module:
     """One role's model with its weights loaded (fp32 on CPU: CPU kernels have no bf16 speed-up)."""
     from megatron_rl.model_args import DTYPES
@@ -63,7 +68,7 @@ def _model(
     return m
 
 
-def moe_options(mcfg: MegatronConfig) -> dict:
+def moe_options(mcfg: FrozenMegatronConfig) -> dict:
     """Router-loss settings from verl's ``*.megatron.override_transformer_config.moe_*`` keys, where the
     config holds them (``moe_aux_loss_coeff``, ``moe_z_loss_coeff``, ``moe_router_dtype``: fp32 only)."""
     override = getattr(mcfg, "override_transformer_config", None) or {}
@@ -80,14 +85,17 @@ def moe_options(mcfg: MegatronConfig) -> dict:
     }
 
 
-def _optim_steps(cfg: Config, epochs: int, mini_batch: int, ppo_steps: int) -> int:
-    """Optimizer steps of ``ppo_steps`` PPO updates (the length of an LR schedule)."""
+def _optim_steps(cfg: Config, epochs: int | None, mini_batch: int | None, ppo_steps: int) -> int:
+    """Optimizer steps of ``ppo_steps`` PPO updates (the length of an LR schedule); ``epochs`` and
+    ``mini_batch`` as config.validate resolved them (a critic's default to the actor's)."""
+    if epochs is None or mini_batch is None:
+        raise ValueError("ppo_epochs / ppo_mini_batch_size unresolved: run config.validate(cfg) first")
     return ppo_steps * epochs * (cfg.data.train_batch_size // mini_batch)
 
 
 def build_critic(
     cfg: Config, ps: ParallelState, total_steps: int, model_args=None
-) -> tuple[torch.nn.Module, object]:
+) -> tuple[torch.nn.Module, ModelOptimizer]:
     """The critic (critic.model.path with a value head) and its optimizer, on ``ps``'s ranks;
     ``model_args``: critic.model.path's, when the caller has read them already."""
     from megatron_rl.models.loading import load_model_args_any
@@ -104,18 +112,14 @@ def build_critic(
 
 def build_models(
     cfg: Config, ps: ParallelState, model_args, total_steps: int, with_critic: bool = True
-) -> Models:
-    """The run's models (module docstring); ``model_args`` are the actor's. ``with_critic=False``: the
-    critic trains on ranks of its own (megatron_rl.roles.critic), not here."""
+) -> tuple[Models, tuple[torch.nn.Module, ModelOptimizer] | None]:
+    """The run's models (module docstring) and, apart, the critic and its optimizer (None without
+    critic.enable, or with ``with_critic=False``: it trains on ranks of its own), which go to the critic
+    role. ``model_args`` are the actor's. Built in the order actor, ref, critic, reward."""
     from megatron_rl.models.loading import load_model_args_any
     from megatron_rl.optim import ModelOptimizer
 
     arr = cfg.actor_rollout_ref
-    if model_args.is_moe:
-        raise ValueError(
-            f"{arr.model.path}: a mixture-of-experts actor ({model_args.arch}) trains, but its experts "
-            "cannot yet be streamed into the rollout engine (rollout.reshard has no expert path)."
-        )
     actor = _model(
         ps, model_args, "actor", arr.model.path, arr.actor.megatron, arr.model.enable_gradient_checkpointing
     )
@@ -134,32 +138,35 @@ def build_models(
     ref = None
     if cfg.algorithm.use_kl_in_reward or arr.actor.use_kl_loss:
         ref = _model(ps, model_args, "actor", arr.model.path, arr.ref.megatron).eval()
-    critic = critic_optim = None
+    critic = None
     if cfg.critic.enable and with_critic:
         same_trunk = cfg.critic.model.path == arr.model.path  # the actor's config, read once
-        critic, critic_optim = build_critic(cfg, ps, total_steps, model_args if same_trunk else None)
+        critic = build_critic(cfg, ps, total_steps, model_args if same_trunk else None)
     reward = None
     if cfg.reward_model.enable:
         rm = cfg.reward_model
         reward = _model(ps, load_model_args_any(rm.model.path), "reward", rm.model.path, rm.megatron).eval()
-    return Models(actor, actor_optim, ref, critic, critic_optim, reward)
+    return Models(actor, actor_optim, ref, reward), critic
 
 
-def park_for_generation(models: Models, cfg: Config, parking) -> None:
-    """Before generation: park in host memory what the *.megatron.*_offload keys name (offload.HostParking);
-    the actor's parameters are parked by the caller after the weight sync, which reads them."""
-    arr, park = cfg.actor_rollout_ref, parking.park
-    trained = [("actor", models.actor, models.actor_optim, arr.actor.megatron)]
-    if models.critic is not None:
-        trained.append(("critic", models.critic, models.critic_optim, cfg.critic.megatron))
-    for name, model, optim, mcfg in trained:
-        if mcfg.optimizer_offload:
+def park_for_generation(models: Models, critic, cfg: Config, parking, plan=None) -> None:
+    """Before generation: park in host memory what ``plan`` (run.memory_plan.OffloadPlan; None: the
+    *.megatron.*_offload keys alone) names (offload.HostParking); the actor's parameters are parked by
+    the caller after the weight sync, which reads them. ``critic``: the critic role (its module and
+    optimizer when it trains on these ranks)."""
+    from megatron_rl.run.memory_plan import config_plan
+
+    plan, park = plan or config_plan(cfg), parking.park
+    trained = [("actor", models.actor, models.actor_optim)]
+    if critic.model is not None:
+        trained.append(("critic", critic.model, critic.optim))
+    for name, model, optim in trained:
+        if plan.parks(name, "optimizer"):
             park(optim.state_tensors())
-        if mcfg.grad_offload:
+        if plan.parks(name, "grads"):
             park(optim.grad_tensors(), keep_values=False)
-        if mcfg.param_offload and name != "actor":
+        if plan.parks(name, "params") and name != "actor":
             park(model.parameters())
-    frozen = ((models.ref, arr.ref.megatron), (models.reward, cfg.reward_model.megatron))
-    for model, mcfg in frozen:
-        if model is not None and mcfg.param_offload:
-            park(model.parameters())
+    for name, frozen in (("ref", models.ref), ("reward", models.reward)):
+        if frozen is not None and plan.parks(name, "params"):
+            park(frozen.parameters())

@@ -12,7 +12,8 @@ Requests and generations travel through the job's key-value store (torchrun's TC
 store's wire format (``rollout.wire``: a JSON header and raw tensor bytes, never pickle); a posted
 request does not wait for the engines, so the trainer runs on while they generate. The server handles
 requests strictly in the order posted, so a generation request sees the weights of every weights
-request posted before it: that order is the policy version of each sample.
+request posted before it: that order is the policy version of each sample, which the training side
+records when it posts the request (roles.rollout); the generations carry no version of their own.
 
 Weights take the reshard stream unchanged (``reshard.iter_hf_buckets``: TP gather and PP broadcast
 inside the actor's world); the actor's leader (training rank 0) holds every full bucket and
@@ -24,8 +25,9 @@ stream the leader puts each streamed tensor's checksum (``reshard.tensor_checksu
 the first tensor that differs (``reshard.WeightSyncError`` naming bucket, tensor and rank).
 
 Prompts of one request are the training DP ranks' prompts concatenated in DP order; engine ``j`` of
-``E`` generates the ``j``-th contiguous slice with seed ``seed + j`` (with as many engines as
-training DP ranks, slice j is DP rank j's prompts and its seed is the colocated loop's).
+``E`` (``Placement.rollout_engines``, the one count both sides use) generates the ``j``-th contiguous
+slice, its rows seeded as data-parallel rank ``j``'s (rollout.base.sample_seed: with as many engines
+as training DP ranks, slice j is DP rank j's prompts and its seeds are the colocated loop's).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from __future__ import annotations
 import datetime
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -44,6 +46,7 @@ from megatron_rl.roles.transport import (
     all_gather_objects,
     broadcast_root,
     from_plain,
+    job_store,
     pair_group,
     slice_bounds,
     to_plain,
@@ -76,11 +79,10 @@ MESSAGE_TYPES = (WeightsPlan, SamplingParams)
 class RolloutClient:
     """The training ranks' side: post weights and generation requests, take the generations."""
 
-    def __init__(self, ps: ParallelState, rollout_ranks: int, engines: int, timeout_minutes: int) -> None:
-        if ps.job_store is None:
-            raise RuntimeError("a separate rollout needs the job's store (parallel.init_parallel(ranks=...))")
-        self.ps, self.box = ps, Mailbox(ps.job_store, types=MESSAGE_TYPES)
-        self.rollout_ranks, self.engines = rollout_ranks, engines
+    def __init__(self, ps: ParallelState, placement, rollout_tp: int, timeout_minutes: int) -> None:
+        """``placement``: the job's config.placement.Placement; ``rollout_tp``: the engines' TP size."""
+        self.ps, self.box = ps, Mailbox(job_store(ps), types=MESSAGE_TYPES)
+        self.rollout_ranks, self.engines = len(placement.rollout), placement.rollout_engines(rollout_tp)
         self.timeout = datetime.timedelta(minutes=timeout_minutes)
         self.posted = 0  # requests posted (the leader's count: only it posts)
         self.engine_seconds: dict[str, float] = {}
@@ -104,7 +106,7 @@ class RolloutClient:
         index = self.posted
         self._post({"kind": "weights", "plan": plan})
         if self.leader and self._group is None:
-            self._group = pair_group(ps.job_store, 0, 1 + self.rollout_ranks, ps.backend, self.timeout)
+            self._group = pair_group(job_store(ps), 0, 1 + self.rollout_ranks, ps.backend, self.timeout)
         sums = []
         for bucket in iter_hf_buckets(actor, ps, plan.bucket_bytes, dtype):
             if self.leader:
@@ -113,7 +115,7 @@ class RolloutClient:
         if self.leader:  # [tensors, 2] float64, in stream order: the engines check their copies
             self.box.put(f"sums/{index}", torch.stack(sums).cpu())
 
-    def request(self, tag: str, prompts: list[list[int]], params: SamplingParams, version: int) -> None:
+    def request(self, tag: str, prompts: list[list[int]], params: SamplingParams) -> None:
         """Collective over the training world: ask the engines for ``params.n`` responses to every DP
         rank's ``prompts`` (TP/PP peers pass the same); returns at once."""
         ps = self.ps
@@ -122,19 +124,15 @@ class RolloutClient:
             everyone = all_gather_objects(prompts, ps.dp_group, ps.device)
         if self.leader:
             flat = [p for part in everyone for p in part]
-            self._post(
-                {"kind": "generate", "tag": tag, "prompts": flat, "params": params, "version": version}
-            )
+            self._post({"kind": "generate", "tag": tag, "prompts": flat, "params": params})
 
-    def receive(self, tag: str, per_rank: int) -> tuple[list[list[Generation]], int]:
-        """This DP rank's generations of request ``tag`` (``per_rank`` prompts on every DP rank) and the
-        policy version that produced them; waits for the engines. ``engine_seconds[tag]``: the longest
-        time one of its engines spent generating them."""
+    def receive(self, tag: str, per_rank: int) -> list[list[Generation]]:
+        """This DP rank's generations of request ``tag`` (``per_rank`` prompts on every DP rank); waits
+        for the engines. ``engine_seconds[tag]``: the longest time one of its engines spent on them."""
         ps = self.ps
         lo, hi = ps.dp_rank * per_rank, (ps.dp_rank + 1) * per_rank
         slices = slice_bounds(per_rank * ps.dp_size, self.engines)
         out: list[list[Generation]] = []
-        version = -1
         for j, (a, b) in enumerate(slices):
             if b <= lo or a >= hi:
                 continue
@@ -143,10 +141,10 @@ class RolloutClient:
                 * ps.pp_size
                 * sum(1 for r in range(ps.dp_size) if a < (r + 1) * per_rank and b > r * per_rank)
             )
-            rows, version, seconds = self.box.take(f"res/{tag}/{j}", readers)
+            rows, seconds = self.box.take(f"res/{tag}/{j}", readers)
             out += from_plain(rows)[max(lo, a) - a : min(hi, b) - a]
             self.engine_seconds[tag] = max(self.engine_seconds.get(tag, 0.0), seconds)
-        return out, version
+        return out
 
     def stop(self) -> None:
         self._post({"kind": "stop"})
@@ -156,10 +154,18 @@ class RolloutServer:
     """The rollout ranks' side: one engine per rollout-TP group, serving requests until "stop"."""
 
     def __init__(
-        self, engine, args: ModelArgs, ps: ParallelState, rollout_ranks: list[int], timeout_minutes: int
+        self, engine, args: ModelArgs, ps: ParallelState, placement, rollout_tp: int, timeout_minutes: int
     ):
+        """``ps``: the rollout ranks' world (rollout TP x engines); ``placement``: the job's Placement."""
         self.engine, self.args, self.ps = engine, args, ps
-        self.box = Mailbox(ps.job_store, types=MESSAGE_TYPES)
+        engines = placement.rollout_engines(rollout_tp)
+        if ps.dp_size != engines:  # the training side slices every request into `engines` parts
+            raise RuntimeError(
+                f"the rollout world has {ps.dp_size} engines but the placement gives {engines} "
+                f"(trainer.placement.rollout={list(placement.rollout)}, TP={rollout_tp})"
+            )
+        self.box = Mailbox(job_store(ps), types=MESSAGE_TYPES)
+        rollout_ranks = list(placement.rollout)
         self.index = rollout_ranks.index(ps.global_rank)  # this rank's place in the weights group (minus 1)
         self.readers = len(rollout_ranks)
         self.timeout = datetime.timedelta(minutes=timeout_minutes)
@@ -207,7 +213,9 @@ class RolloutServer:
     def _buckets(self, plan: WeightsPlan) -> Iterator[Bucket]:
         ps = self.ps
         if self._group is None:
-            self._group = pair_group(ps.job_store, 1 + self.index, 1 + self.readers, ps.backend, self.timeout)
+            self._group = pair_group(
+                job_store(ps), 1 + self.index, 1 + self.readers, ps.backend, self.timeout
+            )
         dtype = DTYPES[plan.dtype]  # the actor's side chose it (fp32 on CPU)
         itemsize = torch.empty((), dtype=dtype).element_size()
         buckets = plan_buckets(self.args, plan.tp, plan.pp, plan.bucket_bytes, itemsize)
@@ -226,10 +234,8 @@ class RolloutServer:
         ps = self.ps
         a, b = slice_bounds(len(msg["prompts"]), ps.dp_size)[ps.dp_rank]
         params: SamplingParams = msg["params"]
-        if params.seed is not None:
-            params = replace(params, seed=params.seed + ps.dp_rank)
         start = time.perf_counter()
         gens = self.engine.generate(msg["prompts"][a:b], params) if b > a else []
         seconds = time.perf_counter() - start
         if is_dp_leader(ps):
-            self.box.put(f"res/{msg['tag']}/{ps.dp_rank}", (to_plain(gens), msg["version"], seconds))
+            self.box.put(f"res/{msg['tag']}/{ps.dp_rank}", (to_plain(gens), seconds))

@@ -1,42 +1,130 @@
-"""The rollout role as the loop sees it: which prompts a step uses, their generations, and the policy
-version (the step whose updated weights sampled them) -- whether the engine shares the training ranks
-or has ranks of its own (trainer.placement.rollout).
+"""The rollout role: which prompts a step uses, its sampling parameters, the generations and the
+policy version (the step whose updated weights sampled them), assembled into a RolloutBatch -- whether
+the engine shares the training ranks or has ranks of its own (trainer.placement.rollout).
 
-    rollout = make_rollout(...)           ColocatedRollout | SeparateRollout
+    rollout = make_rollout(...)           ColocatedRollout (engine from start_engine) | SeparateRollout
     rollout.start(step)                   after resume: nothing | stream weights, ask ahead
     prompts = rollout.prompts(step)       the sampler's next batch | the batch asked for earlier
-    gens, version = rollout.generate(...) park, sync, generate, reload | wait for the engines
+    rollout.sampling(step, validate)      SamplingParams of a step's rollout (or of validation)
+    batch = rollout.batch(step, idx, t)   park, sync, generate, reload | wait for the engines; then
+                                          the RolloutBatch, each row's meta.policy_version set here
     rollout.policy_updated(step)          mark the engine stale | stream weights, ask for step+1+s
-    rollout.queue_state() / load_queue()  nothing | the generations asked for but not yet trained on
+    rollout.staleness_metrics(batch)      rollout/staleness/{mean,max} against the trained version
+    rollout.register_state(registry)      the queue: generations asked for but not yet trained on
+
+Policy versions have one home: the role. Colocated, it is the version of the actor the engine syncs
+from; separate, it is recorded with each step when the step is asked for (the engines serve requests
+in the order posted, so a request sees exactly the weights streamed before it), kept in the queue
+(and in a checkpoint), and written into the batch's meta when the step is trained on.
 
 Colocated (the hybrid engine): every training rank holds an engine that takes the GPU only while it
 generates (``*.megatron.*_offload`` park the training state meanwhile); weights are synced right before
 generating, so step k always samples with the weights after step k-1 (staleness 0).
 
-Separate: the engines run on their own ranks (``rollout.remote``) and work through the requests in
-the order posted. After step k the actor's weights (version k) are streamed, then step k+1+s is asked
-for (s = rollout.max_staleness): with s=1 the engines generate step k+1 while step k trains, and every
-sample of step k was drawn from version k-1-s (fewer at the start: version 0 is the first).
+Separate: the engines run on their own ranks (``roles.remote_rollout``) and work through the requests
+in the order posted. After step k the actor's weights (version k) are streamed, then step k+1+s is
+asked for (s = rollout.max_staleness): with s=1 the engines generate step k+1 while step k trains, and
+every sample of step k was drawn from version k-1-s (fewer at the start: version 0 is the first).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+from megatron_rl.batch import RolloutBatch
 from megatron_rl.config import Config
 from megatron_rl.offload import HostParking
 from megatron_rl.parallel import ParallelState
-from megatron_rl.roles.models import Models, park_for_generation
 from megatron_rl.roles.transport import from_plain, to_plain
 from megatron_rl.rollout import Generation, SamplingParams, engine_dtype
+from megatron_rl.rollout.reshard import WeightSyncError
+from megatron_rl.run.metrics import Timer
+from megatron_rl.run.state import SHARED, StateRegistry
+
+if TYPE_CHECKING:
+    from megatron_rl.data import PromptDataset
+
+
+@dataclass
+class RolloutData:
+    """What the role turns prompt indices into batches with."""
+
+    train: PromptDataset
+    """The training prompts."""
+    val: PromptDataset | None
+    """The validation prompts (data.val_files), if any."""
+    pad_id: int
+    stop_ids: list[int]
+    keep_log_probs: bool
+    """Ask the engine for its log-probs of the sampled tokens (mismatch metrics and corrections)."""
+
+
+def start_engine(cfg: Config, ps: ParallelState, model_args):
+    """The colocated rollout engine (collective), its memory given back until the first rollout."""
+    from megatron_rl.rollout import create_engine
+    from megatron_rl.run.memory_plan import cuda_graph_max_bs
+
+    rollout = cfg.actor_rollout_ref.rollout
+    if rollout.name == "sglang" and ps.device.type != "cuda":
+        raise RuntimeError(
+            "actor_rollout_ref.rollout.name=sglang needs a GPU; on CPU set actor_rollout_ref.rollout.name=hf."
+        )
+    t0 = time.perf_counter()
+    # SGLang captures decode graphs up to the rows one engine decodes at once (its prompts x n)
+    graph_bs = cuda_graph_max_bs(cfg, ps.world_size // rollout.tensor_model_parallel_size)
+    path = cfg.actor_rollout_ref.model.path
+    engine = create_engine(rollout, path, model_args, ps, seed=cfg.data.seed, cuda_graph_max_bs=graph_bs)
+    if ps.rank == 0:
+        sglang_graphs = rollout.enable_cuda_graph and rollout.name == "sglang"
+        graphs = f"on, up to batch {graph_bs}" if sglang_graphs else "off"
+        print(
+            f"megatron-rl: rollout engine {rollout.name} (TP={rollout.tensor_model_parallel_size}, "
+            f"CUDA graphs {graphs}) started in {time.perf_counter() - t0:.1f} s",
+            flush=True,
+        )
+    if rollout.free_cache_engine:
+        engine.release_memory()
+    return engine
+
+
+def sampling_params(
+    cfg: Config, stop_ids: list[int], step: int, validate: bool, logprobs: bool
+) -> SamplingParams:
+    """Sampling of step ``step``'s rollout (or of validation), seeded by (data.seed, step, validate); the
+    engines derive each row's seed from these, its DP rank (colocated) or slice (separate) and its row
+    (rollout.base.sample_seed)."""
+    rollout = cfg.actor_rollout_ref.rollout
+    if validate:
+        vk = rollout.val_kwargs
+        n, temperature, top_p, top_k, greedy = vk.n, vk.temperature, vk.top_p, vk.top_k, not vk.do_sample
+    else:
+        n, temperature, top_p, top_k = rollout.n, rollout.temperature, rollout.top_p, rollout.top_k
+        greedy = not rollout.do_sample
+    return SamplingParams(
+        n=n,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        greedy=greedy or temperature == 0,
+        max_new_tokens=cfg.data.max_response_length,
+        stop_token_ids=stop_ids,
+        seed=cfg.data.seed,
+        step=step,
+        validate=validate,
+        return_logprobs=logprobs and not validate,
+    )
 
 
 def make_agent(cfg: Config, ps: ParallelState, tokenizer):
-    """The multi-turn agent loop and its step statistics, or (None, None) without multi_turn.enable."""
+    """The multi-turn episode runner and its step statistics, or (None, None) without multi_turn.enable:
+    the built-in agent loop, or with multi_turn.agent_function.path the user's harness against the
+    OpenAI-compatible endpoint (rollout/openai_server.py); both take AgentLoop.run's arguments."""
     mt = cfg.actor_rollout_ref.rollout.multi_turn
     if not mt.enable:
         return None, None
@@ -44,19 +132,86 @@ def make_agent(cfg: Config, ps: ParallelState, tokenizer):
 
     if tokenizer is None:
         raise ValueError("actor_rollout_ref.rollout.multi_turn.enable needs ColocatedRollout(tokenizer=...)")
+    if mt.agent_function.path:
+        from megatron_rl.rollout.agent_function import AgentFunctionLoop
+
+        return AgentFunctionLoop(mt, tokenizer, cfg.data.max_prompt_length), EpisodeStats()
     return AgentLoop(mt, ps, tokenizer), EpisodeStats()
 
 
 class _Queue:
     """Steps whose prompts were drawn before the step ran: ``asked`` (step -> this rank's prompt
-    indices) and, once taken, ``ready`` (step -> generations, version). A checkpoint keeps both, so a
-    resume -- in either placement -- trains on exactly the prompts and samples the sampler moved past."""
+    indices and the policy version they are generated with) and, once taken, ``ready`` (step ->
+    generations). A checkpoint keeps both, so a resume -- in either placement -- trains on exactly the
+    prompts and samples the sampler moved past. Also the role's shared face: sampling parameters,
+    batch assembly, staleness."""
 
+    cfg: Config
     ps: ParallelState
+    data: RolloutData
+    trained: int
+    """The actor's version: the last step whose update is done."""
 
     def __init__(self) -> None:
-        self.asked: dict[int, list[int]] = {}
-        self.ready: dict[int, tuple[list[list[Generation]], int]] = {}
+        self.asked: dict[int, tuple[list[int], int]] = {}
+        self.ready: dict[int, list[list[Generation]]] = {}
+
+    def generate(
+        self, tag: str, prompt_ids: list[list[int]], params: SamplingParams, timer, items: list | None = None
+    ) -> tuple[list[list[Generation]], int]:
+        raise NotImplementedError
+
+    def sampling(self, step: int, validate: bool) -> SamplingParams:
+        return sampling_params(self.cfg, self.data.stop_ids, step, validate, self.data.keep_log_probs)
+
+    def batch(
+        self, step: int, prompt_indices: list[int], timer: Timer, validate: bool = False
+    ) -> RolloutBatch:
+        """Generate responses for this rank's prompts and assemble the batch (n samples per prompt),
+        every row's meta.policy_version the version that sampled it."""
+        cfg, ps = self.cfg, self.ps
+        data = self.data.val if validate else self.data.train
+        if data is None:
+            raise ValueError("validation needs data.val_files")
+        with timer("data"):
+            items = [data[i] for i in prompt_indices]
+        tag = f"val/{step}" if validate else f"train/{step}"
+        params = self.sampling(step, validate)
+        try:
+            gens, version = self.generate(tag, [it.prompt_ids for it in items], params, timer, items)
+        except WeightSyncError as e:  # the weights synced for this step's rollout: name the step
+            e.args = (f"step {step}: {e}",)
+            raise
+        with timer("batch"):
+            batch = RolloutBatch.from_generations(
+                items, gens, self.data.pad_id, cfg.data.max_response_length, f"{step}-"
+            )
+            for m in batch.meta:
+                m.policy_version = version
+            return batch.to(ps.device)
+
+    def staleness_metrics(self, batch: RolloutBatch) -> dict[str, float]:
+        """rollout/staleness/{mean,max}: policy versions between the weights that sampled each sequence and
+        the actor it trains (the role's trained version); 0 in the synchronous loop."""
+        ps = self.ps
+        lag = torch.tensor([float(self.trained - m.policy_version) for m in batch.meta], dtype=torch.float64)
+        t = torch.stack([lag.sum(), torch.tensor(float(lag.numel()), dtype=torch.float64)]).to(ps.device)
+        top = lag.max().reshape(1).to(ps.device)
+        dist.all_reduce(t, group=ps.dp_group)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=ps.dp_group)
+        return {
+            "rollout/staleness/mean": (t[0] / t[1].clamp(min=1)).item(),
+            "rollout/staleness/max": top.item(),
+        }
+
+    def register_state(self, registry: StateRegistry) -> None:
+        registry.register("rollout_queue", self, SHARED)
+
+    def state_dict(self) -> dict | None:
+        return self.queue_state()
+
+    def load_state_dict(self, state: dict | None) -> None:
+        self.load_queue(state)
 
     def _take_all(self) -> None:
         """Make every asked step ready (nothing to wait for when colocated)."""
@@ -67,7 +222,7 @@ class _Queue:
         self._take_all()
         if not self.asked:
             return None
-        mine = {k: (self.asked[k], to_plain(self.ready[k][0]), self.ready[k][1]) for k in sorted(self.asked)}
+        mine = {k: (self.asked[k][0], to_plain(self.ready[k]), self.asked[k][1]) for k in sorted(self.asked)}
         parts: list = [None] * self.ps.dp_size
         dist.all_gather_object(parts, mine, group=self.ps.dp_group)
         return {
@@ -85,20 +240,22 @@ class _Queue:
         for k, q in (state or {}).items():
             per = len(q["prompts"]) // ps.dp_size
             lo, hi = ps.dp_rank * per, (ps.dp_rank + 1) * per
-            self.asked[int(k)] = list(q["prompts"][lo:hi])
-            self.ready[int(k)] = (from_plain(q["gens"][lo:hi]), int(q["version"]))
+            self.asked[int(k)] = (list(q["prompts"][lo:hi]), int(q["version"]))
+            self.ready[int(k)] = from_plain(q["gens"][lo:hi])
 
     def step_metrics(self, step: int) -> dict[str, float]:
         """Metrics of the role for step ``step`` (the separate rollout's engine time)."""
         return {}
 
     def _queued(self, tag: str) -> tuple[list[list[Generation]], int] | None:
-        """A training step's generations if they are ready (the step leaves the queue either way)."""
+        """A training step's generations and their version if they are ready (the step leaves the queue
+        either way)."""
         if not tag.startswith("train/"):
             return None
         step = int(tag.split("/")[1])
-        self.asked.pop(step, None)
-        return self.ready.pop(step, None)
+        asked = self.asked.pop(step, None)
+        gens = self.ready.pop(step, None)
+        return None if gens is None or asked is None else (gens, asked[1])
 
 
 class ColocatedRollout(_Queue):
@@ -108,24 +265,34 @@ class ColocatedRollout(_Queue):
         self,
         cfg: Config,
         ps: ParallelState,
-        models: Models,
+        data: RolloutData,
+        actor: torch.nn.Module,
+        park: Callable[[HostParking], None],
         engine,
         draw: Callable[[], list[int]],
         tokenizer=None,
+        plan=None,
     ):
+        """``park(parking)``: park the training state ``plan`` names before generating
+        (roles.models.park_for_generation); ``actor``: the module whose weights the engine syncs;
+        ``plan``: run.memory_plan.OffloadPlan (None: the *_offload keys alone)."""
+        from megatron_rl.run.memory_plan import config_plan
+
         super().__init__()
-        self.cfg, self.ps, self.models, self.engine, self.draw = cfg, ps, models, engine, draw
+        self.plan = plan or config_plan(cfg)
+        self.cfg, self.ps, self.data, self.actor, self.park = cfg, ps, data, actor, park
+        self.engine, self.draw = engine, draw
         self.parking = HostParking(ps.device)
-        self.version = 0
+        self.trained = 0  # the actor's version, which the engine samples with once synced
         self.weights_stale = True  # the engine starts without the actor's weights
         # multi_turn.enable: episodes of turns with tools / a simulated user (rollout/agent_loop.py)
         self.agent, self.episode_stats = make_agent(cfg, ps, tokenizer)
 
     def start(self, step: int) -> None:
-        self.version, self.weights_stale = step, True
+        self.trained, self.weights_stale = step, True
 
     def prompts(self, step: int) -> list[int]:
-        return self.asked[step] if step in self.asked else self.draw()  # queued by a separate rollout
+        return self.asked[step][0] if step in self.asked else self.draw()  # queued by a separate rollout
 
     def generate(
         self, tag: str, prompt_ids: list[list[int]], params: SamplingParams, timer, items: list | None = None
@@ -140,7 +307,7 @@ class ColocatedRollout(_Queue):
         ps, rollout = self.ps, self.cfg.actor_rollout_ref.rollout
         free = rollout.free_cache_engine
         with timer("offload"):
-            park_for_generation(self.models, self.cfg, self.parking)
+            self.park(self.parking)
         if free:
             with timer("engine"):  # the engine's memory comes back (and training's cache goes)
                 if ps.device.type == "cuda":
@@ -149,18 +316,16 @@ class ColocatedRollout(_Queue):
         if self.weights_stale:
             with timer("reshard"):
                 sync_weights(
-                    self.models.actor,
+                    self.actor,
                     ps,
                     self.engine,
                     rollout.update_weights_bucket_megabytes,
                     engine_dtype(rollout.dtype, ps),
                 )
             self.weights_stale = False
-        if self.cfg.actor_rollout_ref.actor.megatron.param_offload:
+        if self.plan.parks("actor", "params"):
             with timer("offload"):
-                self.parking.park(self.models.actor.parameters())
-        if params.seed is not None:
-            params = replace(params, seed=params.seed + ps.dp_rank)
+                self.parking.park(self.actor.parameters())
         with timer("gen"):
             if self.agent is None:
                 gens = self.engine.generate(prompt_ids, params)
@@ -175,14 +340,16 @@ class ColocatedRollout(_Queue):
             self.weights_stale = True
         with timer("offload"):
             self.parking.reload()
-        return gens, self.version
+        return gens, self.trained
 
     def policy_updated(self, step: int, timer) -> None:
-        self.version, self.weights_stale = step, True
+        self.trained, self.weights_stale = step, True
 
     def step_metrics(self, step: int) -> dict[str, float]:
-        """multi_turn/*: the episodes of this step's training rollouts (rollout/agent_loop.EpisodeStats)."""
-        return {} if self.agent is None else self.episode_stats.pop(self.ps)
+        """perf/parked_gb and perf/offload/* (run.memory_plan); multi_turn/*: the episodes of this step's
+        training rollouts (rollout/agent_loop.EpisodeStats)."""
+        out = self.plan.metrics(self.parking.last_parked_bytes)
+        return out if self.agent is None else {**out, **self.episode_stats.pop(self.ps)}
 
     def shutdown(self) -> None:
         if self.agent is not None:
@@ -197,31 +364,31 @@ class SeparateRollout(_Queue):
         self,
         cfg: Config,
         ps: ParallelState,
-        models: Models,
-        rollout_ranks: int,
+        data: RolloutData,
+        actor: torch.nn.Module,
+        placement,
         draw: Callable[[], list[int]],
-        prompt_ids: Callable[[list[int]], list[list[int]]],
-        sampling: Callable[[int], SamplingParams],
         total_steps: int,
     ):
+        """``placement``: the job's config.placement.Placement (the rollout ranks and engines)."""
         from megatron_rl.roles.remote_rollout import RolloutClient
 
         super().__init__()
         rollout = cfg.actor_rollout_ref.rollout
-        self.cfg, self.ps, self.models = cfg, ps, models
-        self.draw, self.prompt_ids, self.sampling = draw, prompt_ids, sampling
+        self.cfg, self.ps, self.data, self.actor, self.draw = cfg, ps, data, actor, draw
         self.total_steps, self.staleness = total_steps, rollout.max_staleness
-        engines = rollout_ranks // rollout.tensor_model_parallel_size
-        self.client = RolloutClient(ps, rollout_ranks, engines, cfg.trainer.dist_timeout_minutes)
-        self.version = 0  # the weights the engines hold once they reach the next request
+        self.client = RolloutClient(
+            ps, placement, rollout.tensor_model_parallel_size, cfg.trainer.dist_timeout_minutes
+        )
+        self.pushed = 0  # the weights the engines hold once they reach the next request
         self.trained = 0  # the actor's version
         self._val = 0
 
     def _push(self, step: int) -> None:
         rollout = self.cfg.actor_rollout_ref.rollout
         dtype = engine_dtype(rollout.dtype, self.ps)
-        self.client.push_weights(self.models.actor, rollout.update_weights_bucket_megabytes, dtype)
-        self.version = step
+        self.client.push_weights(self.actor, rollout.update_weights_bucket_megabytes, dtype)
+        self.pushed = step
 
     def _ask(self, step: int) -> None:
         # Up to `staleness` steps past the last are asked for too: the run's final checkpoint then holds
@@ -229,8 +396,9 @@ class SeparateRollout(_Queue):
         if step > self.total_steps + self.staleness or step in self.asked:
             return
         indices = self.draw()
-        self.asked[step] = indices
-        self.client.request(f"train/{step}", self.prompt_ids(indices), self.sampling(step), self.version)
+        self.asked[step] = (indices, self.pushed)  # served after every weights request posted so far
+        prompts = [self.data.train[i].prompt_ids for i in indices]
+        self.client.request(f"train/{step}", prompts, self.sampling(step, validate=False))
 
     def start(self, step: int) -> None:
         self.trained = step
@@ -240,26 +408,28 @@ class SeparateRollout(_Queue):
 
     def prompts(self, step: int) -> list[int]:
         self._ask(step)  # only at a resume whose queue did not reach this step
-        return self.asked[step]
+        return self.asked[step][0]
 
     def generate(
         self, tag: str, prompt_ids: list[list[int]], params: SamplingParams, timer, items: list | None = None
     ) -> tuple[list[list[Generation]], int]:
         with timer("gen"):  # with staleness > 0 mostly done: the engines ran while the last step trained
             if tag.startswith("train/"):
+                step = int(tag.split("/")[1])
+                if step not in self.ready:
+                    self.ready[step] = self.client.receive(tag, len(prompt_ids))
                 queued = self._queued(tag)
-                if queued is not None:
-                    return queued
-            else:
-                if self.version != self.trained:  # validation after the last step: its weights
-                    self._push(self.trained)
-                self._val += 1
-                tag = f"{tag}/{self._val}"
-                self.client.request(tag, prompt_ids, params, self.version)
-                out = self.client.receive(tag, len(prompt_ids))
-                self.client.engine_seconds.pop(tag, None)
-                return out
-            return self.client.receive(tag, len(prompt_ids))
+                if queued is None:
+                    raise RuntimeError(f"{tag} was never asked for (SeparateRollout.prompts asks)")
+                return queued
+            if self.pushed != self.trained:  # validation after the last step: its weights
+                self._push(self.trained)
+            self._val += 1
+            tag = f"{tag}/{self._val}"
+            self.client.request(tag, prompt_ids, params)
+            out = self.client.receive(tag, len(prompt_ids))
+            self.client.engine_seconds.pop(tag, None)
+            return out, self.pushed
 
     def policy_updated(self, step: int, timer) -> None:
         """After step ``step``'s update: stream version ``step``, ask for step + 1 + staleness."""
@@ -279,7 +449,7 @@ class SeparateRollout(_Queue):
     def _take_all(self) -> None:
         for step in sorted(self.asked):
             if step not in self.ready:
-                self.ready[step] = self.client.receive(f"train/{step}", len(self.asked[step]))
+                self.ready[step] = self.client.receive(f"train/{step}", len(self.asked[step][0]))
 
     def shutdown(self) -> None:
         self.client.stop()

@@ -6,8 +6,8 @@ engine that reads a tensor under another name). Every ``sync_check_freq`` steps,
 step's rollout (the engine and the actor then hold the same version):
 
     the first PROMPTS_PER_RANK prompts of this DP rank's slice of the training set (fixed for the run)
-      -> rollouts.generate(greedy, a few tokens, the engine's log-probs)     [b, r] engine log-probs
-      -> ppo.compute_log_probs(actor) of the same tokens                     [b, r] actor log-probs
+      -> rollout role's generate(greedy, a few tokens, the engine's log-probs) [b, r] engine log-probs
+      -> ppo.compute_log_probs(the actor role's model) of the same tokens    [b, r] actor log-probs
       -> mean |difference| over the generated tokens of every DP rank, against the tolerance of the
          rollout's precision (TOLERANCE): above it, WeightSyncError on every rank, in one line.
 
@@ -46,7 +46,7 @@ class SyncProbe:
         first = ps.dp_rank * PROMPTS_PER_RANK
         self.items = [train_data[(first + j) % n] for j in range(PROMPTS_PER_RANK)] if n else []
         rollout = cfg.actor_rollout_ref.rollout
-        dtype = "float32" if ps.device.type == "cpu" else rollout.dtype
+        dtype = "float32" if ps.device.type == "cpu" else rollout.dtype or "bfloat16"
         self.dtype, self.tolerance = dtype, TOLERANCE.get(dtype, 0.1)
         self.params = SamplingParams(
             n=1,
@@ -61,21 +61,28 @@ class SyncProbe:
     def due(self, step: int) -> bool:
         return self.freq > 0 and bool(self.items) and step % self.freq == 0
 
-    def run(self, step: int, rollouts, actor, passes) -> dict[str, float]:
-        """Generate the probe, score it with the actor, compare (module docstring). The caller times it
-        as one phase (the probe's own phases are not added to the step's gen/reshard)."""
+    def maybe_run(self, step: int, rollout, actor, timer) -> dict[str, float]:
+        """:meth:`run` when step ``step`` is due (timed as timing_s/sync_check), else nothing."""
+        if not self.due(step):
+            return {}
+        with timer("sync_check"):
+            return self.run(step, rollout, actor)
+
+    def run(self, step: int, rollout, actor) -> dict[str, float]:
+        """Generate the probe with the rollout role, score it with the actor role's model, compare
+        (module docstring). The probe's own phases are not added to the step's gen/reshard."""
         from megatron_rl import ppo
         from megatron_rl.run.metrics import Timer
 
         ps = self.ps
         prompts = [it.prompt_ids for it in self.items]
-        gens, _ = rollouts.generate(f"sync_check/{step}", prompts, self.params, Timer(ps.device), self.items)
+        gens, _ = rollout.generate(f"sync_check/{step}", prompts, self.params, Timer(ps.device), self.items)
         batch = RolloutBatch.from_generations(
             self.items, gens, self.pad_id, self.params.max_new_tokens, "sync-check-"
         ).to(ps.device)
         if batch.rollout_log_probs is None:
             return {}
-        actor_lp = ppo.compute_log_probs(actor, ps, batch, passes.old_log_prob, 1.0)  # [b, r]
+        actor_lp = ppo.compute_log_probs(actor.model, ps, batch, actor.passes.old_log_prob, 1.0)  # [b, r]
         engine_lp = batch.rollout_log_probs.to(actor_lp.dtype)
         mask = batch.response_mask.bool() & ~engine_lp.isnan()
         diff = (actor_lp - engine_lp).abs().masked_fill(~mask, 0.0)

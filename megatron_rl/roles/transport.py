@@ -232,8 +232,10 @@ def all_gather_objects(obj: Any, group, device: torch.device, types: tuple[type,
 def broadcast_object(obj: Any, src: int, group, device: torch.device, types: tuple[type, ...] = ()) -> Any:
     """``obj`` of global rank ``src`` on every rank of ``group`` (size, then bytes; no pickle)."""
     mine = dist.get_rank() == src
-    data = _as_tensor(encode(obj, types), device) if mine else None
-    size = torch.tensor([data.numel() if mine else 0], dtype=torch.int64, device=device)
+    data = (
+        _as_tensor(encode(obj, types), device) if mine else torch.empty(0, dtype=torch.uint8, device=device)
+    )
+    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
     dist.broadcast(size, src=src, group=group)
     if not mine:
         data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
@@ -242,6 +244,16 @@ def broadcast_object(obj: Any, src: int, group, device: torch.device, types: tup
 
 
 # ---------------------------------------------------------------------------------------------- roles
+
+
+def job_store(ps) -> dist.Store:
+    """The job's key-value store (``ParallelState.job_store``), set when a role has ranks of its own."""
+    if ps.job_store is None:
+        raise RuntimeError(
+            "a role on ranks of its own needs the job's store: parallel.init_parallel(ranks=...) sets it "
+            "for the run's placement (trainer.placement.*)"
+        )
+    return ps.job_store
 
 
 def slice_bounds(total: int, parts: int) -> list[tuple[int, int]]:
@@ -273,7 +285,7 @@ class Mailbox:
         self.store = dist.PrefixStore(prefix, store)
 
     def put(self, key: str, obj) -> None:
-        self.store.set(key, encode(obj, self.types))
+        self.store.set(key, encode(obj, self.types))  # type: ignore[arg-type]  # the stub says str; bytes are kept as is
 
     def take(self, key: str, readers: int):
         """The value under ``key`` (waits for it, up to the store's timeout); a value this format does not

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from megatron_rl.model_args import DTYPES
-from megatron_rl.rollout.base import Generation, RolloutEngine, RolloutOOMError, SamplingParams
+from megatron_rl.rollout.base import Generation, RolloutEngine, RolloutOOMError, SamplingParams, sample_seed
 
 if TYPE_CHECKING:
     from megatron_rl.config import RolloutConfig
@@ -27,19 +27,28 @@ __all__ = [
     "SamplingParams",
     "create_engine",
     "engine_dtype",
+    "sample_seed",
 ]
 
 
-def engine_dtype(name: str, ps: ParallelState) -> torch.dtype:
+def engine_dtype(name: str | None, ps: ParallelState) -> torch.dtype:
     """The dtype of the engine's weights, and so of the stream into it: ``rollout.dtype`` (``name``),
     fp32 on CPU (as the trainer's models there: CPU kernels have no bf16 speed-up)."""
+    if name is None:
+        raise ValueError("actor_rollout_ref.rollout.dtype is unresolved: config.validate sets it")
     return torch.float32 if ps.device.type == "cpu" else DTYPES[name]
 
 
 def create_engine(
-    cfg: RolloutConfig, model_path: str, args: ModelArgs, ps: ParallelState, seed: int
+    cfg: RolloutConfig,
+    model_path: str,
+    args: ModelArgs,
+    ps: ParallelState,
+    seed: int,
+    cuda_graph_max_bs: int | None = None,
 ) -> RolloutEngine:
-    """The engine named by ``actor_rollout_ref.rollout.name`` (collective: every rank calls it)."""
+    """The engine named by ``actor_rollout_ref.rollout.name`` (collective: every rank calls it);
+    ``cuda_graph_max_bs``: SGLang's largest captured decode batch (run.memory_plan.cuda_graph_max_bs)."""
     if cfg.dtype not in DTYPES:
         raise ValueError(f"actor_rollout_ref.rollout.dtype={cfg.dtype!r}: choose one of {sorted(DTYPES)}")
     if cfg.name == "hf":
@@ -49,7 +58,9 @@ def create_engine(
     if cfg.name == "sglang":
         from megatron_rl.rollout.sglang_engine import SGLangEngine
 
-        return SGLangEngine(cfg, args, ps, seed=seed, model_path=model_path)
+        return SGLangEngine(
+            cfg, args, ps, seed=seed, model_path=model_path, cuda_graph_max_bs=cuda_graph_max_bs
+        )
     raise ValueError(
         f"actor_rollout_ref.rollout.name={cfg.name!r}: choose 'sglang' (GPU) or 'hf' (transformers)"
     )

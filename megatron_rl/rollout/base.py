@@ -26,6 +26,8 @@ engine copies or loads them before asking for the next one.
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol
@@ -59,13 +61,19 @@ class SamplingParams:
     return_logprobs: bool = False
     """Also return the engine's log-probability of each generated token."""
     seed: int | None = None
-    """Sampling seed; the trainer passes seed + step. The HF engine is bit-reproducible given it."""
+    """Run seed (data.seed); None: the engine draws fresh randomness. Each response's sampling seed is
+    :func:`sample_seed` of (seed, step, dp_rank, row, validate); the HF engine is reproducible given it."""
+    step: int = 0
+    """Training step of this rollout (part of every row's sampling seed)."""
+    validate: bool = False
+    """A validation rollout: its seeds are kept apart from the training rollout of the same step."""
 
     @property
     def is_greedy(self) -> bool:
         return self.greedy or self.temperature == 0
 
-    def validate(self) -> None:
+    def check(self) -> None:
+        """Refuse out-of-range fields, naming the config key (``validate`` is the field above)."""
         if self.n < 1:
             raise ValueError(f"SamplingParams.n={self.n} must be >= 1 (actor_rollout_ref.rollout.n)")
         if self.max_new_tokens < 1:
@@ -80,6 +88,32 @@ class SamplingParams:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1] (actor_rollout_ref.rollout.top_p)")
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k={self.top_k} must be -1 (off) or >= 1 (actor_rollout_ref.rollout.top_k)")
+
+
+SEED_BITS = 63
+"""``sample_seed`` range: [0, 2**63), what ``torch.Generator.manual_seed`` takes as a non-negative int64."""
+SGLANG_SEED_BITS = 31
+"""SGLang batches the per-request ``sampling_seed`` into an int32 tensor: [0, 2**31) is all it takes."""
+
+
+def sample_seed(seed: int, step: int, dp_rank: int, row: int, validate: bool, bits: int = SEED_BITS) -> int:
+    """The sampling seed of one response: a hash of (seed, step, dp_rank, row, validate) in [0, 2**bits).
+
+    ``dp_rank`` is the data-parallel rank whose prompts the row belongs to (the slice index with a
+    separate rollout) and ``row`` the response's index in that rank's list of prompt x n rows (prompt i,
+    sample j -> row i*n + j). A hash rather than a sum of strided terms, so no pair of tuples shares a
+    seed by construction (with ``seed*A + step*B + rank + row`` row B of step s is row 0 of step s+1);
+    at 63 bits a run's few million seeds stay distinct with overwhelming probability. SGLang's
+    ``bits=31`` is the same hash folded to its int32 range.
+    """
+    if not 1 <= bits <= SEED_BITS:
+        raise ValueError(f"bits={bits} must be in [1, {SEED_BITS}]")
+    # seed is masked to 64 bits so any Python int packs; the others are small non-negative ints
+    packed = struct.pack("<QqqqB", seed & (2**64 - 1), step, dp_rank, row, 1 if validate else 0)
+    h = int.from_bytes(hashlib.blake2b(packed, digest_size=8, person=b"mrl-sample").digest(), "little")
+    if bits < 64:
+        h ^= h >> bits  # fold the high bits in rather than dropping them
+    return h & ((1 << bits) - 1)
 
 
 @dataclass
@@ -169,7 +203,7 @@ def oom_message(
     seqs = num_prompts * n
     tokens = seqs * (max_prompt_len + max_new_tokens)
     mem = ""
-    if total_bytes:
+    if total_bytes and free_bytes is not None:
         mem = f"; GPU memory {free_bytes / 2**30:.1f} GiB free of {total_bytes / 2**30:.1f} GiB"
     return (
         f"Out of memory during rollout ({what}): {num_prompts} prompts x n={n} = {seqs} sequences of up to "
@@ -193,13 +227,17 @@ def object_group(ps: ParallelState, partition: list[list[int]]) -> dist.ProcessG
     Collective over the world: every rank passes the same partition.
     """
     if ps.world_size == 1:
-        return dist.group.WORLD
+        world = dist.group.WORLD
+        if world is None:
+            raise RuntimeError("object_group needs torch.distributed initialized (parallel.init_parallel)")
+        return world
     mine, _ = dist.new_subgroups_by_enumeration(partition, backend="gloo")
     return mine
 
 
 def gloo_twin(ps: ParallelState, group: dist.ProcessGroup) -> dist.ProcessGroup:
     """``group`` itself on a gloo world; otherwise a gloo group with the same members (collective)."""
+    ps.check_current()
     if ps.backend == "gloo":
         return group
     ranks = sorted(dist.get_process_group_ranks(group))
@@ -213,61 +251,99 @@ def is_dp_leader(ps: ParallelState) -> bool:
     return ps.tp_rank == 0 and ps.pp_rank == 0
 
 
+Origins = list[tuple[int, int]]
+"""Per prompt of a ``run`` call: (dp_rank that passed it, its index in that rank's prompts); with
+``params.n`` the (dp_rank, row) of each response, the inputs of :func:`sample_seed`."""
+
+
+Contribution = tuple[int, list[list[int]]] | None
+"""What one rank of a rollout group sends its rank 0: (dp_rank, prompts) from a DP leader, None from
+the other ranks."""
+
+
+def row_seeds(params: SamplingParams, origins: Origins, fallback: int, bits: int = SEED_BITS) -> list[int]:
+    """One sampling seed per response row (prompt-major: prompt k's samples are rows k*n .. k*n+n-1).
+
+    ``fallback`` stands in for ``params.seed`` when it is None (an engine-chosen seed per call).
+    """
+    seed = fallback if params.seed is None else params.seed
+    n = params.n
+    return [
+        sample_seed(seed, params.step, dp, i * n + j, params.validate, bits)
+        for dp, i in origins
+        for j in range(n)
+    ]
+
+
 def collective_generate(
     ps: ParallelState,
     prompts: list[list[int]],
     params: SamplingParams,
     rollout_group: dist.ProcessGroup | None,
     mp_group: dist.ProcessGroup,
-    run: Callable[[list[list[int]]], list[list[Generation]]] | None,
+    run: Callable[[list[list[int]], Origins], list[list[Generation]]] | None,
 ) -> list[list[Generation]]:
     """Route prompts to the generator of this rank's rollout group and results back.
 
-    1. DP leaders send their prompts to rank 0 of their rollout group (gloo gather);
-    2. that rank calls ``run`` once on the concatenation (``run`` is None on the other ranks);
+    1. DP leaders send their prompts (with their dp_rank) to rank 0 of their rollout group (gloo gather);
+    2. that rank calls ``run(flat, origins)`` once on the concatenation (``run`` is None on the other
+       ranks); ``origins`` says where each prompt came from, for the per-row seeds (:func:`row_seeds`);
     3. results go back to the DP leaders (scatter) and from there to their TP/PP peers (broadcast
        over the model-parallel group).
     """
-    params.validate()
+    params.check()
+    ps.check_current()  # an engine built on groups megatron has since destroyed must not use them
     lead = is_dp_leader(ps)
-    # rollout_group None: this rank generates for itself (a group of one)
-    rg_size = 1 if rollout_group is None else dist.get_world_size(rollout_group)
-    rg_rank = 0 if rollout_group is None else dist.get_rank(rollout_group)
-    mine = list(prompts) if lead else None
-    if rg_size == 1:
-        contributions = [mine]
+    mine = (ps.dp_rank, list(prompts)) if lead else None
+    # rollout_group None (or of one rank): this rank generates for itself
+    group = rollout_group if rollout_group is not None and dist.get_world_size(rollout_group) > 1 else None
+    result: list[list[Generation]] | None
+    if group is None:
+        result = _generate_for_group([mine], run)[0]
     else:
-        contributions = [None] * rg_size if rg_rank == 0 else None
-        dist.gather_object(
-            mine, contributions, dst=dist.get_global_rank(rollout_group, 0), group=rollout_group
-        )
-    if rg_rank == 0:
-        flat = [p for c in contributions if c for p in c]
-        if flat and run is None:
-            raise RuntimeError("this rank leads a rollout group but hosts no generator")
-        out = run(flat) if flat else []
-        if len(out) != len(flat):
-            raise RuntimeError(f"engine returned {len(out)} results for {len(flat)} prompts")
-        pieces, pos = [], 0
-        for c in contributions:
-            k = len(c) if c else 0
-            pieces.append(out[pos : pos + k] if c is not None else None)
-            pos += k
-    else:
-        pieces = None
-    if rg_size == 1:
-        result = pieces[0]
-    else:
-        got: list = [None]
-        dist.scatter_object_list(got, pieces, src=dist.get_global_rank(rollout_group, 0), group=rollout_group)
+        leader = dist.get_global_rank(group, 0)
+        contributions: list[Contribution] | None = None
+        if dist.get_rank(group) == 0:
+            contributions = [None] * dist.get_world_size(group)
+        dist.gather_object(mine, contributions, dst=leader, group=group)
+        pieces = None if contributions is None else _generate_for_group(contributions, run)
+        got: list[list[list[Generation]] | None] = [None]
+        dist.scatter_object_list(got, pieces, src=leader, group=group)
         result = got[0]
     if ps.tp_size * ps.pp_size > 1:
         box = [result]
         dist.broadcast_object_list(box, src=dist.get_global_rank(mp_group, 0), group=mp_group)
         result = box[0]
+    if result is None:  # a DP leader always receives a list; its TP/PP peers get it by the broadcast
+        raise RuntimeError(f"rank {ps.rank} received no results from its data-parallel leader")
     if len(result) != len(prompts):
         raise RuntimeError(
             f"rank {ps.rank} passed {len(prompts)} prompts but its DP leader passed {len(result)}: "
             "TP/PP peers of one data-parallel replica must pass identical prompts to generate()"
         )
     return result
+
+
+def _generate_for_group(
+    contributions: list[Contribution],
+    run: Callable[[list[list[int]], Origins], list[list[Generation]]] | None,
+) -> list[list[list[Generation]] | None]:
+    """On rank 0 of a rollout group: ``run`` once on the concatenated prompts, cut back into one piece
+    per contribution (None for a rank that sent None)."""
+    flat = [p for c in contributions if c for p in c[1]]
+    origins = [(c[0], i) for c in contributions if c for i in range(len(c[1]))]
+    if not flat:
+        out: list[list[Generation]] = []
+    elif run is None:
+        raise RuntimeError("this rank leads a rollout group but hosts no generator")
+    else:
+        out = run(flat, origins)
+    if len(out) != len(flat):
+        raise RuntimeError(f"engine returned {len(out)} results for {len(flat)} prompts")
+    pieces: list[list[list[Generation]] | None] = []
+    pos = 0
+    for c in contributions:
+        k = len(c[1]) if c else 0
+        pieces.append(out[pos : pos + k] if c is not None else None)
+        pos += k
+    return pieces

@@ -7,9 +7,10 @@ part in the stream's collectives and receive their replica's generations by broa
 (:func:`megatron_rl.rollout.base.collective_generate`).
 
 Generation is a plain KV-cached decoding loop over left-padded batches of ``max_batch_size`` rows:
-prompt i's n samples are rows i*n .. i*n+n-1; sampling draws from one ``torch.Generator`` seeded
-from (params.seed, dp_rank), so a run with the same seed and the same prompts is bit-identical on
-CPU. Per step: logits [B, V] (fp32) -> greedy argmax, or temperature -> top-k -> top-p ->
+prompt i's n samples are rows i*n .. i*n+n-1; each row draws from its own ``torch.Generator``
+seeded with :func:`~megatron_rl.rollout.base.sample_seed` (seed, step, dp_rank, row, validate), so a
+run with the same seed and the same prompts is bit-identical on CPU, whatever the batch size.
+Per step: logits [B, V] (fp32) -> greedy argmax, or temperature -> top-k -> top-p ->
 multinomial. Log-probs, when asked, are log_softmax(logits / temperature) of the chosen token
 (log_softmax(logits) for greedy), i.e. before top-k/top-p truncation, as the trainer computes them.
 
@@ -28,13 +29,15 @@ from megatron_rl.parallel import ParallelState
 from megatron_rl.rollout.base import (
     Bucket,
     Generation,
+    Origins,
     SamplingParams,
     collective_generate,
     gloo_twin,
     is_dp_leader,
+    row_seeds,
 )
 
-_SEED_STRIDE = 1_000_003  # keeps the DP replicas' sample streams apart for one params.seed
+_SEED_STRIDE = 1_000_003  # unseeded requests: engine seed * stride + call number stands in for params.seed
 
 
 def build_hf_model(
@@ -75,15 +78,26 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
 
 
 def sample_next(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | list[torch.Generator]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, V] fp32 logits -> (token ids [B], their log-probs [B]) as described in the module doc."""
+    """[B, V] fp32 logits -> (token ids [B], their log-probs [B]) as described in the module doc.
+
+    ``generator``: one for the whole batch, or one per row (row b draws from ``generator[b]`` only, so
+    its tokens do not depend on the other rows of the batch).
+    """
     if params.is_greedy:
         tok = logits.argmax(dim=-1)
         return tok, torch.log_softmax(logits, dim=-1).gather(-1, tok[:, None])[:, 0]
     scaled = logits / params.temperature
     probs = torch.softmax(filter_logits(logits, params.temperature, params.top_k, params.top_p), dim=-1)
-    tok = torch.multinomial(probs, 1, generator=generator)[:, 0]
+    if isinstance(generator, torch.Generator):
+        tok = torch.multinomial(probs, 1, generator=generator)[:, 0]
+    else:
+        if len(generator) != probs.shape[0]:
+            raise ValueError(f"{len(generator)} generators for {probs.shape[0]} rows")
+        tok = torch.cat(
+            [torch.multinomial(probs[b : b + 1], 1, generator=g)[0] for b, g in enumerate(generator)]
+        )
     return tok, torch.log_softmax(scaled, dim=-1).gather(-1, tok[:, None])[:, 0]
 
 
@@ -121,9 +135,15 @@ class HFEngine:
 
     # -- weights ---------------------------------------------------------------------------------
 
+    def _stream_targets(self) -> dict[str, torch.Tensor]:
+        """The model's parameters under the stream's (checkpoint) names: fused experts as per-expert views."""
+        from megatron_rl.weights.tables import module_param_views
+
+        return module_param_views(self.args, dict(self.model.named_parameters()))
+
     @torch.no_grad()
     def update_weights(self, buckets: Iterable[Bucket]) -> None:
-        params = dict(self.model.named_parameters()) if self.model is not None else {}
+        params = self._stream_targets() if self.model is not None else {}
         seen: set[str] = set()
         for bucket in buckets:  # every rank drains the stream: it drives the collectives
             if self.model is None:
@@ -155,7 +175,7 @@ class HFEngine:
         """[2] float64 checksums (reshard.tensor_checksum) of this engine's copy of ``names``."""
         from megatron_rl.rollout.reshard import tensor_checksum
 
-        params = dict(self.model.named_parameters())
+        params = self._stream_targets()
         return {n: tensor_checksum(params[n]) for n in names if n in params}
 
     def release_memory(self) -> None:
@@ -177,24 +197,28 @@ class HFEngine:
         if self.model is not None:
             if not self._synced:
                 raise RuntimeError("generate() before the first update_weights(): call sync_weights first")
-            run = lambda flat: self._generate_local(flat, params)  # noqa: E731
+            run = lambda flat, origins: self._generate_local(flat, origins, params)  # noqa: E731
         return collective_generate(self.ps, prompts, params, None, self._mp_group, run)
 
     @torch.no_grad()
-    def _generate_local(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
-        seed = params.seed
-        if seed is None:
-            seed = self.seed * _SEED_STRIDE + self._unseeded_calls
+    def _generate_local(
+        self, prompts: list[list[int]], origins: Origins, params: SamplingParams
+    ) -> list[list[Generation]]:
+        fallback = self.seed * _SEED_STRIDE + self._unseeded_calls
+        if params.seed is None:
             self._unseeded_calls += 1
-        gen = torch.Generator(device=self.device).manual_seed(seed + _SEED_STRIDE * self.ps.dp_rank)
+        gens = [
+            torch.Generator(device=self.device).manual_seed(s) for s in row_seeds(params, origins, fallback)
+        ]
         rows = [p for p in prompts for _ in range(params.n)]
         outs: list[Generation] = []
         for i in range(0, len(rows), self.max_batch_size):
-            outs += self._generate_rows(rows[i : i + self.max_batch_size], params, gen)
+            b = slice(i, i + self.max_batch_size)
+            outs += self._generate_rows(rows[b], params, gens[b])
         return [outs[i * params.n : (i + 1) * params.n] for i in range(len(prompts))]
 
     def _generate_rows(
-        self, rows: list[list[int]], params: SamplingParams, gen: torch.Generator
+        self, rows: list[list[int]], params: SamplingParams, gen: list[torch.Generator]
     ) -> list[Generation]:
         if any(len(r) == 0 for r in rows):
             raise ValueError("empty prompt passed to generate()")

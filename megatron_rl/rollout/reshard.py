@@ -15,7 +15,16 @@ Pipeline (identical on every rank, driven by a plan computed from the tables alo
    of the embedding on the last stage); the engine ties it to ``embed_tokens``.
 2. **TP gather** (owning stage only). The local shards of the bucket's TP-split parameters are
    packed into one flat send buffer and gathered with ONE ``all_gather_into_tensor`` over the TP
-   group: recv[r] holds rank r's shards back to back. Replicated parameters (norms) are not gathered.
+   group: recv[r] holds rank r's shards back to back. Replicated parameters (norms, the router) are
+   not gathered.
+2b. **Expert gather** (mixture-of-experts buckets, owning stage only). A routed expert lives on one
+   EP rank (EP rank r holds experts [r*E/EP, (r+1)*E/EP)), split over its expert-TP group. Each rank
+   packs its shards of the bucket's experts that it owns, and ONE all-gather over the expert
+   model-parallel group (ETP x EP ranks) gives every rank every expert of the bucket: recv[g] holds
+   group rank g's shards, padded to the largest rank's share. HF names are the checkpoint's, one
+   tensor per expert (``mlp.experts.{e}.gate_proj.weight``: what SGLang loads; the transformers
+   engine maps them onto its fused ``mlp.experts.gate_up_proj`` / ``down_proj``,
+   :func:`megatron_rl.weights.tables.module_param_views`).
 3. **Scatter.** For each parameter and TP rank r, ``scatter_shard`` copies shard r's pieces into
    the full HF tensors, which are views into the flat bucket buffer; the copy also casts to the
    engine dtype. Vocabulary padding rows are dropped here.
@@ -26,8 +35,10 @@ Pipeline (identical on every rank, driven by a plan computed from the tables alo
    for the next bucket and freed at the end.
 
 Peak extra memory per rank: one bucket buffer (engine dtype), plus on the owning stage the TP
-send buffer (this rank's shards of one bucket) and the gather buffer (TP x that). The whole model is
-never materialised on one device. DP replicas run the same stream independently.
+send buffer (this rank's shards of one bucket) and the gather buffer (TP x that, or ETP x EP x the
+largest rank's expert shards of a bucket). The whole model is never materialised on one device. DP
+replicas run the same stream independently (with EP > 1 the expert gather spans DP replicas: EP
+ranks are carved out of the data-parallel ones).
 
 Integrity (:func:`sync_weights`, always on). As each bucket is handed over, the stream records a
 checksum of every tensor in it (float64 sum and sum of squares: two reductions per tensor, on the
@@ -142,8 +153,12 @@ class Bucket(list):
     flat: torch.Tensor
 
 
-def plan_buckets(args: ModelArgs, tp: int, pp: int, bucket_bytes: int, itemsize: int) -> list[BucketPlan]:
-    """The bucket plan of the actor at TP x PP (a pure function of the tables)."""
+def plan_buckets(
+    args: ModelArgs, tp: int, pp: int, bucket_bytes: int, itemsize: int, etp: int | None = None
+) -> list[BucketPlan]:
+    """The bucket plan of the actor at TP x PP (a pure function of the tables). Every expert of a
+    mixture-of-experts model is in it, whatever EP; ``etp`` (expert TP, default TP) only changes how
+    an expert's shards map onto its HF tensors, not the buckets."""
     if bucket_bytes <= 0:
         raise ValueError(
             f"bucket size {bucket_bytes} bytes must be > 0 "
@@ -154,7 +169,7 @@ def plan_buckets(args: ModelArgs, tp: int, pp: int, bucket_bytes: int, itemsize:
     for stage in range(pp):
         slots: list[ParamSlot] = []
         used = 0
-        for lay in tables.iter_stage_layouts(args, tp, pp, stage, "actor"):
+        for lay in tables.iter_stage_layouts(args, tp, pp, stage, "actor", etp=etp):
             if lay.name.startswith("output_layer") and args.tie_embeddings:
                 continue  # the last stage's copy of the tied embedding; HF ties lm_head itself
             names = hf_names(lay)
@@ -181,12 +196,54 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
-def _all_gather_flat(recv: torch.Tensor, send: torch.Tensor, ps: ParallelState) -> None:
-    """recv[r * S:(r + 1) * S] = rank r's send, in one collective."""
+def _all_gather_flat(recv: torch.Tensor, send: torch.Tensor, ps: ParallelState, group=None) -> None:
+    """recv[r * S:(r + 1) * S] = rank r's send, in one collective over ``group`` (default: TP)."""
+    group = ps.tp_group if group is None else group
     if ps.backend == "nccl":
-        dist.all_gather_into_tensor(recv, send, group=ps.tp_group)
+        dist.all_gather_into_tensor(recv, send, group=group)
     else:  # gloo: the list form, with the outputs as views of recv (no extra copy)
-        dist.all_gather(list(recv.view(ps.tp_size, -1).unbind(0)), send, group=ps.tp_group)
+        dist.all_gather(list(recv.view(dist.get_world_size(group), -1).unbind(0)), send, group=group)
+
+
+def _shard_shape(lay: ParamLayout, hf_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Shape of one TP (or expert-TP) shard of a parameter whose first HF tensor is ``hf_shape``."""
+    if lay.dim == 0:
+        return (lay.shard_rows, *hf_shape[1:])
+    if lay.dim == 1:
+        return (hf_shape[0], lay.shard_rows)
+    return hf_shape
+
+
+class _ExpertGather:
+    """The expert half of a bucket (step 2b of the module docstring): who owns which expert, and
+    where each rank's shards sit in the gather buffer."""
+
+    def __init__(self, args: ModelArgs, ps: ParallelState) -> None:
+        from megatron.core import parallel_state as mps
+
+        ps.check_current()
+        self.group = mps.get_expert_tensor_and_model_parallel_group()
+        self.per_ep = args.num_experts // ps.ep_size
+        self.ep_rank, self.size = ps.ep_rank, dist.get_world_size(self.group)
+        # (ep_rank, etp_rank) of every rank of the group, in group order: [ETP x EP, 2]
+        me = torch.tensor([ps.ep_rank, ps.etp_rank], dtype=torch.int64, device=ps.device)
+        coords = torch.empty(self.size * 2, dtype=torch.int64, device=ps.device)
+        _all_gather_flat(coords, me, ps, self.group)
+        self.coords = [tuple(c) for c in coords.view(self.size, 2).tolist()]
+
+    def owner(self, lay: ParamLayout) -> int:
+        return lay.expert // self.per_ep
+
+    def owned(self, b: BucketPlan, ep_rank: int) -> list[ParamSlot]:
+        return [s for s in b.params if s.layout.expert is not None and self.owner(s.layout) == ep_rank]
+
+    def shard_numel(self, s: ParamSlot) -> int:
+        return math.prod(_shard_shape(s.layout, s.tensors[0].shape))
+
+    def per_rank(self, b: BucketPlan) -> int:
+        """Elements each group rank sends for bucket ``b`` (the largest EP rank's share)."""
+        owners = {self.owner(s.layout) for s in b.params if s.layout.expert is not None}
+        return max((sum(self.shard_numel(s) for s in self.owned(b, r)) for r in owners), default=0)
 
 
 @torch.no_grad()
@@ -204,24 +261,37 @@ def iter_hf_buckets(
     args: ModelArgs = model.args
     tp, pp = ps.tp_size, ps.pp_size
     itemsize = torch.empty((), dtype=dtype).element_size()
-    plan = plan_buckets(args, tp, pp, bucket_bytes, itemsize)
+    plan = plan_buckets(args, tp, pp, bucket_bytes, itemsize, ps.etp_size if args.is_moe else None)
+    expert_offset = getattr(model, "expert_offset", 0)
     params = {
-        tables.global_layer_name(n, model.layer_offset): p.detach() for n, p in model.named_parameters()
+        tables.global_expert_name(tables.global_layer_name(n, model.layer_offset), expert_offset): p.detach()
+        for n, p in model.named_parameters()
     }
     mine = [b for b in plan if b.stage == ps.pp_rank]
-    missing = [s.layout.name for b in mine for s in b.params if s.layout.name not in params]
+    experts = _ExpertGather(args, ps) if args.is_moe else None
+
+    def held(lay: ParamLayout) -> bool:  # an expert's parameters live on its EP rank only
+        return lay.expert is None or experts.owner(lay) == ps.ep_rank
+
+    missing = [
+        s.layout.name for b in mine for s in b.params if held(s.layout) and s.layout.name not in params
+    ]
     if missing:
         raise KeyError(
             f"the actor on stage {ps.pp_rank} lacks parameters {missing[:5]} (model/table mismatch)"
         )
 
     def gathered(b: BucketPlan) -> list[ParamSlot]:
-        return [s for s in b.params if tp > 1 and s.layout.dim is not None]
+        return [s for s in b.params if tp > 1 and s.layout.dim is not None and s.layout.expert is None]
 
     send_cap = max((sum(params[s.layout.name].numel() for s in gathered(b)) for b in mine), default=0)
+    if experts is not None:
+        send_cap = max([send_cap, *(experts.per_rank(b) for b in mine)])
+    group_size = max(tp, experts.size if experts is not None else 1)
     wdtype = next(iter(params.values())).dtype
     send = torch.empty(send_cap, dtype=wdtype, device=ps.device)  # this rank's shards of a bucket
-    recv = torch.empty(tp * send_cap, dtype=wdtype, device=ps.device)  # [tp, S]: every rank's shards
+    # [tp, S] (or [ETP x EP, S] for experts): every rank's shards
+    recv = torch.empty(group_size * send_cap, dtype=wdtype, device=ps.device)
     flat = torch.empty(max(b.numel for b in plan), dtype=dtype, device=ps.device)  # one bucket
 
     for b in plan:
@@ -241,8 +311,10 @@ def iter_hf_buckets(
                         start = r * total + off
                         scatter_shard(s.layout, r, recv[start : start + p.numel()].view(p.shape), views)
                     off += p.numel()
+            if experts is not None:
+                _gather_experts(b, experts, params, send, recv, views, ps)
             for s in b.params:
-                if not (tp > 1 and s.layout.dim is not None):
+                if s.layout.expert is None and not (tp > 1 and s.layout.dim is not None):
                     scatter_shard(s.layout, 0, params[s.layout.name], views)  # replicated or TP=1
         if pp > 1:
             dist.broadcast(flat[: b.numel], src=dist.get_global_rank(ps.pp_group, b.stage), group=ps.pp_group)
@@ -250,6 +322,34 @@ def iter_hf_buckets(
         bucket.flat = flat[: b.numel]
         yield bucket
     del send, recv, flat
+
+
+def _gather_experts(
+    b: BucketPlan,
+    experts: _ExpertGather,
+    params: dict[str, torch.Tensor],
+    send: torch.Tensor,
+    recv: torch.Tensor,
+    views: dict[str, torch.Tensor],
+    ps: ParallelState,
+) -> None:
+    """Step 2b for bucket ``b``: one all-gather over the expert model-parallel group, then each
+    expert's shards scattered into its HF tensors (a no-op for a bucket without experts)."""
+    per_rank = experts.per_rank(b)
+    if per_rank == 0:
+        return
+    own = experts.owned(b, experts.ep_rank)
+    total = sum(experts.shard_numel(s) for s in own)
+    if own:
+        torch.cat([params[s.layout.name].reshape(-1) for s in own], out=send[:total])
+    _all_gather_flat(recv[: experts.size * per_rank], send[:per_rank], ps, experts.group)
+    for g, (ep_rank, etp_rank) in enumerate(experts.coords):
+        off = g * per_rank
+        for s in experts.owned(b, ep_rank):
+            n = experts.shard_numel(s)
+            shard = recv[off : off + n].view(_shard_shape(s.layout, s.tensors[0].shape))
+            scatter_shard(s.layout, etp_rank, shard, views)
+            off += n
 
 
 def sync_weights(

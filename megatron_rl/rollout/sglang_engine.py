@@ -8,7 +8,8 @@ GPUs of the group's ranks, next to the trainer. Groups therefore have to sit ins
 Start-up: the trainer's NCCL communicators exist before the engine starts (init_parallel binds the
 device; we also run one collective on each megatron group we use; on the H200, a communicator created
 after the engine failed its first collective with ncclUnhandledCudaError), and torchrun's
-RANK/WORLD_SIZE/MASTER_*/TORCHELASTIC_* variables are hidden from the engine while it starts. The engine
+RANK/WORLD_SIZE/MASTER_*/TORCHELASTIC_* variables are hidden from the engine's child processes while it
+starts (:func:`torchrun_env_hidden` says why that edit is process-wide). The engine
 reads only a config.json (written to a temporary directory from the model's config, EOS removed so that
 ``SamplingParams.stop_token_ids`` is the complete stop set) and starts with dummy weights: the first
 :func:`~megatron_rl.rollout.reshard.sync_weights` fills it, and ``generate`` refuses to run before that.
@@ -32,9 +33,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -43,14 +46,17 @@ import torch.distributed as dist
 from megatron_rl.model_args import DTYPES, ModelArgs
 from megatron_rl.parallel import ParallelState
 from megatron_rl.rollout.base import (
+    SGLANG_SEED_BITS,
     Bucket,
     Generation,
+    Origins,
     RolloutOOMError,
     SamplingParams,
     collective_generate,
     gloo_twin,
     object_group,
     oom_message,
+    row_seeds,
 )
 
 # torchrun's variables; SGLang's own process setup must not see them (it would join our world).
@@ -67,22 +73,39 @@ _TORCHRUN_VARS = (
     "MASTER_ADDR",
     "MASTER_PORT",
 )
+_ENV_LOCK = threading.RLock()  # one engine start at a time edits os.environ
 
 
 @contextlib.contextmanager
 def torchrun_env_hidden() -> Iterator[None]:
-    saved = {k: v for k, v in os.environ.items() if k in _TORCHRUN_VARS or k.startswith("TORCHELASTIC_")}
-    for k in saved:
-        del os.environ[k]
-    try:
-        yield
-    finally:
-        os.environ.update(saved)
+    """torchrun's variables (above, and TORCHELASTIC_*) removed from os.environ inside, restored after.
+
+    Why process-wide: ``sglang.Engine`` starts its scheduler and detokenizer processes with
+    multiprocessing's spawn, which copies this process's environment and takes no env of its own. A
+    child that saw TORCHELASTIC_USE_AGENT_STORE=True would not host the store of its own
+    torch.distributed group (torch expects torchrun's agent to) and hang at start; RANK, WORLD_SIZE and
+    MASTER_* would point any env:// set-up at the trainer's world. The edit lasts for the
+    whole ``sglang.Engine(...)`` call (spawn and readiness wait are one call), so every reader of these
+    variables in the project reads them before an engine starts (train.py and parallel.init_parallel
+    at start-up; run/explain.py keeps their start-up values) and the lock keeps two starts apart.
+    """
+    with _ENV_LOCK:
+        saved = {k: v for k, v in os.environ.items() if k in _TORCHRUN_VARS or k.startswith("TORCHELASTIC_")}
+        for k in saved:
+            del os.environ[k]
+        try:
+            yield
+        finally:
+            os.environ.update(saved)
 
 
-def engine_arguments(cfg, model_path: str, tp_size: int, base_gpu_id: int, seed: int) -> dict:
+def engine_arguments(
+    cfg, model_path: str, tp_size: int, base_gpu_id: int, seed: int, cuda_graph_max_bs: int | None = None
+) -> dict:
     """``sglang.Engine`` keyword arguments for a rollout config (``actor_rollout_ref.rollout.*``): the
-    trainer's engine and bench/rollout.py's standalone one start from the same dict."""
+    trainer's engine and bench/rollout.py's standalone one start from the same dict.
+    ``cuda_graph_max_bs``: the largest decode batch to capture (run.memory_plan.cuda_graph_max_bs: the
+    rows the engine decodes at once); None: 256."""
     kwargs = dict(
         model_path=model_path,
         load_format="dummy",  # weights come from the reshard stream
@@ -102,9 +125,41 @@ def engine_arguments(cfg, model_path: str, tp_size: int, base_gpu_id: int, seed:
         log_level="error",
     )
     if cfg.enable_cuda_graph:
-        # Bounds capture time at start; larger decode batches run without graphs.
-        kwargs["cuda_graph_max_bs_decode"] = 256
+        # Larger decode batches run without graphs; each captured size costs start-up time.
+        kwargs["cuda_graph_max_bs_decode"] = cuda_graph_max_bs or 256
     return kwargs
+
+
+def to_generation(out: dict, return_logprobs: bool) -> Generation:
+    """One result of ``sglang.Engine.generate`` (skip_tokenizer_init: ``output_ids`` and ``meta_info``)
+    -> Generation, one log-prob per response token when ``return_logprobs``.
+
+    ``meta_info["output_token_logprobs"]`` holds (logprob, token_id, text) per generated token. A stop
+    token (``finish_reason == {"type": "stop", "matched": id}``) is a generated token: SGLang keeps it in
+    both ``output_ids`` and ``output_token_logprobs``. Where ``output_ids`` lacks it (an engine that trims
+    the matched stop from the ids), it is put back, with its log-prob when the engine listed it. A
+    position the engine gave no log-prob for is NaN (counted as rollout_corr/missing_log_probs).
+    """
+    meta = out.get("meta_info", {})
+    fr = meta.get("finish_reason") or {}
+    kind = fr.get("type") if isinstance(fr, dict) else str(fr)
+    ids = [int(t) for t in out["output_ids"]]
+    matched = fr.get("matched") if isinstance(fr, dict) else None
+    if kind == "stop" and isinstance(matched, int) and (not ids or ids[-1] != matched):
+        ids.append(matched)  # the response ends with its stop token, as the trainer learns to stop
+    logprobs = None
+    if return_logprobs:
+        entries = list(meta.get("output_token_logprobs") or [])[: len(ids)]
+        for i, entry in enumerate(entries):
+            if entry[1] is not None and int(entry[1]) != ids[i]:
+                raise RuntimeError(
+                    f"SGLang's output_token_logprobs names token {entry[1]} at response position {i} but "
+                    f"output_ids has {ids[i]}: the log-probs would not belong to the response tokens"
+                )
+        logprobs = [math.nan if e[0] is None else float(e[0]) for e in entries] + [math.nan] * (
+            len(ids) - len(entries)
+        )
+    return Generation(ids, logprobs, "stop" if kind == "stop" else "length")
 
 
 def _is_oom(text: str) -> bool:
@@ -122,8 +177,11 @@ class SGLangEngine:
         ps: ParallelState,
         seed: int = 0,
         model_path: str | None = None,
+        cuda_graph_max_bs: int | None = None,
         **engine_kwargs,
     ) -> None:
+        """``cuda_graph_max_bs``: see :func:`engine_arguments`; ``engine_kwargs`` override its dict."""
+        self.cuda_graph_max_bs = cuda_graph_max_bs
         if ps.device.type != "cuda":
             raise RuntimeError(
                 "actor_rollout_ref.rollout.name=sglang needs a GPU; "
@@ -165,7 +223,9 @@ class SGLangEngine:
         hf["eos_token_id"] = None  # stopping is SamplingParams.stop_token_ids alone
         with open(os.path.join(self._config_dir, "config.json"), "w") as f:
             json.dump(hf, f)
-        kwargs = engine_arguments(self.cfg, self._config_dir, self.group_size, self.ps.local_rank, self.seed)
+        kwargs = engine_arguments(
+            self.cfg, self._config_dir, self.group_size, self.ps.local_rank, self.seed, self.cuda_graph_max_bs
+        )
         kwargs.update(engine_kwargs)
         with torchrun_env_hidden():
             return sglang.Engine(**kwargs)
@@ -244,12 +304,12 @@ class SGLangEngine:
                     "generate() before update_weights(): the engine starts with dummy weights and drops them "
                     "on release_memory(); call sync_weights first"
                 )
-            run = lambda flat: self._generate_local(flat, params)  # noqa: E731
+            run = lambda flat, origins: self._generate_local(flat, origins, params)  # noqa: E731
         return collective_generate(
             self.ps, prompts, params, self._group if self.group_size > 1 else None, self._mp_group, run
         )
 
-    def _sampling(self, params: SamplingParams, index: int) -> dict:
+    def _sampling(self, params: SamplingParams, seed: int | None) -> dict:
         sp = {
             "max_new_tokens": params.max_new_tokens,
             "temperature": 0.0 if params.is_greedy else params.temperature,
@@ -260,13 +320,19 @@ class SGLangEngine:
             sp["stop_token_ids"] = list(params.stop_token_ids)
         else:
             sp["ignore_eos"] = True
-        if params.seed is not None:
-            sp["sampling_seed"] = params.seed + index  # honoured with SGLang's deterministic inference
+        if seed is not None:
+            sp["sampling_seed"] = seed  # honoured with SGLang's deterministic inference
         return sp
 
-    def _generate_local(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
+    def _generate_local(
+        self, prompts: list[list[int]], origins: Origins, params: SamplingParams
+    ) -> list[list[Generation]]:
         rows = [p for p in prompts for _ in range(params.n)]
-        sampling = [self._sampling(params, i) for i in range(len(rows))]
+        # the rows of several DP leaders: origins keeps each row's (dp_rank, row) seed
+        seeds = (
+            row_seeds(params, origins, 0, SGLANG_SEED_BITS) if params.seed is not None else [None] * len(rows)
+        )
+        sampling = [self._sampling(params, s) for s in seeds]
         try:
             outs = self.engine.generate(
                 input_ids=rows, sampling_params=sampling, return_logprob=params.return_logprobs
@@ -279,22 +345,13 @@ class SGLangEngine:
         return [gens[i * params.n : (i + 1) * params.n] for i in range(len(prompts))]
 
     def _to_generation(self, out: dict, params: SamplingParams, prompts) -> Generation:
-        meta = out.get("meta_info", {})
-        fr = meta.get("finish_reason") or {}
-        kind = fr.get("type") if isinstance(fr, dict) else str(fr)
-        ids = list(out["output_ids"])
-        if kind == "abort":
+        fr = out.get("meta_info", {}).get("finish_reason") or {}
+        if isinstance(fr, dict) and fr.get("type") == "abort":
             msg = str(fr.get("message", fr))
             if _is_oom(msg):
                 raise RolloutOOMError(self._oom(prompts, params, msg))
             raise RuntimeError(f"SGLang aborted a request: {msg}")
-        matched = fr.get("matched") if isinstance(fr, dict) else None
-        if kind == "stop" and isinstance(matched, int) and (not ids or ids[-1] != matched):
-            ids.append(matched)  # keep the stop token in the response
-        logprobs = None
-        if params.return_logprobs:
-            logprobs = [float(x[0]) for x in meta.get("output_token_logprobs", [])][: len(ids)]
-        return Generation(ids, logprobs, "stop" if kind == "stop" else "length")
+        return to_generation(out, params.return_logprobs)
 
     def _oom(self, prompts, params: SamplingParams, detail: str) -> str:
         free, total = torch.cuda.mem_get_info(self.ps.device)

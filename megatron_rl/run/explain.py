@@ -33,6 +33,29 @@ from megatron_rl.config import ConfigError, DataError
 from megatron_rl.errors import COLLATERAL, LaunchError
 from megatron_rl.run.ports import busy_port_message
 
+# torchrun's variables as this module first saw them (train.py imports it before anything starts): a
+# rollout engine hides them from os.environ while it starts (rollout/sglang_engine.torchrun_env_hidden),
+# and a failure in that window must still name the right rank, GPU, port and error file.
+_LAUNCH_ENV = {
+    k: os.environ[k]
+    for k in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_ERROR_FILE")
+    if k in os.environ
+}
+
+
+def _env(key: str, default: str | None = None) -> str | None:
+    """os.environ[key], else its value at start-up (see _LAUNCH_ENV), else ``default``."""
+    return os.environ.get(key, _LAUNCH_ENV.get(key, default))
+
+
+def _speaking_rank() -> str | None:
+    """This process's rank: torch.distributed's once it is initialized, torchrun's RANK before that."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return str(dist.get_rank())
+    return _env("RANK")
+
+
 PREFIX = "megatron-rl error: "
 """Start of the one line a rank prints for an explained failure (``explain-log`` looks for it)."""
 
@@ -133,7 +156,7 @@ _RULES: list[_Rule] = [
     ),
     (
         re.compile(r"invalid device ordinal"),
-        lambda c, m: no_gpu_for_local_rank(c.rank or "?", os.environ.get("LOCAL_RANK", "?"), _gpu_count()),
+        lambda c, m: no_gpu_for_local_rank(c.rank or "?", _env("LOCAL_RANK", "?"), _gpu_count()),
         False,
     ),
     (
@@ -184,7 +207,7 @@ _RULES: list[_Rule] = [
     ),
     (
         re.compile(r"EADDRINUSE|[Aa]ddress already in use"),
-        lambda c, m: busy_port_message(_port_in(m.string) or os.environ.get("MASTER_PORT", "?")),
+        lambda c, m: busy_port_message(_port_in(m.string) or _env("MASTER_PORT", "?")),
         False,
     ),
     (
@@ -200,7 +223,7 @@ _RULES: list[_Rule] = [
         re.compile(r"The connection to the C10d store has failed|RendezvousConnectionError"),
         lambda c, m: (
             "could not reach the rendezvous store on node 0 (MASTER_ADDR:MASTER_PORT = "
-            f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}): check that node 0 "
+            f"{_env('MASTER_ADDR', '?')}:{_env('MASTER_PORT', '?')}): check that node 0 "
             "started, that MASTER_ADDR resolves to node 0 from every node, and that the port is open "
             "between nodes."
         ),
@@ -254,10 +277,7 @@ def _match(text: str, ctx: _Ctx) -> tuple[str, bool] | None:
 
 def _context(exc: BaseException) -> _Ctx:
     """Rank from the process group or RANK; the collective and the project frame from the traceback."""
-    rank = os.environ.get("RANK")
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        rank = str(dist.get_rank())
+    rank = _speaking_rank()
     op = where = None
     for frame in traceback.extract_tb(exc.__traceback__):
         path = frame.filename.replace(os.sep, "/")
@@ -328,7 +348,7 @@ def explain_failures() -> Iterator[None]:
         if os.environ.get("MEGATRON_RL_TRACEBACK") == "1":
             traceback.print_exc()
         line = "\n".join(PREFIX + part for part in msg.splitlines())
-        if not _same_on_all_ranks(exc) or os.environ.get("LOCAL_RANK", "0") == "0":
+        if not _same_on_all_ranks(exc) or _env("LOCAL_RANK", "0") == "0":
             print(line, file=sys.stderr, flush=True)
         # torchrun's summary names the failure with the earliest error file as the root cause; a rank
         # that only lost its peer writes none, so the rank whose failure caused it is named instead.
@@ -340,7 +360,7 @@ def explain_failures() -> Iterator[None]:
 def _write_torchelastic_error_file(line: str, callstack: str | None = None) -> None:
     """torchrun's per-worker error file (its documented JSON layout): its failure summary shows ``line``
     (and ``callstack`` where given, else how to get the traceback)."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    path = _env("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
     hint = callstack or f"{line}\n(full traceback: rerun with MEGATRON_RL_TRACEBACK=1)"

@@ -5,9 +5,10 @@
   rank behind holding GPU memory or the checkpoint directory's lock; what the rank forks dies with it.
 * :class:`PreemptionWatch` (installed by ``Trainer.fit`` for the training loop): SIGTERM, SIGINT,
   SIGUSR2 and SIGUSR1 (re-placement: the same save, then the launcher restarts the job) only set a
-  flag; after each step every rank asks :meth:`PreemptionWatch.requested`, which
-  agrees over the world (an all-reduce, in which a stop signal on any rank outranks a re-placement:
-  :func:`precedence`), so all ranks save the same step together and leave with
+  flag (a rank keeps the strongest it got); after each step every rank asks
+  :meth:`PreemptionWatch.requested`, which agrees over the world (an all-reduce of each rank's
+  strongest signal in the explicit order :data:`PRECEDENCE`, where any stop outranks a re-placement),
+  so all ranks save the same step together and leave with
   :class:`Preempted` (exit status 128 + the signal number: 143 for SIGTERM, 140 for SIGUSR2, 130 for
   SIGINT). A second SIGINT more than :data:`SECOND_INT_AFTER_S` after the first interrupts at once
   (KeyboardInterrupt); one closer to the first is the same Ctrl-C seen twice (the terminal sends it
@@ -30,22 +31,31 @@ from typing import Any
 
 PR_SET_PDEATHSIG = 1
 """prctl option (linux/prctl.h): the signal this process gets when its parent thread exits."""
-SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2, signal.SIGUSR1)
 REPLACE = signal.SIGUSR1
 """The re-placement request: save like a stop, then ``launch/torchrun.sh`` starts the job again, which
 reads trainer.placement.file anew (docs/placement.md). A stop signal on any rank outranks it."""
+PRECEDENCE = (signal.SIGUSR1, signal.SIGINT, signal.SIGUSR2, signal.SIGTERM)
+"""The handled signals, weakest first: a re-placement yields to every stop; among the stops the
+scheduler's SIGTERM (a hard kill follows it) outranks Slurm's early-warning SIGUSR2, which outranks a
+Ctrl-C. One rank keeps the strongest signal it received; the ranks agree on the strongest of theirs."""
+SIGNALS = tuple(reversed(PRECEDENCE))
 SECOND_INT_AFTER_S = 2.0
-_STOP_RANK = 64
-"""Added to a stop signal's number in the ranks' agreement, above every signal number (< 64 on Linux)."""
 
 
 def precedence(signum: int | None) -> int:
-    """The value the ranks agree on by maximum: 0 for none, a re-placement's number, a stop signal's
-    number + 64. So SIGINT on one rank and SIGUSR1 on another stop the job (a plain maximum of signal
-    numbers would restart it: 2 < 10); between stop signals the larger number wins, the same on all."""
+    """The value the ranks agree on by maximum: 0 for none, else 1 + the signal's place in
+    :data:`PRECEDENCE` (an order, not the signal numbers: SIGINT is 2 and SIGUSR1 10, yet SIGINT on one
+    rank and SIGUSR1 on another must stop the job, not restart it)."""
     if not signum:
         return 0
-    return signum if signum == REPLACE else signum + _STOP_RANK
+    if signum not in PRECEDENCE:
+        raise ValueError(f"signal {signum} is not one the preemption watch handles ({SIGNALS})")
+    return 1 + PRECEDENCE.index(signum)
+
+
+def from_precedence(value: int) -> int | None:
+    """Inverse of :func:`precedence`."""
+    return int(PRECEDENCE[value - 1]) if value else None
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> bool:
@@ -89,6 +99,13 @@ def _child_dies_with_parent(sig: int) -> None:
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
 
 
+def _speaks() -> bool:
+    """Rank 0 of the default process group (or a process without one) writes the notes."""
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
 class Preempted(SystemExit):
     """Raised on every rank after the checkpoint of a stop request is saved; the process exits with
     ``code`` (128 + the signal number) after the usual cleanup (``finally`` blocks run)."""
@@ -99,7 +116,8 @@ class PreemptionWatch:
 
     def __init__(self) -> None:
         self.signum: int | None = None
-        """The first stop signal received on this rank (or, after :meth:`requested`, on any rank)."""
+        """The strongest signal (:data:`PRECEDENCE`) received on this rank (or, after :meth:`requested`,
+        on any rank)."""
         self._first_int: float | None = None
         self._previous: dict[int, Any] = {}
 
@@ -128,10 +146,10 @@ class PreemptionWatch:
                 raise KeyboardInterrupt
             if self._first_int is None:
                 self._first_int = now
-        if self.signum is not None:
-            return
-        self.signum = signum
-        if os.environ.get("RANK", "0") == "0":
+        if precedence(signum) <= precedence(self.signum):
+            return  # a weaker or the same signal again: e.g. SIGUSR1 after SIGTERM still stops
+        first, self.signum = self.signum is None, signum
+        if first and _speaks():
             # os.write, not print: a handler may run in the middle of another print (reentrant I/O).
             then = (
                 "exiting for re-placement" if signum == REPLACE else "exiting (a second Ctrl-C stops at once)"
@@ -158,7 +176,7 @@ class PreemptionWatch:
         got = int(t.item())
         if got:
             # every rank leaves for the same signal: a stop anywhere outranks a re-placement
-            self.signum = got - _STOP_RANK if got > _STOP_RANK else got
+            self.signum = from_precedence(got)
         return got > 0
 
     @property

@@ -30,6 +30,7 @@ def perf_metrics(
     cfg: Config,
     ps: ParallelState,
     models: Models,
+    critic,
     actor_args,
     batch: RolloutBatch,
     metrics: dict[str, float],
@@ -56,8 +57,8 @@ def perf_metrics(
             per = responses if phase == "gen" else total
             out[f"timing_per_token_ms/{phase}"] = metrics[f"timing_s/{phase}"] * 1000 / max(per, 1.0)
     trained = [("actor", actor_args, cfg.actor_rollout_ref.actor.ppo_epochs, True)]
-    if models.critic is not None:
-        trained.append(("critic", models.critic.args, cfg.critic.ppo_epochs, False))
+    if critic.model is not None:  # the critic role (roles.critic): trained on these ranks
+        trained.append(("critic", critic.model.args, cfg.critic.ppo_epochs, False))
     for role, args, epochs, lm_head in trained:
         upd = metrics.get(f"timing_s/update_{role}")
         if upd and peak_flops:
@@ -66,7 +67,7 @@ def perf_metrics(
             out[f"perf/mfu/{role}"] = flops / upd / peak_flops
     # fp32 main weights and Adam's moments held on this rank (sharded over DP by the distributed
     # optimizer), wherever they are parked
-    opts = [o for o in (models.actor_optim, models.critic_optim) if o is not None]
+    opts = [o for o in (models.actor_optim, critic.optim) if o is not None]
     out["perf/optimizer_state_gb"] = sum(o.state_bytes() for o in opts) / 2**30
     if ps.device.type == "cuda":
         out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(ps.device) / 2**30

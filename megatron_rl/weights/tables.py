@@ -31,6 +31,8 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import torch
+
 from megatron_rl.model_args import ModelArgs
 
 
@@ -61,6 +63,14 @@ class ArchTable:
     expert_gate: str = "model.layers.{i}.mlp.experts.{e}.gate_proj.weight"
     expert_up: str = "model.layers.{i}.mlp.experts.{e}.up_proj.weight"
     expert_down: str = "model.layers.{i}.mlp.experts.{e}.down_proj.weight"
+    module_router: str = "model.layers.{i}.mlp.gate.weight"
+    """The router as a transformers (>= 5) model names its parameter (Mixtral's checkpoints say
+    ``block_sparse_moe``, its module ``mlp``)."""
+    module_experts_gate_up: str = "model.layers.{i}.mlp.experts.gate_up_proj"
+    """transformers >= 5 holds a layer's experts fused in one parameter [E, 2 * moe_ffn, hidden]:
+    expert e is [gate_e; up_e] (checkpoints keep one tensor per expert, ``expert_gate`` / ``expert_up``)."""
+    module_experts_down: str = "model.layers.{i}.mlp.experts.down_proj"
+    """The fused down projections [E, hidden, moe_ffn] (expert e's is ``expert_down``)."""
     score: str = "score.weight"
     """``...ForSequenceClassification``'s head: nn.Linear(hidden, num_labels, bias=False), [1, hidden]
     for a reward model (the Megatron reward model's ``output_layer.weight``, replicated over TP)."""
@@ -302,3 +312,30 @@ def iter_stage_layouts(
             if lay.name.startswith("output_layer") and role == "actor" and args.tie_embeddings and pp == 1:
                 continue  # tied: the embedding is the head (a reward model's score head is never tied)
             yield lay
+
+
+def module_param_views(args: ModelArgs, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A transformers model's parameters (``named_parameters()``) under the checkpoint names of the
+    table, as views that share their storage: a MoE layer's fused experts become one
+    [moe_ffn, hidden] gate / up and one [hidden, moe_ffn] down view per expert, Mixtral's
+    ``mlp.gate`` its ``block_sparse_moe.gate``. A model that already names its experts one by one (no
+    fused parameter) is returned as it is."""
+    views = dict(params)
+    if not args.is_moe:
+        return views
+    t, f = TABLES[args.arch], args.moe_ffn_hidden_size
+    for i in range(args.num_layers):
+        if not args.is_moe_layer(i):
+            continue
+        router = t.module_router.format(i=i)
+        if router in views and router != t.router.format(i=i):
+            views[t.router.format(i=i)] = views.pop(router)
+        gate_up, down = t.module_experts_gate_up.format(i=i), t.module_experts_down.format(i=i)
+        if gate_up not in views:
+            continue
+        fused_gate_up, fused_down = views.pop(gate_up), views.pop(down)  # [E, 2f, h], [E, h, f]
+        for e in range(args.num_experts):
+            views[t.expert_gate.format(i=i, e=e)] = fused_gate_up[e, :f]
+            views[t.expert_up.format(i=i, e=e)] = fused_gate_up[e, f:]
+            views[t.expert_down.format(i=i, e=e)] = fused_down[e]
+    return views

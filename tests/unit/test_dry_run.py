@@ -168,14 +168,18 @@ def test_the_trainer_refuses_a_missing_logger_before_building_anything(demo, tmp
 
 def test_sglang_on_cpu_names_what_was_typed(demo):
     typed: dict = {}
-    cfg = load_config(DEMO, [*demo_overrides(demo), "actor_rollout_ref.rollout.name=vllm"], [], typed)
+    tp2 = "actor_rollout_ref.rollout.tensor_model_parallel_size=2"  # an engine per actor TP group
+    cfg = load_config(DEMO, [*demo_overrides(demo), "actor_rollout_ref.rollout.name=vllm", tp2], [], typed)
     assert cfg.actor_rollout_ref.rollout.name == "sglang" and typed == {
         "actor_rollout_ref.rollout.name": "vllm"
     }
     (line,) = dry_run(cfg, nproc=2, typed=typed)
     assert line.startswith("actor_rollout_ref.rollout.name=vllm (run as sglang here")
     assert line.endswith("set actor_rollout_ref.rollout.name=hf (the transformers engine).")
-    cfg = load_config(DEMO, [*demo_overrides(demo), "actor_rollout_ref.rollout.name=sglang"])
+    cfg = load_config(
+        DEMO,
+        [*demo_overrides(demo), "actor_rollout_ref.rollout.name=sglang", tp2],
+    )
     (line,) = dry_run(cfg, nproc=2)
     assert line.startswith("actor_rollout_ref.rollout.name=sglang needs a GPU, and trainer.device=cpu")
 
@@ -210,15 +214,15 @@ def test_setup_ships_the_configs_in_the_package():
     assert '"megatron_rl.configs": "yaml"' in text and '"megatron_rl.configs": ["*.yaml"]' in text
 
 
-def test_forward_only_models_describe_training_keys_as_such():
+def test_frozen_models_describe_only_the_keys_they_have():
     from megatron_rl.config import describe_keys
 
-    ref = describe_keys("actor_rollout_ref.ref.megatron.optimizer_offload")
-    assert "the reference model is never trained" in ref
-    rm = describe_keys("reward_model.megatron.use_distributed_optimizer")
-    assert "No effect: the reward model is never trained" in rm
+    ref = describe_keys("actor_rollout_ref.ref.megatron")
+    assert "actor_rollout_ref.ref.megatron.param_offload" in ref and "optimizer_offload" not in ref
+    rm = describe_keys("reward_model.megatron")
+    assert "reward_model.megatron.tensor_model_parallel_size" in rm and "use_distributed_optimizer" not in rm
     actor = describe_keys("actor_rollout_ref.actor.megatron.use_distributed_optimizer")
-    assert "never trained" not in actor and "Shard the fp32 master weights" in actor
+    assert "Shard the fp32 master weights" in actor
 
 
 def test_known_benign_warnings_are_filtered_by_message_and_module():

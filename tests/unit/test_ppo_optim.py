@@ -9,7 +9,6 @@ norm) are checked against an unsharded run in tests/distributed/test_ppo_layouts
 from __future__ import annotations
 
 import math
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -47,19 +46,6 @@ def test_lr_schedule_errors_name_the_key():
         LRSchedule(OptimConfig(lr_decay_style="cosine"), 0)
     with pytest.raises(ConfigError, match="lr_warmup_steps_ratio"):
         LRSchedule(OptimConfig(lr_warmup_steps=-1, lr_warmup_steps_ratio=1.5), 10)
-
-
-@pytest.fixture(scope="module")
-def ps():
-    """A world of one (gloo) with megatron's groups: DP = TP = PP = 1, no collectives to speak of."""
-    from megatron_rl.parallel import destroy_parallel, init_parallel
-
-    environ = dict(os.environ)  # init_parallel sets RANK/WORLD_SIZE/MASTER_*: keep them from later tests
-    state = init_parallel(1, 1, seed=0, device="cpu")
-    yield state
-    destroy_parallel()
-    os.environ.clear()
-    os.environ.update(environ)
 
 
 @pytest.fixture(scope="module")
@@ -354,11 +340,10 @@ def test_update_rejects_batch_sizes_that_do_not_tile():
             2,
         )
     b = _batch(4)
-    b.old_log_probs = None
+    b.old_log_probs = None  # allowed for one mini-batch and one epoch only (the update's own forward)
+    two_epochs = ActorConfig(ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=2, ppo_epochs=2)
     with pytest.raises(ValueError, match="old_log_probs"):
-        update_actor(
-            None, None, PS1, b, ActorConfig(ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=2), 2
-        )
+        update_actor(None, None, PS1, b, two_epochs, 2)
 
 
 def test_checkpoint_without_sharded_optimizer_state_is_refused_in_one_line(tmp_path):

@@ -66,7 +66,7 @@ def test_cut_response_keeps_the_stop_token():
 )
 def test_bad_sampling_params_name_the_key(kw, key):
     with pytest.raises(ValueError, match=key):
-        SamplingParams(**kw).validate()
+        SamplingParams(**kw).check()
 
 
 def test_greedy_flag_and_zero_temperature():

@@ -4,26 +4,12 @@ pass (they run twice) and the gradients are those of the model without recompute
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from megatron_rl.config import load_config
 
 IDS = torch.randint(3, 99, (4, 6), generator=torch.Generator().manual_seed(1))
-
-
-@pytest.fixture(scope="module")
-def ps():
-    from megatron_rl.parallel import destroy_parallel, init_parallel
-
-    environ = dict(os.environ)  # init_parallel sets RANK/WORLD_SIZE/MASTER_*: keep them from later tests
-    state = init_parallel(1, 1, seed=0, device="cpu")
-    yield state
-    destroy_parallel()
-    os.environ.clear()
-    os.environ.update(environ)
 
 
 @pytest.fixture(scope="module")

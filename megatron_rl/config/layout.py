@@ -1,0 +1,107 @@
+"""The model-parallel layout against the model and across the models: TP and PP against the model's
+head and layer counts (the trainer's validation and ckpt_tools both), every model's expert layout
+against the actor's, and the resolved TP/PP sizes of a megatron section."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from megatron_rl.config.model_sections import FrozenMegatronConfig
+from megatron_rl.config.schema import ConfigError
+
+
+def parallel_sizes(mcfg: FrozenMegatronConfig, section: str) -> tuple[int, int]:
+    """(tensor, pipeline) parallel sizes of the megatron section ``section`` as load_config resolves
+    them (None: the actor's, the actor's None: 1); a ConfigError if they are still None."""
+    tp, pp = mcfg.tensor_model_parallel_size, mcfg.pipeline_model_parallel_size
+    if tp is None or pp is None:
+        raise ConfigError(
+            f"{section}.tensor/pipeline_model_parallel_size = {tp}/{pp}: unresolved; load the config with "
+            "load_config (it fills None from the actor's, then 1) or set both."
+        )
+    return tp, pp
+
+
+def _read_model_dims(path: str) -> dict[str, int] | None:
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_file):
+        return None
+    with open(cfg_file) as f:
+        hf = json.load(f)
+    heads = hf.get("num_attention_heads")
+    return {
+        "num_attention_heads": heads,
+        "num_key_value_heads": hf.get("num_key_value_heads") or heads,
+        "num_layers": hf.get("num_hidden_layers"),
+    }
+
+
+TP_KEY = "actor_rollout_ref.actor.megatron.tensor_model_parallel_size"
+PP_KEY = "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size"
+
+
+def check_layout_against_model(
+    dims: dict[str, int],
+    tp: int,
+    pp: int,
+    rollout_tp: int | None = None,
+    tp_key: str = TP_KEY,
+    pp_key: str = PP_KEY,
+) -> None:
+    """TP (and the rollout's TP) must divide the attention and key/value heads, PP the layers. The
+    trainer's config check; ``ckpt_tools`` runs it too, naming its own ``--tp``/``--pp``."""
+    heads, kv, layers = dims["num_attention_heads"], dims["num_key_value_heads"], dims["num_layers"]
+    sizes = [(tp_key, tp)] + (
+        [] if rollout_tp is None else [("actor_rollout_ref.rollout.tensor_model_parallel_size", rollout_tp)]
+    )
+    for key, size in sizes:
+        if heads % size or kv % size:
+            raise ConfigError(
+                f"{key}={size} must divide the model's attention heads ({heads}) and key/value heads ({kv}); "
+                f"choose one of {[d for d in range(1, kv + 1) if heads % d == 0 and kv % d == 0]}."
+            )
+    if layers % pp:
+        raise ConfigError(f"{pp_key}={pp} must divide the model's {layers} layers.")
+
+
+EP_KEY = "actor_rollout_ref.actor.megatron.expert_model_parallel_size"
+
+
+def expert_layout(mcfg, actor_mcfg=None) -> tuple[int, int]:
+    """(EP, expert TP) of one model's megatron section: None falls back to the actor's, then to
+    EP = 1 and expert TP = the tensor-parallel size (megatron's default)."""
+    ep = mcfg.expert_model_parallel_size
+    etp = mcfg.expert_tensor_parallel_size
+    if actor_mcfg is not None:
+        ep = ep if ep is not None else actor_mcfg.expert_model_parallel_size
+        etp = etp if etp is not None else actor_mcfg.expert_tensor_parallel_size
+    tp = mcfg.tensor_model_parallel_size or 1
+    return (1 if ep is None else ep), (tp if etp is None else etp)
+
+
+def check_expert_layout(cfg, world_size: int) -> None:
+    """Every model shares the actor's expert layout, and EP x expert TP x PP divides the world.
+    Whether EP divides the number of experts is checked where the model is read (models.builder)."""
+    arr = cfg.actor_rollout_ref
+    am = arr.actor.megatron
+    ep, etp = expert_layout(am)
+    pp = am.pipeline_model_parallel_size or 1
+    others = (
+        ("actor_rollout_ref.ref", arr.ref.megatron),
+        ("critic", cfg.critic.megatron),
+        ("reward_model", cfg.reward_model.megatron),
+    )
+    for name, m in others:
+        if expert_layout(m, am) != (ep, etp):
+            raise ConfigError(
+                f"{name}.megatron.expert_model_parallel_size/expert_tensor_parallel_size = "
+                f"{expert_layout(m, am)} differ from the actor's {(ep, etp)}; all models share one "
+                "parallel layout: set them equal."
+            )
+    if world_size % (ep * etp * pp):
+        raise ConfigError(
+            f"{EP_KEY}={ep}: expert_model_parallel_size x expert_tensor_parallel_size x "
+            f"pipeline_model_parallel_size = {ep} x {etp} x {pp} does not divide the {world_size} training "
+            "ranks: change it or the number of processes."
+        )

@@ -1,0 +1,49 @@
+"""The one protocol every reward source implements; scoring.reward_scores talks to nothing else.
+
+    class MyReward(RewardSource):
+        name = "..."                          shown in error lines
+        collective = False                    True: every rank of a model replica calls score_batch (a
+                                              model forward, collective over TP/PP); False: the
+                                              replica's first rank calls it, scoring broadcasts the result
+        needs_prompts = False                 True: the source reads the prompt text too
+        def score_batch(self, batch, response_lengths) -> RewardOutput
+
+The sources: rules.RewardManager (the built-in rules and custom_reward_function), http.HttpRewardManager
+(reward_model.http.url), model.ModelReward (reward_model.enable); scoring.make_reward_fn picks one. A
+new source subclasses RewardSource and gets a branch in make_reward_fn.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    import torch
+
+    from megatron_rl.batch import RolloutBatch
+    from megatron_rl.reward.rules import RewardOutput
+
+
+class RewardSource(ABC):
+    """Scores of a rollout batch (module docstring)."""
+
+    collective: ClassVar[bool] = False
+    """Every rank of a model replica calls :meth:`score_batch` (else only its first rank does)."""
+    needs_prompts: ClassVar[bool] = False
+    """The source reads each sample's prompt as well as its response."""
+
+    @property
+    @abstractmethod
+    def name(self) -> str: ...
+
+    @abstractmethod
+    def score_batch(self, batch: RolloutBatch, response_lengths: torch.Tensor) -> RewardOutput:
+        """Scores [B] float32 (CPU), extra keys [B] each, error count, for the batch's rows;
+        ``response_lengths`` [B]: each response's generated tokens (tool tokens included)."""
+
+
+def response_token_lists(batch: RolloutBatch, response_lengths: torch.Tensor) -> list[list[int]]:
+    """Each row's generated token ids (what rule and server rewards decode)."""
+    responses = batch.responses.cpu()
+    return [responses[i, :n].tolist() for i, n in enumerate(response_lengths.tolist())]

@@ -1,0 +1,163 @@
+"""multi_turn.agent_function: the user's harness runs each episode through the OpenAI-compatible endpoint
+(rollout/openai_server.py) on the in-process engine.
+
+    gens = run_agent_episodes(engine, tokenizer, items, agent_fn, params, cfg)   # gens[i]: params.n episodes
+
+``agent_fn(item, base_url)`` runs in a thread per episode (at most endpoint.max_sessions at once) against
+its own session; this thread pumps the server, so it alone calls ``engine.generate``. Each episode comes
+back as a Generation in AgentLoop.run's shape: its response is every token after the session's prompt
+(model tokens mask 1, appended tool/user tokens mask 0), ``info["prompt_ids"]`` the session's prompt and
+``info["agent_reward"]`` what the harness returned.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sys
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from megatron_rl.config.schema import OpenAIServerConfig
+from megatron_rl.rollout.agent_loop import ToolPool
+from megatron_rl.rollout.base import Generation, SamplingParams
+from megatron_rl.rollout.openai_server import OpenAIServer, Session
+
+if TYPE_CHECKING:
+    from megatron_rl.config.schema import MultiTurnConfig
+
+AgentFn = Callable[[Any, str], "float | None"]
+"""``agent_fn(item, base_url) -> reward or None``: the user's harness; ``item`` is the prompt's
+data.PromptItem, ``base_url`` the session's OpenAI base URL."""
+
+
+def load_agent_function(path: str, name: str) -> AgentFn:
+    """Import function ``name`` from the Python file at ``path`` (multi_turn.agent_function.{path,name})."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"actor_rollout_ref.rollout.multi_turn.agent_function.path={path!r}: no such file"
+        )
+    digest = hashlib.sha1(str(file.resolve()).encode()).hexdigest()[:10]
+    module_name = f"megatron_rl_agent_function_{file.stem}_{digest}"
+    spec = importlib.util.spec_from_file_location(module_name, file)
+    if spec is None or spec.loader is None:
+        raise ImportError(
+            f"actor_rollout_ref.rollout.multi_turn.agent_function.path={path!r} cannot be imported as a "
+            "Python module"
+        )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise AttributeError(
+            f"actor_rollout_ref.rollout.multi_turn.agent_function.name={name!r}: no function of that name "
+            f"in {path!r}"
+        )
+    return fn
+
+
+class AgentFunctionLoop:
+    """multi_turn.agent_function as the rollout's episode runner: :meth:`run` takes AgentLoop.run's
+    arguments (roles/rollout.py calls either); each rank runs its own server on its own engine."""
+
+    def __init__(self, cfg: MultiTurnConfig, tokenizer, max_prompt_tokens: int | None = None) -> None:
+        path = cfg.agent_function.path
+        if path is None:
+            raise ValueError("actor_rollout_ref.rollout.multi_turn.agent_function.path is not set")
+        self.fn = load_agent_function(path, cfg.agent_function.name)
+        self.endpoint, self.tok, self.max_prompt_tokens = cfg.endpoint, tokenizer, max_prompt_tokens
+
+    def run(
+        self, engine, prompts: list[list[int]], params: SamplingParams, items: list | None = None
+    ) -> list[list[Generation]]:
+        """``items`` (data.PromptItem rows, one per prompt) go to the agent function; ``prompts`` are
+        not used: each episode's prompt is its first request's messages, rendered."""
+        if items is None or len(items) != len(prompts):
+            raise ValueError("multi_turn.agent_function needs the prompts' data.PromptItem rows (items)")
+        return run_agent_episodes(
+            engine, self.tok, items, self.fn, params, self.endpoint, self.max_prompt_tokens
+        )
+
+    def shutdown(self) -> None:
+        """Nothing to release: each run starts and stops its own server."""
+
+
+def run_agent_episodes(
+    engine,
+    tokenizer,
+    items: Sequence[Any],
+    agent_fn: AgentFn,
+    params: SamplingParams,
+    cfg: OpenAIServerConfig | None = None,
+    max_prompt_tokens: int | None = None,
+) -> list[list[Generation]]:
+    """``params.n`` episodes per item, each ``agent_fn(item, base_url)`` against its own session, at most
+    ``cfg.max_sessions`` at once; this thread drives the engine. Returns AgentLoop.run's shape: per item,
+    n Generations (response = every token after the session's prompt, ``response_mask``, log-probs
+    when ``params.return_logprobs``); ``info`` has agent_loop's keys plus ``prompt_ids`` (the session's
+    prompt, which the batch must use) and ``agent_reward`` (what ``agent_fn`` returned).
+
+    An exception in ``agent_fn``, an episode over ``episode_timeout_s`` or one that made no request
+    fails the call with a RuntimeError naming the prompt row. ``max_prompt_tokens``: as
+    :class:`OpenAIServer`'s."""
+    cfg = cfg or OpenAIServerConfig()
+    n = params.n
+    jobs = [(i, j) for i in range(len(items)) for j in range(n)]
+    results: dict[tuple[int, int], Generation] = {}
+    failures: list[str] = []
+    pool = ToolPool(min(cfg.max_sessions, max(1, len(jobs))))
+    server = OpenAIServer(engine, tokenizer, params, cfg, max_prompt_tokens).start()
+    try:
+        running: dict[tuple[int, int], tuple[str, Any, float]] = {}  # job -> (session, future, start)
+        waiting = list(jobs)
+        while waiting or running:
+            while waiting and len(running) < cfg.max_sessions:
+                i, j = waiting.pop(0)
+                eid = server.open_session(f"{getattr(items[i], 'index', i)}-{j}-{uuid.uuid4().hex[:8]}")
+                url = server.base_url(eid)
+                running[(i, j)] = (
+                    eid,
+                    pool.submit(lambda it=items[i], url=url: agent_fn(it, url)),
+                    time.monotonic(),
+                )
+            server.pump(0.01)
+            now = time.monotonic()
+            for job, (eid, fut, start) in list(running.items()):
+                if fut.done() or now - start > cfg.episode_timeout_s:
+                    del running[job]
+                    if not fut.done():
+                        pool.replace_worker()  # the stuck harness keeps its thread; the pool gets another
+                    row = getattr(items[job[0]], "index", job[0])
+                    got = _episode(server.close_session(eid), fut, params, cfg)
+                    if isinstance(got, str):
+                        failures.append(f"prompt row {row}: {got}")
+                    else:
+                        results[job] = got
+            if failures:
+                break
+    finally:
+        server.shutdown()
+        pool.shutdown()
+    if failures:
+        raise RuntimeError("agent episodes failed: " + "; ".join(failures[:3]))
+    return [[results[(i, j)] for j in range(n)] for i in range(len(items))]
+
+
+def _episode(s: Session, fut: Any, params: SamplingParams, cfg: OpenAIServerConfig) -> Generation | str:
+    """A closed session and its harness's future -> the episode, or why it failed."""
+    if not fut.done():
+        return f"agent_function ran past episode_timeout_s={cfg.episode_timeout_s:g}"
+    exc = fut.exception()
+    if exc is not None:
+        return f"agent_function raised {type(exc).__name__}: {exc}"
+    if s.prompt is None:
+        return "agent_function made no chat request to its base_url"
+    g = s.generation(params.return_logprobs)
+    reward = fut.result()
+    g.info["agent_reward"] = None if reward is None else float(reward)
+    return g

@@ -1,0 +1,397 @@
+"""The table of verl's config keys that this project's config does not hold: one :class:`Rule` per
+key pattern (alias, accepted-and-ignored, refused unless a value this project implements), the value
+rewrites, verl's free-form maps and its Hydra config groups. :mod:`megatron_rl.verl_compat` applies
+the table to a config layer and renders it as ``docs/verl_compat.md``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Rule:
+    pattern: str
+    """fnmatch pattern over the dotted key."""
+    action: str
+    """alias | ignored | refused | transformer (an override_transformer_config key kept, under
+    ``*.megatron.override_transformer_config``, for megatron-core's TransformerConfig) | untrained (a
+    training-only key on a forward-only model's section: ignored with verl's value, otherwise left
+    for the loader's unknown-key error, which says where the key applies)"""
+    why: str = ""
+    """For ignored, refused and untrained keys: what this project does instead."""
+    target: str = ""
+    """For aliases: this project's key ('*' is replaced by what the pattern's '*' matched)."""
+    allowed: tuple = ()
+    """For refused keys: the values this project implements (accepted without a word); for untrained
+    keys: the values verl's configs write there (accepted with a notice)."""
+
+
+def _alias(pattern: str, target: str) -> Rule:
+    return Rule(pattern, "alias", target=target)
+
+
+def _ignored(pattern: str, why: str) -> Rule:
+    return Rule(pattern, "ignored", why)
+
+
+def _refused(pattern: str, why: str, *allowed: Any) -> Rule:
+    return Rule(pattern, "refused", why, allowed=allowed)
+
+
+def _untrained(pattern: str, *allowed: Any) -> Rule:
+    return Rule(pattern, "untrained", FORWARD_ONLY, allowed=allowed)
+
+
+FORWARD_ONLY = (
+    "the reference and reward models run forward passes only: their megatron sections hold no gradient, "
+    "optimizer or recompute keys"
+)
+NO_RAY = "one torchrun job, no Ray: placement comes from torchrun and the parallel sizes"
+OWN_SCHEDULE = "the LR schedule is warmup + constant/cosine/linear decay over the run's optimizer steps"
+OWN_LOADING = "weights load and save through this project's HF<->Megatron tables (torch_dist checkpoints)"
+ENGINE_OWN = (
+    "the in-process SGLang engine schedules its own batches (rollout.gpu_memory_utilization sizes it)"
+)
+NO_MULTIMODAL = "text-only models"
+MEGATRON_ONLY = "this trainer runs Megatron only"
+NO_FUSIONS = "megatron-core's local layer spec runs here, without Transformer Engine / Apex fused kernels"
+ATTENTION = (
+    "attention is torch SDPA (*.megatron.use_sdpa_attention) or megatron's local dot-product attention"
+)
+FROM_THE_MODEL = (
+    "the TransformerConfig is built from the model's config.json and the parallel sizes; of "
+    "override_transformer_config, recompute_* and the MoE router losses and dtype are used"
+)
+MOE_KERNELS = (
+    "the MoE layers run megatron's top-k softmax router (aux loss from moe_aux_loss_coeff), alltoall "
+    "dispatcher and SequentialMLP experts, without TE permute fusion, grouped GEMM or DeepEP"
+)
+UNEVEN_PP = "uneven pipeline stages are not implemented (the layers are split evenly over the stages)"
+NO_DISTILLATION = "distillation is not implemented"
+REMOVE_PADDING = (
+    "padding is removed without a flag: with use_dynamic_bsz each micro-batch is compacted (real tokens "
+    "first, cut to its longest sequence); sequences are not packed into one row"
+)
+
+RULES: tuple[Rule, ...] = (
+    # -- training-only keys that verl's configs write on the forward-only models' sections (before the
+    # aliases: verl's ref inherits the actor's override_transformer_config, recompute_* included)
+    _untrained("actor_rollout_ref.ref.megatron.grad_offload", False, None),
+    _untrained("actor_rollout_ref.ref.megatron.optimizer_offload", False, None),
+    _untrained("actor_rollout_ref.ref.megatron.use_distributed_optimizer", True, False, None),
+    _untrained("reward_model.megatron.use_distributed_optimizer", True, False, None),
+    _ignored("actor_rollout_ref.ref.megatron.override_transformer_config.recompute_*", FORWARD_ONLY),
+    _ignored("reward_model.megatron.override_transformer_config.recompute_*", FORWARD_ONLY),
+    # -- verl's engine choice and its override_transformer_config map (before the broad rules below)
+    _refused("model_engine", MEGATRON_ONLY, "megatron"),
+    _refused("*.model_engine", MEGATRON_ONLY, "megatron"),
+    _alias(
+        "*.megatron.override_transformer_config.recompute_granularity", "*.megatron.recompute_granularity"
+    ),
+    _alias("*.megatron.override_transformer_config.recompute_method", "*.megatron.recompute_method"),
+    _alias("*.megatron.override_transformer_config.recompute_num_layers", "*.megatron.recompute_num_layers"),
+    _alias("*.megatron.override_transformer_config.sequence_parallel", "*.megatron.sequence_parallel"),
+    _alias("*.optim.override_optimizer_config.loss_scale", "*.optim.loss_scale"),
+    _alias("*.optim.override_optimizer_config.initial_loss_scale", "*.optim.initial_loss_scale"),
+    _alias("*.optim.override_optimizer_config.min_loss_scale", "*.optim.min_loss_scale"),
+    _alias("*.optim.override_optimizer_config.loss_scale_window", "*.optim.loss_scale_window"),
+    _alias("*.optim.override_optimizer_config.hysteresis", "*.optim.hysteresis"),
+    _alias(
+        "*.megatron.override_transformer_config.tensor_model_parallel_size",
+        "*.megatron.tensor_model_parallel_size",
+    ),
+    _alias(
+        "*.megatron.override_transformer_config.pipeline_model_parallel_size",
+        "*.megatron.pipeline_model_parallel_size",
+    ),
+    _refused(
+        "*.megatron.override_transformer_config.context_parallel_size",
+        "context parallelism is not implemented",
+        1,
+        None,
+    ),
+    _refused("*.override_transformer_config.num_layers_in_*_pipeline_stage", UNEVEN_PP, None),
+    _refused("*.override_transformer_config.pipeline_model_parallel_layout", UNEVEN_PP, None),
+    _refused("*.override_transformer_config.account_for_*_in_pipeline_split", UNEVEN_PP, False, None),
+    _refused(
+        "*.override_transformer_config.multi_latent_attention",
+        "multi-latent attention is not implemented",
+        False,
+    ),
+    Rule("*.megatron.override_transformer_config.recompute_modules", "transformer"),
+    Rule("*.megatron.override_transformer_config.moe_aux_loss_coeff", "transformer"),
+    Rule("*.megatron.override_transformer_config.moe_z_loss_coeff", "transformer"),
+    Rule("*.megatron.override_transformer_config.moe_router_dtype", "transformer"),
+    _ignored("*.override_transformer_config.moe_*", MOE_KERNELS),
+    _ignored("*.override_transformer_config.*_fusion", NO_FUSIONS),
+    _ignored("*.override_transformer_config.persist_layer_norm", NO_FUSIONS),
+    _ignored("*.override_transformer_config.use_fused_*", NO_FUSIONS),
+    _ignored("*.override_transformer_config.use_flash_attn", ATTENTION),
+    _ignored("*.override_transformer_config.attention_backend", ATTENTION),
+    _ignored("*.override_transformer_config.*", FROM_THE_MODEL),
+    _ignored("*.use_remove_padding", REMOVE_PADDING),
+    _ignored(
+        "*.megatron.forward_only",
+        "set by the role: the reference and reward models run forward only, the actor and critic train",
+    ),
+    # -- keys of verl's newer trainer config, and the "+" additions of its scripts
+    _alias("reward.reward_kwargs.overlong_buffer_cfg.*", "reward_model.overlong_buffer.*"),
+    _alias("reward_model.reward_kwargs.overlong_buffer_cfg.*", "reward_model.overlong_buffer.*"),
+    _ignored("*.reward_kwargs.max_resp_len", "the overlong penalty counts from data.max_response_length"),
+    _ignored(
+        "actor_rollout_ref.rollout.moe_tensor_parallel_size",
+        "the engine's layout is actor_rollout_ref.rollout.tensor_model_parallel_size",
+    ),
+    _alias("reward.custom_reward_function.*", "custom_reward_function.*"),
+    _refused(
+        "reward.reward_model.enable",
+        "a reward model served by a rollout engine is not implemented; reward_model.enable runs a Megatron "
+        "reward model in the trainer's processes",
+        False,
+    ),
+    _refused("reward.reward_manager.module.path", "rewards go through custom_reward_function.path", None),
+    _ignored("reward.*", "rewards go through custom_reward_function.path or the built-in rules"),
+    _ignored("sandbox_fusion.*", "no code sandbox: code rewards go through custom_reward_function.path"),
+    _refused("distillation.enabled", NO_DISTILLATION, False),
+    _ignored("distillation.*", NO_DISTILLATION),
+    _ignored("transfer_queue.*", NO_RAY),
+    _refused("skip.*.enable", "every step generates", False),
+    _ignored("skip.*", "every step generates"),
+    _refused("*.qat.enable", "quantization-aware training is not implemented", False),
+    _ignored("*.qat.*", "quantization-aware training is not implemented"),
+    _ignored(
+        "*.entropy_from_logits_*",
+        "the entropy is computed from the vocabulary-parallel logit shards, unchunked",
+    ),
+    _ignored("*.calculate_sum_pi_squared", "no loss here uses the per-token sum of squared probabilities"),
+    _ignored("data.gen_batch_size", "each generation batch is data.train_batch_size prompts"),
+    _ignored("data.function_tool_path", "set actor_rollout_ref.rollout.multi_turn.tool_config_path"),
+    _ignored("data.audio_key", NO_MULTIMODAL),
+    _ignored("data.mm_processor_kwargs", NO_MULTIMODAL),
+    _ignored(
+        "critic.loss_scale_factor", "the critic's seq-mean-token-sum-norm divides by the response width"
+    ),
+    _ignored("algorithm.filter_groups.max_inflight_gen_batches", "generation batches run one at a time"),
+    # -- aliases: verl's name for a key this project has under another name
+    _alias("*.megatron.dtype", "*.megatron.params_dtype"),
+    _alias(
+        "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes",
+        "actor_rollout_ref.rollout.update_weights_bucket_megabytes",
+    ),
+    _alias("trainer.max_actor_ckpt_to_keep", "trainer.max_ckpt_to_keep"),
+    # -- refused unless the value is the one this project implements
+    _refused("*.strategy", "this trainer runs Megatron only", "megatron"),
+    _refused("*.megatron.context_parallel_size", "context parallelism is not implemented", 1, None),
+    _refused("*.megatron.expert_model_parallel_size", "mixture-of-experts models are not supported", 1, None),
+    _refused(
+        "*.megatron.expert_tensor_parallel_size", "mixture-of-experts models are not supported", 1, None
+    ),
+    _refused(
+        "*.megatron.virtual_pipeline_model_parallel_size",
+        "interleaved pipeline stages are not implemented",
+        1,
+        None,
+    ),
+    _refused("*.optim.optimizer", "the optimizer is megatron-core's Adam (AdamW)", "adam", "adamw"),
+    _refused("*lora*rank", "LoRA is not implemented", 0, None),
+    _refused("actor_rollout_ref.model.lora_adapter_path", "LoRA is not implemented", None),
+    _refused("*.lora.adapter_path", "LoRA is not implemented", None),
+    _refused("*.mtp.enable*", "multi-token prediction is not implemented", False),
+    _refused("actor_rollout_ref.model.tiled_mlp.enabled", "tiled MLPs are an FSDP feature", False),
+    _refused(
+        "actor_rollout_ref.model.custom_chat_template",
+        "prompts use the tokenizer's own chat template (data.tokenizer)",
+        None,
+    ),
+    _refused("actor_rollout_ref.model.external_lib", "no external model code is imported", None),
+    _refused(
+        "reward_model.use_dynamic_bsz",
+        "the reward model runs micro-batches of reward_model.micro_batch_size_per_gpu sequences",
+        False,
+    ),
+    _refused("*.ppo_micro_batch_size", "use ppo_micro_batch_size_per_gpu", None),
+    _refused("*.log_prob_micro_batch_size", "use log_prob_micro_batch_size_per_gpu", None),
+    _refused("reward_model.micro_batch_size", "use reward_model.micro_batch_size_per_gpu", None),
+    _refused("actor_rollout_ref.rollout.data_parallel_size", "one engine per rollout TP group", 1),
+    _refused(
+        "actor_rollout_ref.rollout.expert_parallel_size",
+        "the engine runs tensor parallelism only (its experts are split over its TP ranks)",
+        1,
+    ),
+    _refused("actor_rollout_ref.rollout.pipeline_model_parallel_size", "the engine runs TP only", 1),
+    _refused("actor_rollout_ref.rollout.quantization", "the engine holds the weights unquantized", None),
+    _refused("actor_rollout_ref.rollout.skip_rollout", "every step generates", False),
+    _refused("actor_rollout_ref.rollout.ignore_eos", "generation stops at the model's stop tokens", False),
+    _refused("algorithm.use_pf_ppo", "preference-feedback PPO is not implemented", False),
+    _refused(
+        "algorithm.rollout_correction.bypass_mode",
+        "the ratio's denominator is the trainer's recomputed log-prob, corrected by rollout_is / rollout_rs",
+        False,
+    ),
+    _refused("data.custom_cls.path", "prompts load through megatron_rl.data (verl's parquet format)", None),
+    _refused("data.sampler.class_path", "the sampler is megatron_rl.data's resumable one", None),
+    _refused("data.datagen.path", "no dynamic data generation", None),
+    _refused("reward_manager.module.path", "rewards go through custom_reward_function.path", None),
+    _refused(
+        "reward_model.rollout.name",
+        "the reward model is a Megatron model in the trainer's processes (reward_model.megatron.*)",
+        None,
+        "???",
+    ),
+    _refused("transfer_queue.enable", NO_RAY, False),
+    _refused("actor_rollout_ref.hybrid_engine", "actor and rollout always share the processes", True),
+    # -- accepted and ignored, with what this project does instead
+    _ignored("*._target_", "verl's Hydra class paths; the sections here are plain dataclasses"),
+    _ignored("*profiler*", "no built-in profiler hooks; run under nsys or torch.profiler yourself"),
+    _ignored("ray_kwargs.*", NO_RAY),
+    _ignored("trainer.ray_wait_register_center_timeout", NO_RAY),
+    _ignored("trainer.use_legacy_worker_impl", NO_RAY),
+    _ignored("*.nccl_timeout", "trainer.dist_timeout_minutes sets every collective's timeout"),
+    _ignored("*.load_weight", "models always load their weights"),
+    _ignored("*.rollout_n", "derived from actor_rollout_ref.rollout.n"),
+    _ignored("*.optim.*", OWN_SCHEDULE),
+    _ignored("*.megatron.*", OWN_LOADING),
+    _ignored("*.checkpoint.*", "checkpoints always hold model, optimizer and RNG/sampler state"),
+    _ignored("*.router_replay.*", "routing replay is not implemented: the trainer's router routes"),
+    _ignored("*.lora*", "LoRA is not implemented"),
+    _ignored("*lora_alpha", "LoRA is not implemented"),
+    _ignored("*.target_modules", "LoRA is not implemented"),
+    _ignored("*.exclude_modules", "LoRA is not implemented"),
+    _ignored("*.mtp*", "multi-token prediction is not implemented"),
+    _ignored("reward_model.forward_max_token_len_per_gpu", "reward_model.use_dynamic_bsz is not implemented"),
+    _ignored("*.use_torch_compile", "megatron-core modules run eagerly"),
+    _ignored("*.use_fused_kernels", "megatron-core's local layer spec is used"),
+    _ignored("*.fused_kernel_options.*", "megatron-core's local layer spec is used"),
+    _ignored("*.use_liger", "an FSDP-only kernel library"),
+    _ignored("*.use_shm", "models load from their directory"),
+    _ignored("*.override_config*", OWN_LOADING),
+    _ignored("*.hf_config_path", "config.json is read from the model directory"),
+    _ignored(
+        "*.megatron.seed",
+        "actor_rollout_ref.actor.megatron.seed seeds the job; the other models load their weights",
+    ),
+    _ignored("*.external_lib", "no external model code is imported"),
+    _ignored("*.enable_activation_offload", "use model.enable_gradient_checkpointing and the *_offload keys"),
+    _ignored("*.data_loader_seed", "data.seed seeds the sampler"),
+    _ignored("*.freeze_vision_tower", NO_MULTIMODAL),
+    _ignored("*.tiled_mlp.*", "tiled MLPs are an FSDP feature"),
+    _ignored("actor_rollout_ref.actor.policy_loss.*", "policy_loss.loss_mode selects the loss"),
+    _ignored("actor_rollout_ref.actor.calculate_entropy", "the entropy is always computed and logged"),
+    _ignored("actor_rollout_ref.actor.use_prefix_grouper", "not implemented"),
+    _ignored("actor_rollout_ref.rollout.mode", "generation runs in process, synchronously"),
+    _ignored("actor_rollout_ref.rollout.prompt_length", "data.max_prompt_length"),
+    _ignored("actor_rollout_ref.rollout.response_length", "data.max_response_length"),
+    _ignored("actor_rollout_ref.rollout.logprobs_mode", "old log-probs are recomputed by the actor"),
+    _ignored(
+        "actor_rollout_ref.rollout.load_format", "the engine starts empty and receives the actor's weights"
+    ),
+    _ignored("actor_rollout_ref.rollout.skip_tokenizer_init", "the engine always works on token ids"),
+    _ignored("actor_rollout_ref.rollout.layer_name_map.*", OWN_LOADING),
+    _ignored("actor_rollout_ref.rollout.checkpoint_engine.*", "weights stream through the reshard module"),
+    _refused(
+        "actor_rollout_ref.rollout.multi_turn.use_inference_chat_template",
+        "the training sequence is the token ids the engine saw and produced",
+        False,
+    ),
+    _ignored(
+        "actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode",
+        "turns are never re-tokenised: the token ids are kept as generated",
+    ),
+    _ignored("actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts", "actor_rollout_ref.rollout.n"),
+    _ignored("actor_rollout_ref.rollout.multi_turn.*", "no such setting of the multi-turn loop"),
+    _ignored(
+        "actor_rollout_ref.rollout.agent.*",
+        "one agent loop (megatron_rl.rollout.agent_loop), set by actor_rollout_ref.rollout.multi_turn.*",
+    ),
+    _ignored("actor_rollout_ref.rollout.trace.*", "no rollout tracing"),
+    _ignored("actor_rollout_ref.rollout.prometheus.*", "no metrics server; metrics go to trainer.logger"),
+    _ignored("actor_rollout_ref.rollout.skip_dump_dir", "every step generates"),
+    _ignored(
+        "actor_rollout_ref.rollout.quantization_config_file", "the engine holds the weights unquantized"
+    ),
+    _ignored("actor_rollout_ref.rollout.engine_kwargs.*", ENGINE_OWN),
+    _ignored("actor_rollout_ref.rollout.*", ENGINE_OWN),
+    _ignored("data.image_*", NO_MULTIMODAL),
+    _ignored("data.video_key", NO_MULTIMODAL),
+    _ignored("data.return_multi_modal_inputs", NO_MULTIMODAL),
+    _ignored("data.custom_cls.*", "prompts load through megatron_rl.data"),
+    _ignored("data.sampler.*", "the sampler is megatron_rl.data's resumable one"),
+    _ignored("data.datagen.*", "no dynamic data generation"),
+    _ignored("data.return_*", "the batch always holds token ids, masks and the chat prompt"),
+    _ignored("data.dataloader_num_workers", "prompts are tokenized once, up front"),
+    _ignored("data.filter_overlong_prompts_workers", "prompts are tokenized once, up front"),
+    _ignored("data.use_shm", "prompts load from their files"),
+    _ignored("data.*_max_samples", "every row of the files is used"),
+    _ignored("data.reward_fn_key", "the data_source column picks the reward rule"),
+    _ignored("data.tool_config_path", "set actor_rollout_ref.rollout.multi_turn.tool_config_path"),
+    _ignored("data.validation_shuffle", "validation runs over every prompt once"),
+    _ignored("data.trust_remote_code", "actor_rollout_ref.model.trust_remote_code"),
+    _ignored("data.apply_chat_template_kwargs", "the tokenizer's chat template is applied as it is"),
+    _ignored("reward_manager.*", "rewards go through custom_reward_function.path or the built-in rules"),
+    _ignored(
+        "reward_model.*",
+        "the reward model runs in the trainer's processes at the actor's layout (reward_model.megatron.*)",
+    ),
+    _ignored("critic.model.*", OWN_LOADING),
+    _ignored("algorithm.rollout_correction.*", "used by verl's bypass mode only, which is not implemented"),
+    _ignored("algorithm.pf_ppo.*", "preference-feedback PPO is not implemented"),
+    _ignored("algorithm.kl_ctrl.*", "not used by the fixed/adaptive controllers here"),
+    _ignored("trainer.max_critic_ckpt_to_keep", "trainer.max_ckpt_to_keep keeps whole checkpoints"),
+    _ignored("trainer.log_val_generations", "validation logs scores, not generations"),
+    _ignored("trainer.rollout_data_dir", "rollouts are not dumped"),
+    _ignored("trainer.validation_data_dir", "validation generations are not dumped"),
+    _ignored("trainer.esi_redundant_time", "checkpoints are saved every trainer.save_freq steps"),
+    _ignored("trainer.del_local_ckpt_after_load", "checkpoints are kept (trainer.max_ckpt_to_keep prunes)"),
+    _ignored("trainer.balance_batch", "prompts are split evenly over data-parallel ranks"),
+    _ignored("trainer.ray_*", NO_RAY),
+    _ignored("trainer.*", "not used by this trainer"),
+    _ignored("global_profiler.*", "no built-in profiler hooks"),
+)
+
+
+# Values of this project's own keys that verl command lines use and that mean the same thing here.
+VALUE_REWRITES = {
+    ("actor_rollout_ref.rollout.name", "vllm"): (
+        "sglang",
+        "vLLM is not bundled; the in-process SGLang engine generates",
+    ),
+}
+
+
+# verl's free-form maps and the keys its scripts add with Hydra's "+": keys under these are verl's too.
+VERL_FREE_FORM = (
+    "ray_kwargs.*",
+    "*.megatron.override_transformer_config.*",
+    "*.megatron.override_ddp_config.*",
+    "*.megatron.override_mcore_model_config.*",
+    "*.optim.override_optimizer_config.*",
+    "*.override_config.*",
+    "*.engine_kwargs.*",
+    "*.model_engine",  # verl's scripts set actor_rollout_ref.actor.model_engine beside model_engine
+    "reward.reward_kwargs.*",
+    "reward_model.reward_kwargs.*",
+    "actor_rollout_ref.rollout.moe_tensor_parallel_size",
+)
+
+# verl's Hydra config groups (the defaults list of its ppo_megatron_trainer.yaml / ppo_trainer.yaml):
+# "group@package=choice" -> the choices that mean what this trainer runs. The sections here always
+# hold the defaults of verl's Megatron trainer.
+HYDRA_GROUPS: dict[str, tuple[str, ...]] = {
+    "actor@actor_rollout_ref.actor": ("megatron_actor",),
+    "ref@actor_rollout_ref.ref": ("megatron_ref",),
+    "critic@critic": ("megatron_critic",),
+    "rollout@actor_rollout_ref.rollout": ("rollout",),
+    "model@actor_rollout_ref.model": ("hf_model",),
+    "model@critic.model": ("hf_model",),
+    "data@data": ("legacy_data",),
+    "reward_model@reward_model": ("megatron_reward_loop", "megatron_reward_model", "reward_model"),
+    "reward_manager@reward_manager": ("reward_manager",),
+    "reward@reward": ("reward",),
+    "algorithm@algorithm.rollout_correction": ("rollout_correction",),
+    "distillation@distillation": ("distillation",),
+    "transfer_queue@transfer_queue": ("transfer_queue",),
+}
+
+# verl's own base configs (Hydra's --config-name): their defaults are this trainer's.
+VERL_BASE_CONFIGS = ("ppo_megatron_trainer", "ppo_trainer")

@@ -1,0 +1,118 @@
+"""Sampling seeds: one hash of (seed, step, dp_rank, row, validate) per response, and the transformers
+engine drawing each row from exactly that seed (reproducible, batch-size independent)."""
+
+import itertools
+from dataclasses import replace
+
+import pytest
+import torch
+
+from megatron_rl.parallel import ParallelState
+from megatron_rl.rollout.base import SGLANG_SEED_BITS, SamplingParams, sample_seed
+
+
+def strided_seed(seed: int, step: int, dp_rank: int, row: int, validate: bool) -> int:
+    """The former scheme: the trainer's seed*1_000_003 + step*1009 (+7 for validation), plus the DP rank
+    and the row added by the engines."""
+    return seed * 1_000_003 + step * 1009 + (7 if validate else 0) + dp_rank + row
+
+
+# steps x DP ranks (past 8) x rows (past 1009) x validate: the places the strided scheme collides
+GRID = list(itertools.product(range(40), range(12), range(1100), (False, True)))
+
+
+def test_no_two_rows_of_a_realistic_grid_share_a_seed():
+    seeds = [sample_seed(7, step, dp, row, val) for step, dp, row, val in GRID]
+    assert len(set(seeds)) == len(GRID)
+    assert all(0 <= s < 2**63 for s in seeds)
+
+
+def test_the_strided_scheme_collides_on_the_same_grid():  # negative control of the test above
+    seeds = [strided_seed(7, step, dp, row, val) for step, dp, row, val in GRID]
+    assert len(set(seeds)) < len(GRID) // 10
+    assert strided_seed(7, 0, 0, 1009, False) == strided_seed(7, 1, 0, 0, False)  # row 1009 = next step
+    assert strided_seed(7, 3, 7, 0, False) == strided_seed(7, 3, 0, 0, True)  # DP 7 = validation
+    assert sample_seed(7, 0, 0, 1009, False) != sample_seed(7, 1, 0, 0, False)
+    assert sample_seed(7, 3, 7, 0, False) != sample_seed(7, 3, 0, 0, True)
+
+
+def test_seeds_fit_what_the_engines_take():
+    big = [sample_seed(s, 10**6, 255, 10**5, True) for s in (0, -1, 2**70, 12345)]
+    for s in big:
+        torch.Generator().manual_seed(s)  # int64 range
+    small = [sample_seed(7, step, dp, row, False, SGLANG_SEED_BITS) for step, dp, row, _ in GRID[:20000]]
+    assert all(0 <= s < 2**31 for s in small)
+    torch.tensor(small, dtype=torch.int32)  # SGLang batches sampling_seed as int32
+    with pytest.raises(ValueError, match="bits"):
+        sample_seed(0, 0, 0, 0, False, bits=64)
+    assert sample_seed(1, 2, 3, 4, False) == sample_seed(1, 2, 3, 4, False)  # a pure function
+    assert len({sample_seed(s, 0, 0, 0, False) for s in range(100)}) == 100
+
+
+def ps_of(dp_rank: int) -> ParallelState:
+    """A world of one process that speaks for DP replica ``dp_rank`` (nothing to gather or broadcast)."""
+    return ParallelState(
+        rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo",
+        tp_size=1, pp_size=1, dp_size=dp_rank + 1, tp_rank=0, pp_rank=0, dp_rank=dp_rank,
+        tp_group=None, pp_group=None, dp_group=None, mp_group=None, embedding_group=None,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from megatron_rl.model_args import model_args_from_hf_config
+    from megatron_rl.models.random_hf import random_hf_model
+
+    dims = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=97, max_position_embeddings=64)  # fmt: skip
+    model = random_hf_model("llama", seed=3, init="o1", **dims).eval()
+    args = model_args_from_hf_config({**model.config.to_dict(), "architectures": ["LlamaForCausalLM"]})
+    return model, args
+
+
+def engine_for(tiny, dp_rank: int = 0, max_batch_size: int = 64):
+    from megatron_rl.rollout.hf_engine import HFEngine
+
+    model, args = tiny
+    engine = HFEngine(args, ps_of(dp_rank), max_batch_size=max_batch_size)
+    engine.update_weights([list(model.state_dict().items())])
+    return engine
+
+
+PROMPTS = [[4, 5, 6], [7], [8, 9]]
+PARAMS = SamplingParams(n=3, temperature=1.3, max_new_tokens=6, seed=11, step=5, return_logprobs=True)
+
+
+def tokens(gens) -> list[list[int]]:
+    return [g.token_ids for per_prompt in gens for g in per_prompt]
+
+
+def test_each_row_draws_from_its_sample_seed(tiny):
+    model, _ = tiny
+    for dp in (0, 3):
+        got = tokens(engine_for(tiny, dp).generate(PROMPTS, PARAMS))
+        # oracle: the first token of row i*n+j is one multinomial draw from the model's next-token
+        # distribution with a generator seeded by sample_seed(seed, step, dp, row, validate)
+        rows = [p for p in PROMPTS for _ in range(PARAMS.n)]
+        for r, (prompt, toks) in enumerate(zip(rows, got, strict=True)):
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt])).logits[0, -1].float()
+            g = torch.Generator().manual_seed(sample_seed(11, 5, dp, r, False))
+            want = torch.multinomial(torch.softmax(logits / PARAMS.temperature, -1), 1, generator=g).item()
+            assert toks[0] == want, (dp, r)
+
+
+def test_same_seed_same_rollouts_and_every_key_changes_them(tiny):
+    first = tokens(engine_for(tiny).generate(PROMPTS, PARAMS))
+    assert tokens(engine_for(tiny).generate(PROMPTS, PARAMS)) == first  # a fresh engine: a resumed run
+    assert tokens(engine_for(tiny, max_batch_size=2).generate(PROMPTS, PARAMS)) == first  # batch-independent
+    others = [
+        replace(PARAMS, step=6),
+        replace(PARAMS, validate=True),
+        replace(PARAMS, seed=12),
+    ]
+    for p in others:
+        assert tokens(engine_for(tiny).generate(PROMPTS, p)) != first, p
+    assert tokens(engine_for(tiny, dp_rank=1).generate(PROMPTS, PARAMS)) != first
+    # the n samples of one prompt come from distinct streams
+    assert len({tuple(t) for t in first[:3]}) > 1
