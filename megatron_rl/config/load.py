@@ -57,11 +57,11 @@ def _key_problems(raw: dict, source: str) -> list[tuple[str, str]]:
                 )
             )
         elif key not in known and not key.startswith(free):
-            out.append((key, f"Unknown config key '{key}' (from {source}).{_unknown_hint(key, known)}"))
+            out.append((key, f"Unknown config key '{key}' (from {source}).{unknown_key_hint(key, known)}"))
     return out
 
 
-def _unknown_hint(key: str, known: dict[str, Any]) -> str:
+def unknown_key_hint(key: str, known: dict[str, Any]) -> str:
     """What an unknown key may have meant: a training-only key on a forward-only model's megatron
     section says where it applies; any other key gets a did-you-mean."""
     section, _, leaf = key.rpartition(".")

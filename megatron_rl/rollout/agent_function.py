@@ -22,12 +22,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from megatron_rl.config.schema import OpenAIServerConfig
+from megatron_rl.errors import LaunchError
 from megatron_rl.rollout.agent_loop import ToolPool
 from megatron_rl.rollout.base import Generation, SamplingParams
 from megatron_rl.rollout.openai_server import OpenAIServer, Session
 
 if TYPE_CHECKING:
     from megatron_rl.config.schema import MultiTurnConfig
+
+
+class AgentFunctionError(LaunchError):
+    """The user's harness (multi_turn.agent_function) failed an episode: one line naming the prompt rows
+    and what the harness raised. A LaunchError, so the failure explanation reports it as is (a harness's
+    ``ConnectionResetError`` is not another rank dying)."""
+
 
 AgentFn = Callable[[Any, str], "float | None"]
 """``agent_fn(item, base_url) -> reward or None``: the user's harness; ``item`` is the prompt's
@@ -103,7 +111,7 @@ def run_agent_episodes(
     prompt, which the batch must use) and ``agent_reward`` (what ``agent_fn`` returned).
 
     An exception in ``agent_fn``, an episode over ``episode_timeout_s`` or one that made no request
-    fails the call with a RuntimeError naming the prompt row. ``max_prompt_tokens``: as
+    fails the call with an :class:`AgentFunctionError` naming the prompt row. ``max_prompt_tokens``: as
     :class:`OpenAIServer`'s."""
     cfg = cfg or OpenAIServerConfig()
     n = params.n
@@ -144,7 +152,10 @@ def run_agent_episodes(
         server.shutdown()
         pool.shutdown()
     if failures:
-        raise RuntimeError("agent episodes failed: " + "; ".join(failures[:3]))
+        raise AgentFunctionError(
+            f"actor_rollout_ref.rollout.multi_turn.agent_function "
+            f"({getattr(agent_fn, '__qualname__', agent_fn)}) failed: " + "; ".join(failures[:3])
+        )
     return [[results[(i, j)] for j in range(n)] for i in range(len(items))]
 
 

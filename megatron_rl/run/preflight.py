@@ -302,7 +302,15 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     if argv[0] == "--keys":
-        print(describe_keys(argv[1] if len(argv) > 1 else ""))
+        prefix = argv[1] if len(argv) > 1 else ""
+        text = describe_keys(prefix)
+        if not text:  # e.g. a training key asked of a frozen model's section: say so, not nothing
+            from megatron_rl.config.load import known_keys, unknown_key_hint
+            from megatron_rl.config.schema import Config
+
+            print(f"no config key starts with '{prefix}'.{unknown_key_hint(prefix, known_keys(Config))}")
+            return 1
+        print(text)
         return 0
     from megatron_rl.verl_compat import hydra_config_args
 

@@ -225,6 +225,15 @@ def test_frozen_models_describe_only_the_keys_they_have():
     assert "Shard the fp32 master weights" in actor
 
 
+def test_keys_of_no_section_say_why_instead_of_printing_nothing(capsys):
+    assert main(["--keys", "actor_rollout_ref.ref.megatron.optimizer_offload"]) == 1
+    out = capsys.readouterr().out
+    assert "applies only to trained models" in out and "actor_rollout_ref.ref runs forward passes only" in out
+    assert main(["--keys", "trainer.save_freqq"]) == 1
+    assert "Did you mean 'trainer.save_freq'?" in capsys.readouterr().out
+    assert main(["--keys", "trainer.save_freq"]) == 0 and "trainer.save_freq: int" in capsys.readouterr().out
+
+
 def test_known_benign_warnings_are_filtered_by_message_and_module():
     from megatron_rl.train import hide_known_benign_warnings
 

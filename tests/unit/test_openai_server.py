@@ -242,3 +242,23 @@ def test_many_sessions_connecting_at_once_are_all_served(setup):
     barrier = threading.Barrier(40, timeout=30)
     gens = run_agent_episodes(engine, tok, items, two_turns(replies, barrier), replace_n(params, 2))
     assert len(replies) == 40 and all(len(per) == 2 for per in gens)
+
+
+def test_a_failing_harness_is_named_as_such_not_as_a_dead_rank(setup):
+    """A harness that raises (here as a dropped connection would) fails the rollout in one line naming
+    the agent function and the prompt row; the failure explanation keeps that line."""
+    from megatron_rl.rollout.agent_function import AgentFunctionError
+    from megatron_rl.run.explain import explain
+
+    tok, _, engine, params, _ = setup
+
+    def harness(item, base_url: str) -> float:
+        raise ConnectionResetError("[Errno 104] Connection reset by peer")
+
+    with pytest.raises(AgentFunctionError) as err:
+        run_agent_episodes(engine, tok, [item(4)], harness, params, OpenAIServerConfig())
+    line = explain(err.value)
+    assert line is not None and line.startswith("actor_rollout_ref.rollout.multi_turn.agent_function")
+    assert "prompt row 4" in line and "ConnectionResetError" in line and "another rank" not in line
+    # negative control: the same text in a plain RuntimeError reads as a rank that died
+    assert "lost its connection to another rank" in (explain(RuntimeError(str(err.value))) or "")

@@ -176,3 +176,30 @@ def test_predicate_reads_the_model_config_when_given():
     Model.config.attention_dropout = 0.1
     assert not holds(model=Model())
     assert not holds(batch_size=8)  # this rank's batch is two mini-batches
+
+
+def test_the_actor_role_skips_the_pass_exactly_when_the_predicate_holds(ps, hf_dir):
+    """The loop's call (ActorRole.log_probs) follows the predicate: None (the update fills them) when it
+    holds, the pass's log-probs otherwise; timing_s/old_log_prob is logged either way."""
+    from megatron_rl.microbatches import ForwardPasses, TokenStats
+    from megatron_rl.model_args import load_model_args
+    from megatron_rl.models.builder import build_model, load_hf_weights
+    from megatron_rl.roles.actor import ActorRole
+    from megatron_rl.run.metrics import Timer
+
+    model = build_model(load_model_args(hf_dir), ps, "actor", dtype=torch.float32)
+    load_hf_weights(model, hf_dir, ps)
+    # DP = 1 here: 4 prompts x n = 2 are this rank's 8 sequences, one mini-batch of them
+    for extra, skipped in (
+        ([], True),
+        (["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4"], False),
+    ):
+        cfg = load_config(None, [*HOLDS, *extra])
+        timer = Timer(ps.device)
+        role = ActorRole(cfg, ps, model, None, ForwardPasses.from_config(cfg), timer)
+        batch = make_batch(99)
+        lp = role.log_probs(1, batch, TokenStats())
+        assert (lp is None) == skipped
+        if not skipped:
+            assert lp.shape == batch.response_mask.shape and (lp[batch.response_mask.bool()] < 0).all()
+        assert "timing_s/old_log_prob" in timer.pop()
