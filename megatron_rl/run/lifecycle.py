@@ -5,9 +5,9 @@
   rank behind holding GPU memory or the checkpoint directory's lock; what the rank forks dies with it.
 * :class:`PreemptionWatch` (installed by ``Trainer.fit`` for the training loop): SIGTERM, SIGINT,
   SIGUSR2 and SIGUSR1 (re-placement: the same save, then the launcher restarts the job) only set a
-  flag (a rank keeps the strongest it got); after each step every rank asks
-  :meth:`PreemptionWatch.requested`, which agrees over the world (an all-reduce of each rank's
-  strongest signal in the explicit order :data:`PRECEDENCE`, where any stop outranks a re-placement),
+  flag (a rank keeps the first stop it got; a re-placement yields to a later stop); after each step
+  every rank asks :meth:`PreemptionWatch.requested`, which agrees over the world (an all-reduce of
+  each rank's signal in the explicit order :data:`PRECEDENCE`, where any stop outranks a re-placement),
   so all ranks save the same step together and leave with
   :class:`Preempted` (exit status 128 + the signal number: 143 for SIGTERM, 140 for SIGUSR2, 130 for
   SIGINT). A second SIGINT more than :data:`SECOND_INT_AFTER_S` after the first interrupts at once
@@ -37,7 +37,9 @@ reads trainer.placement.file anew (docs/placement.md). A stop signal on any rank
 PRECEDENCE = (signal.SIGUSR1, signal.SIGINT, signal.SIGUSR2, signal.SIGTERM)
 """The handled signals, weakest first: a re-placement yields to every stop; among the stops the
 scheduler's SIGTERM (a hard kill follows it) outranks Slurm's early-warning SIGUSR2, which outranks a
-Ctrl-C. One rank keeps the strongest signal it received; the ranks agree on the strongest of theirs."""
+Ctrl-C. One rank keeps the first stop it received (torchrun, shutting its workers down after it
+forwarded a SIGUSR2, sends them a SIGTERM too: the job still stopped for the SIGUSR2), or a
+re-placement until a stop comes; the ranks agree on the strongest of theirs."""
 SIGNALS = tuple(reversed(PRECEDENCE))
 SECOND_INT_AFTER_S = 2.0
 
@@ -116,8 +118,8 @@ class PreemptionWatch:
 
     def __init__(self) -> None:
         self.signum: int | None = None
-        """The strongest signal (:data:`PRECEDENCE`) received on this rank (or, after :meth:`requested`,
-        on any rank)."""
+        """The first stop signal received on this rank, else a re-placement (or, after
+        :meth:`requested`, the strongest of the ranks' in :data:`PRECEDENCE`)."""
         self._first_int: float | None = None
         self._previous: dict[int, Any] = {}
 
@@ -146,8 +148,8 @@ class PreemptionWatch:
                 raise KeyboardInterrupt
             if self._first_int is None:
                 self._first_int = now
-        if precedence(signum) <= precedence(self.signum):
-            return  # a weaker or the same signal again: e.g. SIGUSR1 after SIGTERM still stops
+        if self.signum is not None and not (self.signum == REPLACE and signum != REPLACE):
+            return  # a stop is kept (SIGUSR1 or torchrun's SIGTERM after it change nothing)
         first, self.signum = self.signum is None, signum
         if first and _speaks():
             # os.write, not print: a handler may run in the middle of another print (reentrant I/O).
