@@ -55,6 +55,20 @@ def read_json(path: str):
         return json.load(f)
 
 
+def single_ps(dp_rank: int = 0):
+    """A hand-built ParallelState of one CPU process, no process groups (nothing to gather or
+    broadcast: the rank leads its replica); ``dp_rank``: the data-parallel replica it speaks for."""
+    import torch
+
+    from megatron_rl.parallel import ParallelState
+
+    return ParallelState(
+        rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo",
+        tp_size=1, pp_size=1, dp_size=dp_rank + 1, tp_rank=0, pp_rank=0, dp_rank=dp_rank,
+        tp_group=None, pp_group=None, dp_group=None, mp_group=None, embedding_group=None,
+    )  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def ps():
     """A world of one (gloo) with megatron's groups: DP = TP = PP = 1, no collectives to speak of."""

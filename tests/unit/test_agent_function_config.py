@@ -119,19 +119,14 @@ def test_a_host_off_loopback_is_refused(harness):
 
 def test_the_rollout_role_runs_the_harness(harness):
     """make_agent picks the endpoint runner when the path is set, the agent loop otherwise."""
-    import torch
 
     from megatron_rl.demo import tools_task
-    from megatron_rl.parallel import ParallelState
     from megatron_rl.roles.rollout import make_agent
     from megatron_rl.rollout.agent_function import AgentFunctionLoop
     from megatron_rl.rollout.agent_loop import AgentLoop
+    from tests.conftest import single_ps
 
-    ps = ParallelState(
-        rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo",
-        tp_size=1, pp_size=1, dp_size=1, tp_rank=0, pp_rank=0, dp_rank=0,
-        tp_group=None, pp_group=None, dp_group=None, mp_group=None, embedding_group=None,
-    )  # fmt: skip
+    ps = single_ps()
     tok = tools_task.build_tools_tokenizer()
     agent, _ = make_agent(cfg_with(f"{KEY}.path={harness}"), ps, tok)
     assert isinstance(agent, AgentFunctionLoop) and agent.fn(None, "") == 1.0

@@ -17,21 +17,12 @@ from megatron_rl.config import ConfigError
 from megatron_rl.config.schema import MultiTurnConfig
 from megatron_rl.data import PromptItem
 from megatron_rl.demo import tools_task
-from megatron_rl.parallel import ParallelState
 from megatron_rl.rollout.agent_loop import AgentLoop, EpisodeStats, TurnEncoder, parse_hermes, truncate_text
 from megatron_rl.rollout.base import Generation, SamplingParams
 from megatron_rl.rollout.tools import BaseTool, ToolResponse, load_interactions, load_tools
+from tests.conftest import single_ps
 
 CALL = tools_task.CALL_TOKEN
-
-
-def single_ps() -> ParallelState:
-    """A world of one process (nothing to broadcast: the rank leads its replica)."""
-    return ParallelState(
-        rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo",
-        tp_size=1, pp_size=1, dp_size=1, tp_rank=0, pp_rank=0, dp_rank=0,
-        tp_group=None, pp_group=None, dp_group=None, mp_group=None, embedding_group=None,
-    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")

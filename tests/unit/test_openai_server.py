@@ -18,21 +18,13 @@ import torch
 from megatron_rl.config.schema import OpenAIServerConfig
 from megatron_rl.data import PromptItem
 from megatron_rl.demo import tools_task
-from megatron_rl.parallel import ParallelState
 from megatron_rl.rollout.agent_function import run_agent_episodes
 from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.rollout.openai_server import OpenAIServer
+from tests.conftest import single_ps
 
 TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "d", "parameters": {}}}]
 FIRST = [{"role": "user", "content": "secret"}]
-
-
-def single_ps() -> ParallelState:
-    return ParallelState(
-        rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo",
-        tp_size=1, pp_size=1, dp_size=1, tp_rank=0, pp_rank=0, dp_rank=0,
-        tp_group=None, pp_group=None, dp_group=None, mp_group=None, embedding_group=None,
-    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")

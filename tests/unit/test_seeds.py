@@ -7,8 +7,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from megatron_rl.parallel import ParallelState
 from megatron_rl.rollout.base import SGLANG_SEED_BITS, SamplingParams, sample_seed
+from tests.conftest import single_ps
 
 
 def strided_seed(seed: int, step: int, dp_rank: int, row: int, validate: bool) -> int:
@@ -49,15 +49,6 @@ def test_seeds_fit_what_the_engines_take():
     assert len({sample_seed(s, 0, 0, 0, False) for s in range(100)}) == 100
 
 
-def ps_of(dp_rank: int) -> ParallelState:
-    """A world of one process that speaks for DP replica ``dp_rank`` (nothing to gather or broadcast)."""
-    return ParallelState(
-        rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo",
-        tp_size=1, pp_size=1, dp_size=dp_rank + 1, tp_rank=0, pp_rank=0, dp_rank=dp_rank,
-        tp_group=None, pp_group=None, dp_group=None, mp_group=None, embedding_group=None,
-    )  # fmt: skip
-
-
 @pytest.fixture(scope="module")
 def tiny():
     from megatron_rl.model_args import model_args_from_hf_config
@@ -74,7 +65,7 @@ def engine_for(tiny, dp_rank: int = 0, max_batch_size: int = 64):
     from megatron_rl.rollout.hf_engine import HFEngine
 
     model, args = tiny
-    engine = HFEngine(args, ps_of(dp_rank), max_batch_size=max_batch_size)
+    engine = HFEngine(args, single_ps(dp_rank), max_batch_size=max_batch_size)
     engine.update_weights([list(model.state_dict().items())])
     return engine
 
