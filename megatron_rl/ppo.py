@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 import torch.distributed as dist
@@ -148,49 +148,57 @@ def _assemble(parts: list, batch: RolloutBatch, ps: ParallelState, k: int) -> to
     return broadcast_from_last_stage(result, ps, (k, n, r), torch.float32)
 
 
+@overload
+def compute_log_probs(
+    model: nn.Module,
+    ps: ParallelState,
+    batch: RolloutBatch,
+    micro: int | MicroBatching,
+    temperature: float = ...,
+    with_entropy: Literal[False] = ...,
+    stats: TokenStats | None = ...,
+    chunk_tokens: int = ...,
+) -> torch.Tensor: ...
+@overload
+def compute_log_probs(
+    model: nn.Module,
+    ps: ParallelState,
+    batch: RolloutBatch,
+    micro: int | MicroBatching,
+    temperature: float = ...,
+    *,
+    with_entropy: Literal[True],
+    stats: TokenStats | None = ...,
+    chunk_tokens: int = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
 def compute_log_probs(
     model: nn.Module,
     ps: ParallelState,
     batch: RolloutBatch,
     micro: int | MicroBatching,
     temperature: float = 1.0,
+    with_entropy: bool = False,
     stats: TokenStats | None = None,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-) -> torch.Tensor:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probs [B, R] float32 of ``batch.responses`` under ``model`` (actor or reference), on every rank.
 
     ``micro``: sequences per micro-batch, or a :class:`~megatron_rl.microbatches.MicroBatching`. Logits
-    are divided by ``temperature`` (the rollout's sampling temperature) before the softmax. ``stats``
-    counts the tokens. The LM head runs fused with the log-softmax, ``chunk_tokens`` tokens at a time
-    (models/logprobs.py).
+    are divided by ``temperature`` (the rollout's sampling temperature) before the softmax. With
+    ``with_entropy`` the per-token entropy [B, R] of the same distributions comes too, as
+    ``(log_probs, entropy)``. ``stats`` counts the tokens. The LM head runs fused with the log-softmax,
+    ``chunk_tokens`` tokens at a time (models/logprobs.py).
     """
-    return _log_probs(model, ps, batch, micro, temperature, False, stats, chunk_tokens)[0]
-
-
-def compute_log_probs_and_entropy(
-    model: nn.Module,
-    ps: ParallelState,
-    batch: RolloutBatch,
-    micro: int | MicroBatching,
-    temperature: float = 1.0,
-    stats: TokenStats | None = None,
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`compute_log_probs` and the per-token entropy [B, R] of the same distributions."""
-    res = _log_probs(model, ps, batch, micro, temperature, True, stats, chunk_tokens)
-    return res[0], res[1]
-
-
-def _log_probs(model, ps, batch, micro, temperature, with_entropy, stats, chunk_tokens) -> torch.Tensor:
     head = _log_prob_head(ps, model.args.vocab_size, temperature, with_entropy, False, chunk_tokens)
 
     def per_micro_batch(mb: RolloutBatch, out: torch.Tensor) -> torch.Tensor:
         return out.permute(2, 0, 1)  # [b, r, 1 or 2] -> [1 or 2, b, r]
 
     rows = 2 if with_entropy else 1
-    return _forward_response(
+    res = _forward_response(
         model, ps, batch, micro, per_micro_batch, rows, _response_positions, stats, head=head
     )
+    return (res[0], res[1]) if with_entropy else res[0]
 
 
 def compute_values(

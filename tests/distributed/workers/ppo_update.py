@@ -39,13 +39,7 @@ from megatron_rl.models.builder import (
 )
 from megatron_rl.optim import LRSchedule, ModelOptimizer
 from megatron_rl.parallel import destroy_parallel, init_parallel
-from megatron_rl.ppo import (
-    compute_log_probs,
-    compute_log_probs_and_entropy,
-    compute_values,
-    update_actor,
-    update_critic,
-)
+from megatron_rl.ppo import compute_log_probs, compute_values, update_actor, update_critic
 from megatron_rl.weights.hf_io import scatter_shard
 from megatron_rl.weights.tables import hf_shapes, iter_stage_layouts
 
@@ -238,8 +232,8 @@ def run_pair(ps, a, actor_dir: str, critic_dir: str, out_dir: str) -> None:
     load_hf_weights(actor, actor_dir, ps)
     if a.break_qk_norm_reduction:
         break_qk_norm_reduction(actor)
-    lp, ent = compute_log_probs_and_entropy(
-        actor, ps, batch, forward_micro(LOGPROB_MICRO), TEMPERATURE, stats=tokens
+    lp, ent = compute_log_probs(
+        actor, ps, batch, forward_micro(LOGPROB_MICRO), TEMPERATURE, with_entropy=True, stats=tokens
     )
     lp_only = compute_log_probs(actor, ps, batch, forward_micro(4), TEMPERATURE)
     res["logp_only_vs_with_entropy"] = (lp_only - lp).abs().max().item()
