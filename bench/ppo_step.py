@@ -3,22 +3,30 @@
     python bench/ppo_step.py --model qwen2.5-1.5b --nproc 1 --tp 1 --out bench_out/tp1
     python bench/ppo_step.py --model qwen2.5-1.5b --nproc 2 --tp 2 --out bench_out/tp2
     python bench/ppo_step.py --model tiny --device cpu --rollout hf --nproc 2 --tp 2 --out /tmp/b  # CPU
+    python bench/ppo_step.py --model qwen3-30b-a3b --layers 4 --no-compare --out bench_out/moe  # MoE
+    python bench/ppo_step.py --model tiny-moe --device cpu --rollout hf --nproc 1 --steps 2 --no-compare \
+        --out /tmp/bmoe   # the MoE path on CPU
     python bench/ppo_step.py --model qwen2.5-1.5b --response-len 1024 --response-spread 32 1024 \
         --compare-dynamic --out bench_out/dynamic   # padded vs token-budget micro-batches
     python bench/ppo_step.py --model qwen2.5-1.5b --nproc 2 --compare-placement --out bench_out/placement
     python bench/ppo_step.py --model qwen2.5-1.5b --nproc 2 --compare-critic-placement --out bench_out/critic
 
-It prepares a random HF model (Qwen2.5-1.5B shape, or a tiny one), a word-level tokenizer whose
-tokens are ``t0 .. t{V-1}`` (so prompts are plain token ids), and parquet prompts of exactly
---prompt-len tokens; then it runs ``torchrun -m megatron_rl.train`` unchanged, twice unless
---no-compare: colocated (the engine's memory released during training, and the training state parked
-in host memory during generation: what the memory planner parks (the *_offload keys' default, auto), or
-with --offload on every *.megatron.*_offload key on) and not (free_cache_engine=False, no offload),
-and summarises the JSONL metrics (steps after the first, which includes compilation and warm-up):
-per-phase seconds, tokens/s/GPU, actor MFU against the bf16 matmul peak measured in the same run,
-peak device memory, and the colocated/non-colocated peak-memory ratio. Responses are
---response-len tokens: a random model practically never samples EOS. The reward is a rule on the
-response text (bench/synthetic_reward.py), so every phase of a real step runs.
+It prepares a random HF model (Qwen2.5-1.5B shape; Qwen3-30B-A3B's, a Qwen3-MoE of 128 experts, top-8,
+cut to --layers decoder layers (4 by default) so that it fits one GPU; or a tiny dense or MoE one), a
+word-level tokenizer whose tokens are ``t0 .. t{V-1}`` (so prompts are plain token ids), and parquet
+prompts of exactly --prompt-len tokens; then it runs ``torchrun -m megatron_rl.train`` unchanged, twice
+unless --no-compare: colocated (the engine's memory released during training, and the training state
+parked in host memory during generation: what the memory planner parks (the *_offload keys' default,
+auto), or with --offload on every *.megatron.*_offload key on) and not (free_cache_engine=False, no
+offload), and summarises the JSONL metrics (steps after the first, which includes compilation and
+warm-up): per-phase seconds, tokens/s/GPU, actor MFU against the bf16 matmul peak measured in the same
+run, peak device memory, the colocated/non-colocated peak-memory ratio, and for an MoE model the
+router's expert load imbalance, aux loss (when moe_aux_loss_coeff > 0, e.g. --set
+actor_rollout_ref.actor.megatron.override_transformer_config.moe_aux_loss_coeff=0.001) and, with routing
+replay (--set actor_rollout_ref.actor.router_replay.mode=R3), the share of routing decisions where
+trainer and engine disagree. MFU counts an MoE model's active parameters. Responses are --response-len
+tokens: a random model practically never samples EOS. The reward is a rule on the response text
+(bench/synthetic_reward.py), so every phase of a real step runs.
 
 With --response-spread LO HI each response's length is drawn uniformly from [LO, HI]
 (bench/spread_train.py). With --compare-dynamic the two runs are instead both colocated: fixed-size
@@ -62,9 +70,29 @@ OFFLOAD_KEYS = [
     "actor_rollout_ref.ref.megatron.param_offload",
 ]
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+MODELS = ("qwen2.5-1.5b", "qwen3-30b-a3b", "tiny", "tiny-moe")
+MOE_LAYERS = 4  # --layers of qwen3-30b-a3b by default
 
 
-def prepare(work: str, model: str, prompt_len: int, n_prompts: int, seed: int) -> tuple[str, str, str]:
+def model_shape(model: str, layers: int | None) -> tuple[str, dict]:
+    """(architecture, HF config dims) of a --model; ``layers`` overrides num_hidden_layers."""
+    from megatron_rl.models.random_hf import QWEN3_30B_A3B, QWEN25_1_5B, TINY, TINY_MOE
+
+    arch, dims = {
+        "qwen2.5-1.5b": ("qwen2", QWEN25_1_5B),
+        "qwen3-30b-a3b": ("qwen3_moe", {**QWEN3_30B_A3B, "num_hidden_layers": MOE_LAYERS}),
+        "tiny": ("qwen2", {**TINY, "vocab_size": 512}),
+        "tiny-moe": ("qwen3_moe", {**TINY, **TINY_MOE["qwen3_moe"], "vocab_size": 512}),
+    }[model]
+    dims = dict(dims)
+    if layers is not None:
+        dims["num_hidden_layers"] = layers
+    return arch, dims
+
+
+def prepare(
+    work: str, model: str, prompt_len: int, n_prompts: int, seed: int, layers: int | None = None
+) -> tuple[str, str, str]:
     """Model directory, tokenizer directory and a training parquet file under ``work``.
 
     The tokenizer has its own directory: beside a Qwen2 config.json, transformers would load it as a
@@ -76,12 +104,23 @@ def prepare(work: str, model: str, prompt_len: int, n_prompts: int, seed: int) -
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from megatron_rl.models.random_hf import QWEN25_1_5B, TINY, save_random_hf_model
+    from megatron_rl.models.random_hf import save_random_hf_model
 
-    dims = dict(QWEN25_1_5B) if model == "qwen2.5-1.5b" else {**TINY, "vocab_size": 512}
+    arch, dims = model_shape(model, layers)
     model_dir, tok_dir = os.path.join(work, "model"), os.path.join(work, "tokenizer")
     vocab = dims["vocab_size"]
-    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+    config_file = os.path.join(model_dir, "config.json")
+    if os.path.isfile(config_file):  # a model saved by an earlier run under the same --out: reuse it
+        with open(config_file) as f:
+            saved = json.load(f)
+        want = (arch, dims["num_hidden_layers"], dims["hidden_size"], vocab)
+        have = tuple(saved.get(k) for k in ("model_type", "num_hidden_layers", "hidden_size", "vocab_size"))
+        if have != want:
+            raise SystemExit(
+                f"bench: {model_dir} holds another model (model_type, layers, hidden, vocab = {have}, "
+                f"--model {model} needs {want}); use another --out"
+            )
+    else:
         words = {f"t{i}": i for i in range(vocab - 3)}
         words.update({"<pad>": vocab - 3, "<s>": vocab - 2, "</s>": vocab - 1})
         tok = Tokenizer(models.WordLevel(words, unk_token="<pad>"))
@@ -92,7 +131,7 @@ def prepare(work: str, model: str, prompt_len: int, n_prompts: int, seed: int) -
         hf_tok.save_pretrained(tok_dir)
         ids = dict(pad_token_id=vocab - 3, bos_token_id=vocab - 2, eos_token_id=vocab - 1)
         # HF's default init (std 0.02): sane bf16 activations; the benchmark measures speed, not quality.
-        save_random_hf_model(model_dir, "qwen2", seed=seed, init="hf", dtype=torch.bfloat16, **dims, **ids)
+        save_random_hf_model(model_dir, arch, seed=seed, init="hf", dtype=torch.bfloat16, **dims, **ids)
     data = os.path.join(work, "train.parquet")
     rng = random.Random(seed)
     rows = [
@@ -249,7 +288,14 @@ def summarize(rows: list[dict], nproc: int) -> dict:
                 "rollout_corr/log_ppl_abs_diff",
                 "rollout_corr/rollout_is_mean",
                 "rollout_corr/rollout_rs_masked_fraction",
+                "rollout_corr/router_mismatch",
             )
+            if mean(k) is not None
+        },
+        # MoE routers over the actor's update: expert load (max / mean tokens per expert), aux losses
+        "moe": {
+            k: mean(k)
+            for k in ("actor/moe_load_imbalance", "actor/moe_aux_loss", "actor/moe_z_loss")
             if mean(k) is not None
         },
         # placement: the engines' own time, and each side's idle share of the step
@@ -280,7 +326,13 @@ def summarize(rows: list[dict], nproc: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="qwen2.5-1.5b", choices=["qwen2.5-1.5b", "tiny"])
+    ap.add_argument("--model", default="qwen2.5-1.5b", choices=MODELS)
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help=f"decoder layers (default: {MOE_LAYERS} for qwen3-30b-a3b, the shape's own for the others)",
+    )
     ap.add_argument("--nproc", type=int, default=1)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--rollout-tp", type=int, default=None)
@@ -344,7 +396,7 @@ def main() -> None:
 
     os.makedirs(a.out, exist_ok=True)
     model_dir, tok_dir, data = prepare(
-        os.path.join(a.out, "inputs"), a.model, a.prompt_len, a.batch * a.steps, a.seed
+        os.path.join(a.out, "inputs"), a.model, a.prompt_len, a.batch * a.steps, a.seed, a.layers
     )
     result = {"args": vars(a)}
     placed = {

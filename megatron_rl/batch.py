@@ -12,7 +12,8 @@ Shapes (B sequences on this data-parallel rank, P prompt tokens, R response toke
 
 Fields filled as the step proceeds: rollout_log_probs (the engine's, when kept), old_log_probs,
 ref_log_probs, values (each [B, R]), token_level_scores / token_level_rewards / advantages / returns and
-rollout_is_weights (mismatch correction) ([B, R]). Per-sequence host data
+rollout_is_weights (mismatch correction) ([B, R]); with routing replay, routed_experts [B, P+R, L, k] (the
+engine's experts per token and layer, aligned with input_ids). Per-sequence host data
 (uid of the prompt group, data_source, ground truth, extra_info) lives in ``meta``.
 """
 
@@ -79,6 +80,9 @@ class RolloutBatch:
     rollout_is_weights: torch.Tensor | None = None
     response_index: torch.Tensor | None = None
     """Compacted micro-batches only (:meth:`compacted`): [B, R] position predicting each response token."""
+    routed_experts: torch.Tensor | None = None
+    """MoE with routing replay: [B, P+R, L, k] int16, the engine's experts for each token of input_ids in
+    each of the L decoder layers; -1 where it recorded none (models/routing.py)."""
 
     @classmethod
     def from_tokens(
@@ -163,6 +167,10 @@ class RolloutBatch:
                 got = (got or [])[: len(r)]
                 lp[i, : len(got)] = torch.tensor(got, dtype=torch.float32)
             batch.rollout_log_probs = lp
+        routed = [g.routed_experts for samples in generations for g in samples]
+        if any(r is not None for r in routed):
+            lengths = [len(q.prompt_ids if hasattr(q, "prompt_ids") else q) for q in prompts]
+            batch.routed_experts = _routed_rows(routed, lengths, responses, batch.input_ids.shape[1] - width)
         return batch
 
     def __len__(self) -> int:
@@ -202,6 +210,10 @@ class RolloutBatch:
         kw["prompts"] = self.prompts
         kw["input_ids"] = torch.where(real, self.input_ids.gather(1, src), 0)
         kw["attention_mask"] = real.to(self.attention_mask.dtype)
+        if self.routed_experts is not None:  # [b, S, L, k] -> [b, L_width, L, k], moved as input_ids
+            re = self.routed_experts
+            moved = re.gather(1, src.to(re.device)[:, :, None, None].expand(-1, -1, *re.shape[2:]))
+            kw["routed_experts"] = torch.where(real.to(re.device)[:, :, None, None], moved, -1)
         index = (p_len - 1)[:, None] + torch.arange(r, device=keep.device)[None]
         return RolloutBatch(meta=self.meta, response_index=index.clamp(0, width - 1), **kw)
 
@@ -214,7 +226,7 @@ class RolloutBatch:
             meta = [self.meta[i] for i in idx]
             index = torch.as_tensor(idx, dtype=torch.long)
         kw: dict[str, Any] = {}
-        for name in (*_TENSOR_FIELDS, "response_index"):
+        for name in (*_TENSOR_FIELDS, "response_index", "routed_experts"):
             t = getattr(self, name)
             kw[name] = (
                 None if t is None else t[index.to(t.device) if isinstance(index, torch.Tensor) else index]
@@ -272,11 +284,48 @@ class RolloutBatch:
         )
         for name in _TENSOR_FIELDS[5:]:
             setattr(out, name, cat(name, r, False, 0))
+        routed = [b.routed_experts for b in batches]
+        if all(x is not None for x in routed):  # each prompt part left padded, each response part right
+            parts = []
+            for b, x in zip(batches, routed, strict=True):
+                assert x is not None
+                lp = b.prompts.shape[1]
+                parts.append(
+                    torch.cat(
+                        [
+                            _pad_dim1(x[:, :lp], p - lp, True),
+                            _pad_dim1(x[:, lp:], r - b.response_length, False),
+                        ],
+                        dim=1,
+                    )
+                )
+            out.routed_experts = torch.cat(parts)
         return out
 
     def to(self, device: torch.device) -> RolloutBatch:
-        names = (*_TENSOR_FIELDS, "response_index")
+        names = (*_TENSOR_FIELDS, "response_index", "routed_experts")
         kw: dict[str, Any] = {
             n: (None if getattr(self, n) is None else getattr(self, n).to(device)) for n in names
         }
         return dataclasses.replace(self, **kw)
+
+
+def _pad_dim1(x: torch.Tensor, extra: int, left: bool) -> torch.Tensor:
+    """[B, n, ...] with ``extra`` positions of -1 (no recorded routing) before or after."""
+    pad = torch.full((x.shape[0], extra, *x.shape[2:]), -1, dtype=x.dtype, device=x.device)
+    return torch.cat([pad, x] if left else [x, pad], dim=1)
+
+
+def _routed_rows(routed: list, prompt_lengths: list[int], responses: list, p: int) -> torch.Tensor:
+    """Per-sequence engine routing ([tokens read, L, k] or None) -> [B, P+R, L, k] aligned with input_ids
+    (prompts left padded to ``p``); -1 where nothing was recorded."""
+    shape = next(r for r in routed if r is not None).shape[1:]
+    width = p + max(1, max(len(x) for x in responses))
+    out = torch.full((len(routed), width, *shape), -1, dtype=torch.int16)
+    for i, (rows, lp, resp) in enumerate(zip(routed, prompt_lengths, responses, strict=True)):
+        if rows is None:
+            continue
+        start = p - lp
+        n = min(rows.shape[0], lp + len(resp) - 1)  # the last token is never read
+        out[i, start : start + n] = rows[:n].to(torch.int16)
+    return out

@@ -54,6 +54,14 @@ ENGINE_OWN = (
     "the in-process SGLang engine schedules its own batches (rollout.gpu_memory_utilization sizes it)"
 )
 NO_MULTIMODAL = "text-only models"
+REPLAY_FROM_ENGINE = (
+    "routing is replayed from the rollout engine (actor_rollout_ref.actor.router_replay.mode=R3), "
+    "not from files"
+)
+REPLAY_ELSEWHERE = (
+    "routing replay applies to the actor's training passes (actor_rollout_ref.actor.router_replay.mode); "
+    "the reference and critic route with their own routers"
+)
 MEGATRON_ONLY = "this trainer runs Megatron only"
 NO_FUSIONS = "megatron-core's local layer spec runs here, without Transformer Engine / Apex fused kernels"
 ATTENTION = (
@@ -89,6 +97,11 @@ RULES: tuple[Rule, ...] = (
     _alias(
         "*.megatron.override_transformer_config.recompute_granularity", "*.megatron.recompute_granularity"
     ),
+    _alias(
+        "actor_rollout_ref.actor.megatron.router_replay.mode", "actor_rollout_ref.actor.router_replay.mode"
+    ),
+    _refused("actor_rollout_ref.actor.*router_replay.record_file", REPLAY_FROM_ENGINE, None),
+    _refused("actor_rollout_ref.actor.*router_replay.replay_file", REPLAY_FROM_ENGINE, None),
     _alias("*.megatron.override_transformer_config.recompute_method", "*.megatron.recompute_method"),
     _alias("*.megatron.override_transformer_config.recompute_num_layers", "*.megatron.recompute_num_layers"),
     _alias("*.megatron.override_transformer_config.sequence_parallel", "*.megatron.sequence_parallel"),
@@ -253,7 +266,7 @@ RULES: tuple[Rule, ...] = (
     _ignored("*.optim.*", OWN_SCHEDULE),
     _ignored("*.megatron.*", OWN_LOADING),
     _ignored("*.checkpoint.*", "checkpoints always hold model, optimizer and RNG/sampler state"),
-    _ignored("*.router_replay.*", "routing replay is not implemented: the trainer's router routes"),
+    _ignored("*.router_replay.*", REPLAY_ELSEWHERE),
     _ignored("*.lora*", "LoRA is not implemented"),
     _ignored("*lora_alpha", "LoRA is not implemented"),
     _ignored("*.target_modules", "LoRA is not implemented"),

@@ -14,6 +14,7 @@ from megatron_rl.config.layout import (
     _read_model_dims,
     check_expert_layout,
     check_layout_against_model,
+    check_router_replay,
     parallel_sizes,
 )
 from megatron_rl.config.load import known_keys
@@ -314,6 +315,7 @@ def validate(cfg: Config, world_size: int, model_dims: dict[str, int] | None = N
             f"or the number of processes."
         )
     check_expert_layout(cfg, world_size)
+    check_router_replay(cfg, placement.separate_rollout)
     if rollout.multi_turn.enable and rollout_ranks and placement.separate_rollout:
         raise ConfigError(
             "actor_rollout_ref.rollout.multi_turn.enable=true runs on the colocated engine only; "

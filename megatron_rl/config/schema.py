@@ -79,6 +79,14 @@ class PolicyLossConfig:
 
 
 @dataclass
+class RouterReplayConfig:
+    mode: str = "disabled"
+    """MoE actors: disabled | R3 (every training forward of the actor routes each token to the experts
+    the rollout engine chose for it; models/routing.py). R2 (replaying the old-log-prob pass's routing
+    in the updates) is not built."""
+
+
+@dataclass
 class ActorConfig:
     ppo_mini_batch_size: int = 256
     """Prompts per optimizer step (over all DP ranks, before rollout.n)."""
@@ -127,6 +135,8 @@ class ActorConfig:
     """Optimizer and learning-rate schedule."""
     megatron: ActorMegatronConfig = field(default_factory=ActorMegatronConfig)
     """Parallel layout and memory options."""
+    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
+    """Routing replay of a mixture-of-experts actor."""
 
 
 @dataclass
@@ -211,8 +221,10 @@ class MultiTurnConfig:
     (<tool_call>{"name": ..., "arguments": {...}}</tool_call>)."""
     tool_timeout_s: float = 30.0
     """Seconds one tool call may take; a slower call becomes an error message to the model."""
-    tool_workers: int = 16
-    """Threads running tool calls concurrently (all episodes of a turn at once)."""
+    tool_workers: int = 128
+    """Threads running tool and interaction calls concurrently: calls beyond it wait for a thread, so a
+    turn whose tools each take t seconds waits about ceil(calls / tool_workers) x t (tools mostly wait
+    on I/O: threads are cheap)."""
     tool_reward_weight: float = 0.0
     """Each episode's tool rewards (execute's step rewards + calc_reward, or the agent function's
     reward) times this are added to its score."""

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_rl import cpu_bridge
+from megatron_rl.models import routing
 from megatron_rl.parallel import ParallelState
 
 
@@ -185,6 +186,7 @@ def run_pipeline(
     moe = not forward_only and inner.config.num_moe_experts is not None
     if moe:
         _install_aux_loss_scale()
+    replays = routing.replays_of(model)
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
@@ -195,6 +197,11 @@ def run_pipeline(
         if moe:  # the tokens each router saw: [s/TP * b] under sequence parallelism, [s * b] otherwise
             tokens = ids.numel() // (ps.tp_size if inner.config.sequence_parallel else 1)
             _AUX_SCALE[0] = 1.0 / (tokens * len(microbatches) * ps.dp_size)
+        if replays:  # R3: the routers take the engine's experts for these tokens (models/routing.py)
+            routed = getattr(mb, "routed_experts", None)
+            if routed is not None and pad:
+                routed = F.pad(routed, (0, 0, 0, 0, 0, pad), value=routing.NONE)
+            routing.set_targets(replays, routed, inner.config.sequence_parallel, ps.tp_rank, ps.tp_size)
         current[0] = mb
         if positions is not None:
             current[1] = positions(mb)
@@ -213,6 +220,7 @@ def run_pipeline(
             None if head is None else lambda hidden, weight: head(current[0], hidden, weight),
         ),
         _variable_shapes(inner.config, len(shapes) > 1),
+        routing.cleared(replays),
     ):
         return get_forward_backward_func()(
             forward_step_func=forward_step,

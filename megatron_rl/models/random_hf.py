@@ -61,6 +61,26 @@ QWEN25_1_5B = dict(
     tie_word_embeddings=True,
 )
 
+# Qwen3-30B-A3B (arch qwen3_moe): 128 experts of 768, 8 per token, every layer MoE; ~30.5B parameters,
+# ~3.3B active. intermediate_size is the (unused) dense MLP width of the HF config.
+QWEN3_30B_A3B = dict(
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_hidden_layers=48,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    moe_intermediate_size=768,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    vocab_size=151936,
+    max_position_embeddings=32768,
+    rope_theta=1000000.0,
+    tie_word_embeddings=False,
+)
+
 
 def random_hf_model(
     arch: str, seed: int = 0, init: str = "o1", dtype=torch.float32, head: str = "lm", **dims

@@ -4,7 +4,8 @@ ActorRole.log_probs(step, batch, stats)   old log-probs [B, R] of the sampled to
                                           temperature), timed as timing_s/old_log_prob; None when
                                           the update's first forward gives them (docs/performance.md)
 ActorRole.correct(batch)                  the rollout engine's log-probs against them: mismatch
-                                          metrics and corrections (algorithm.rollout_correction)
+                                          metrics and corrections (algorithm.rollout_correction);
+                                          under routing replay rollout_corr/router_mismatch
 ActorRole.update(step, batch, stats)      the PPO update, after trainer.critic_warmup steps
 ActorRole.model                           the module the reshard stream reads into the engines
 ActorRole.register_state(registry)        actor/, actor_optim/ and the optimizer's counters
@@ -98,6 +99,7 @@ class ActorRole:
             passes,
             timer,
         )
+        self._router_reported = False  # this step's router mismatch came from the old-log-prob pass
 
     def log_probs(self, step: int, batch: RolloutBatch, stats: TokenStats) -> torch.Tensor | None:
         """None when the pass would equal the update's first forward and nothing reads it before the
@@ -113,11 +115,28 @@ class ActorRole:
             )
 
     def correct(self, batch: RolloutBatch) -> dict[str, float]:
-        """Mismatch metrics and corrections against the engine's log-probs (none kept: nothing to do)."""
+        """Mismatch metrics and corrections against the engine's log-probs (none kept: nothing to do),
+        and with routing replay the share of routing the old-log-prob pass would have chosen otherwise."""
+        metrics = self._router_mismatch()
+        self._router_reported = bool(metrics)
         if batch.rollout_log_probs is None:
-            return {}
+            return metrics
         with self.timer("rollout_corr"):
-            return correct_mismatch(batch, self.cfg.algorithm.rollout_correction, self.ps.dp_group)
+            return {
+                **metrics,
+                **correct_mismatch(batch, self.cfg.algorithm.rollout_correction, self.ps.dp_group),
+            }
+
+    def _router_mismatch(self) -> dict[str, float]:
+        """``rollout_corr/router_mismatch`` under R3: (token, layer) pairs whose own top-k differs from
+        the engine's, over the forwards since the last call (models/routing.py); collective."""
+        if self.cfg.actor_rollout_ref.actor.router_replay.mode != "R3":
+            return {}
+        from megatron_rl.models.routing import mismatch_fraction, replays_of
+
+        ps = self.ps
+        frac = mismatch_fraction(replays_of(self.model), (ps.dp_group, ps.mp_group), ps.device)
+        return {} if frac is None else {"rollout_corr/router_mismatch": frac}
 
     def update(self, step: int, batch: RolloutBatch, stats: TokenStats) -> dict[str, float]:
         """The PPO update of step ``step`` (mini-batches shuffled by the step); nothing during the
@@ -141,6 +160,9 @@ class ActorRole:
             )
         if arr.actor.use_kl_loss:
             metrics["actor/kl_coef"] = arr.actor.kl_loss_coef
+        router = self._router_mismatch()  # the update's forwards; reported when no old-log-prob pass ran
+        if not self._router_reported:
+            metrics.update(router)
         return metrics
 
     def register_state(self, registry: StateRegistry) -> None:

@@ -4,6 +4,7 @@
         actor     actor_rollout_ref.model.path, trained (ModelOptimizer over megatron's DDP)
         ref       the same weights, frozen; only when a KL term needs it (use_kl_loss / use_kl_in_reward)
         reward    reward_model.model.path with a score head, frozen; when reward_model.enable
+    With actor.router_replay.mode=R3 the actor's routers replay the engine's routing (models/routing.py).
     build_critic(cfg, ps, total_steps)
         critic    critic.model.path with a value head, trained; when critic.enable (GAE by default).
                   Handed to the critic role (roles.critic.make_critic; on ranks of its own the critic
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_rl.config import Config, FrozenMegatronConfig
+from megatron_rl.config import Config, ConfigError, FrozenMegatronConfig
 from megatron_rl.parallel import ParallelState
 
 if TYPE_CHECKING:
@@ -120,9 +121,19 @@ def build_models(
     from megatron_rl.optim import ModelOptimizer
 
     arr = cfg.actor_rollout_ref
+    replay = arr.actor.router_replay.mode == "R3"
+    if replay and not model_args.is_moe:
+        raise ConfigError(
+            "actor_rollout_ref.actor.router_replay.mode=R3 replays expert routing, but "
+            f"{arr.model.path} is a dense model: set it to disabled."
+        )
     actor = _model(
         ps, model_args, "actor", arr.model.path, arr.actor.megatron, arr.model.enable_gradient_checkpointing
     )
+    if replay:
+        from megatron_rl.models.routing import enable_replay
+
+        enable_replay(actor)  # before DDP wraps it
     actor_steps = _optim_steps(
         cfg, arr.actor.ppo_epochs, arr.actor.ppo_mini_batch_size, total_steps - cfg.trainer.critic_warmup
     )

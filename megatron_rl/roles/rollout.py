@@ -79,7 +79,10 @@ def start_engine(cfg: Config, ps: ParallelState, model_args):
     # SGLang captures decode graphs up to the rows one engine decodes at once (its prompts x n)
     graph_bs = cuda_graph_max_bs(cfg, ps.world_size // rollout.tensor_model_parallel_size)
     path = cfg.actor_rollout_ref.model.path
-    engine = create_engine(rollout, path, model_args, ps, seed=cfg.data.seed, cuda_graph_max_bs=graph_bs)
+    r3 = cfg.actor_rollout_ref.actor.router_replay.mode == "R3"
+    engine = create_engine(
+        rollout, path, model_args, ps, seed=cfg.data.seed, cuda_graph_max_bs=graph_bs, routed_experts=r3
+    )
     if ps.rank == 0:
         sglang_graphs = rollout.enable_cuda_graph and rollout.name == "sglang"
         graphs = f"on, up to batch {graph_bs}" if sglang_graphs else "off"
@@ -118,6 +121,7 @@ def sampling_params(
         step=step,
         validate=validate,
         return_logprobs=logprobs and not validate,
+        return_routed_experts=cfg.actor_rollout_ref.actor.router_replay.mode == "R3" and not validate,
     )
 
 

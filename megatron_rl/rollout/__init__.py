@@ -46,9 +46,12 @@ def create_engine(
     ps: ParallelState,
     seed: int,
     cuda_graph_max_bs: int | None = None,
+    routed_experts: bool = False,
 ) -> RolloutEngine:
     """The engine named by ``actor_rollout_ref.rollout.name`` (collective: every rank calls it);
-    ``cuda_graph_max_bs``: SGLang's largest captured decode batch (run.memory_plan.cuda_graph_max_bs)."""
+    ``cuda_graph_max_bs``: SGLang's largest captured decode batch (run.memory_plan.cuda_graph_max_bs);
+    ``routed_experts``: able to return each token's experts (routing replay; the transformers engine
+    always is)."""
     if cfg.dtype not in DTYPES:
         raise ValueError(f"actor_rollout_ref.rollout.dtype={cfg.dtype!r}: choose one of {sorted(DTYPES)}")
     if cfg.name == "hf":
@@ -58,8 +61,9 @@ def create_engine(
     if cfg.name == "sglang":
         from megatron_rl.rollout.sglang_engine import SGLangEngine
 
+        extra = {"enable_return_routed_experts": True} if routed_experts else {}
         return SGLangEngine(
-            cfg, args, ps, seed=seed, model_path=model_path, cuda_graph_max_bs=cuda_graph_max_bs
+            cfg, args, ps, seed=seed, model_path=model_path, cuda_graph_max_bs=cuda_graph_max_bs, **extra
         )
     raise ValueError(
         f"actor_rollout_ref.rollout.name={cfg.name!r}: choose 'sglang' (GPU) or 'hf' (transformers)"

@@ -67,6 +67,8 @@ class SamplingParams:
     """Training step of this rollout (part of every row's sampling seed)."""
     validate: bool = False
     """A validation rollout: its seeds are kept apart from the training rollout of the same step."""
+    return_routed_experts: bool = False
+    """MoE: also return the experts each token was routed to (routing replay, models/routing.py)."""
 
     @property
     def is_greedy(self) -> bool:
@@ -132,6 +134,10 @@ class Generation:
     info: dict | None = None
     """Multi-turn episodes: num_turns, tool_calls, tool_errors, tool_timeouts, tool_rewards, turn_scores
     (see rollout/agent_loop.py)."""
+    routed_experts: torch.Tensor | None = None
+    """With ``return_routed_experts``: [prompt + response - 1, L, k] int16, the experts each token the
+    engine read (prompt, then response but its last token) went to in each decoder layer; -1 on dense
+    layers."""
 
 
 Bucket = list[tuple[str, torch.Tensor]]

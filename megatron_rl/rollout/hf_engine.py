@@ -13,6 +13,9 @@ run with the same seed and the same prompts is bit-identical on CPU, whatever th
 Per step: logits [B, V] (fp32) -> greedy argmax, or temperature -> top-k -> top-p ->
 multinomial. Log-probs, when asked, are log_softmax(logits / temperature) of the chosen token
 (log_softmax(logits) for greedy), i.e. before top-k/top-p truncation, as the trainer computes them.
+With ``return_routed_experts`` (MoE routing replay) a hook on each MoE block's router keeps the top-k
+expert ids of every forward: prefill and decode steps together give each row's
+[prompt + response - 1, L, k] (models/routing.py).
 
 release_memory/resume_memory move the weights to the host and back on a GPU; on the CPU they are
 no-ops (nothing to give back).
@@ -229,6 +232,32 @@ class HFEngine:
             ids[i, plen - len(r) :] = torch.tensor(r)
             mask[i, plen - len(r) :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
+        recorder = _RoutingRecorder(self.model) if params.return_routed_experts else None
+        try:
+            toks, lps = self._decode(ids, mask, params, gen)
+        finally:
+            if recorder is not None:
+                recorder.remove()
+        tok_rows = torch.stack(toks, dim=1).tolist()
+        lp_rows = torch.stack(lps, dim=1).tolist()
+        stop_set = set(params.stop_token_ids)
+        routed = None if recorder is None else recorder.result(b)  # [b, plen + fed, L, k]
+        res = []
+        for i, (t, lp) in enumerate(zip(tok_rows, lp_rows, strict=True)):
+            g = cut_response(t, lp, stop_set)
+            if not params.return_logprobs:
+                g.logprobs = None
+            if routed is not None:  # this row's prompt, then its response but the last token
+                g.routed_experts = routed[i, plen - len(rows[i]) : plen + len(g.token_ids) - 1].clone()
+            res.append(g)
+        return res
+
+    def _decode(
+        self, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams, gen: list[torch.Generator]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """KV-cached sampling from left-padded ``ids`` [b, plen]: the tokens and log-probs of each step
+        ([b] each), until every row has stopped or max_new_tokens."""
+        b = ids.shape[0]
         pos = (mask.cumsum(-1) - 1).clamp(min=0)  # positions count real tokens only, as HF generate does
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
         cache, logits = out.past_key_values, out.logits[:, -1].float()
@@ -253,13 +282,47 @@ class HFEngine:
                 use_cache=True,
             )
             cache, logits = out.past_key_values, out.logits[:, -1].float()
-        tok_rows = torch.stack(toks, dim=1).tolist()
-        lp_rows = torch.stack(lps, dim=1).tolist()
-        stop_set = set(params.stop_token_ids)
-        res = []
-        for t, lp in zip(tok_rows, lp_rows, strict=True):
-            g = cut_response(t, lp, stop_set)
-            if not params.return_logprobs:
-                g.logprobs = None
-            res.append(g)
-        return res
+        return toks, lps
+
+
+class _RoutingRecorder:
+    """Hooks on each MoE block's router (``layer.mlp.gate``, which returns (logits, scores, top-k ids) in
+    transformers' Qwen3-MoE and Mixtral) collecting the top-k ids of every forward of one decode."""
+
+    def __init__(self, model) -> None:
+        layers = model.model.layers
+        self.calls: list[list[torch.Tensor]] = [[] for _ in layers]
+        self.k = 0
+        self.handles = []
+        for i, layer in enumerate(layers):
+            gate = getattr(getattr(layer, "mlp", None), "gate", None)
+            if gate is not None:
+                self.handles.append(gate.register_forward_hook(self._hook(i)))
+        if not self.handles:
+            raise ValueError(
+                "return_routed_experts: the transformers model has no MoE router (layer.mlp.gate)"
+            )
+
+    def _hook(self, i: int):
+        def record(module, args, out) -> None:
+            ids = out[2]  # [b * s, k]
+            self.k = ids.shape[-1]
+            self.calls[i].append(ids.to(torch.int16).cpu())
+
+        return record
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def result(self, b: int) -> torch.Tensor:
+        """[b, tokens read, L, k]: prefill columns, then one per decode step; -1 on dense layers."""
+        per_layer = []
+        for calls in self.calls:
+            if calls:
+                per_layer.append(torch.cat([c.view(b, -1, self.k) for c in calls], dim=1))
+            else:
+                per_layer.append(None)
+        width = next(x for x in per_layer if x is not None).shape[1]
+        dense = torch.full((b, width, self.k), -1, dtype=torch.int16)
+        return torch.stack([dense if x is None else x for x in per_layer], dim=2)

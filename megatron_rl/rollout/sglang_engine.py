@@ -162,6 +162,27 @@ def to_generation(out: dict, return_logprobs: bool) -> Generation:
     return Generation(ids, logprobs, "stop" if kind == "stop" else "length")
 
 
+def routed_experts(out: dict, layers: int, top_k: int) -> torch.Tensor:
+    """``meta_info["routed_experts"]`` (base64 of int32 [prompt + output - 1, layers, top_k]: the experts
+    of every token the engine read) -> that tensor as int16."""
+    import base64
+
+    import numpy as np
+
+    raw = out.get("meta_info", {}).get("routed_experts")
+    if raw is None:
+        raise RuntimeError(
+            "SGLang returned no routed_experts: actor_rollout_ref.actor.router_replay.mode=R3 needs an "
+            "engine started with enable_return_routed_experts (an MoE model)"
+        )
+    ids = np.frombuffer(base64.b64decode(raw), dtype=np.int32)
+    if ids.size % (layers * top_k):
+        raise RuntimeError(
+            f"SGLang's routed_experts has {ids.size} ids, not a multiple of {layers} x {top_k}"
+        )
+    return torch.from_numpy(ids.astype(np.int16)).view(-1, layers, top_k)
+
+
 def _is_oom(text: str) -> bool:
     t = text.lower()
     return "out of memory" in t or "outofmemory" in t or "cuda oom" in t
@@ -334,8 +355,9 @@ class SGLangEngine:
         )
         sampling = [self._sampling(params, s) for s in seeds]
         try:
+            extra = {"return_routed_experts": True} if params.return_routed_experts else {}
             outs = self.engine.generate(
-                input_ids=rows, sampling_params=sampling, return_logprob=params.return_logprobs
+                input_ids=rows, sampling_params=sampling, return_logprob=params.return_logprobs, **extra
             )
         except Exception as e:  # SGLang re-raises scheduler errors as plain exceptions
             if isinstance(e, torch.OutOfMemoryError) or _is_oom(str(e)):
@@ -351,7 +373,10 @@ class SGLangEngine:
             if _is_oom(msg):
                 raise RolloutOOMError(self._oom(prompts, params, msg))
             raise RuntimeError(f"SGLang aborted a request: {msg}")
-        return to_generation(out, params.return_logprobs)
+        g = to_generation(out, params.return_logprobs)
+        if params.return_routed_experts:
+            g.routed_experts = routed_experts(out, self.args.num_layers, self.args.moe_top_k)
+        return g
 
     def _oom(self, prompts, params: SamplingParams, detail: str) -> str:
         free, total = torch.cuda.mem_get_info(self.ps.device)

@@ -3,7 +3,9 @@
 perf/total_num_tokens, perf/throughput      tokens of the step (all DP ranks), per second per GPU
 timing_per_token_ms/<phase>                 gen per response token, the other phases per token
 perf/mfu/actor, perf/mfu/critic             model FLOPs of the update (train_flops) / its seconds /
-                                            the bf16 matmul peak measured at start (measure_peak_flops)
+                                            the bf16 matmul peak measured at start (measure_peak_flops);
+                                            an MoE model counts its active parameters (top-k experts +
+                                            router), not all its experts
 perf/optimizer_state_gb                     fp32 main weights + Adam moments on this rank
 perf/max_memory_*_gb                        torch's and the device's peaks (the engine allocates
                                             outside torch's caching allocator)
@@ -93,9 +95,13 @@ def train_flops(
     """Model FLOPs of one forward + backward over a batch: 6 per weight per token for the transformer
     body, the LM head on response tokens only (the only positions it runs on; the critic's scalar head
     is negligible), and causal attention scores (QK^T and AV over n^2 / 2 pairs per sequence of n
-    tokens, times 3 for the backward)."""
+    tokens, times 3 for the backward).
+
+    A mixture-of-experts body counts its active parameters (``ModelArgs.num_active_params``): each
+    token passes through its top-k experts and the router of every MoE layer, not all the experts,
+    so MFU compares the FLOPs actually done with the peak."""
     head = args.vocab_size * args.hidden_size  # the embedding lookup itself costs no FLOPs
-    body = args.num_params() - head * (1 if args.tie_embeddings else 2)
+    body = args.num_active_params() - head * (1 if args.tie_embeddings else 2)
     attention = 6 * args.num_layers * args.num_heads * args.head_dim * sum_sq_lens
     return 6 * body * tokens + (6 * head * response_tokens if lm_head else 0) + attention
 
