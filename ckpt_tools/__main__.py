@@ -38,6 +38,15 @@ DIST_NOTE = (
 )
 
 
+def _expert_layout(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel size of a mixture-of-experts model (default 1; TP x PP x EP processes)",
+    )
+
+
 def _layout(p: argparse.ArgumentParser, default: int | None = 1) -> None:
     what = default if default is not None else "the input checkpoint's"
     p.add_argument("--tp", type=int, default=default, help=f"tensor-parallel size (default {what})")
@@ -76,12 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf", required=True, help="HF model directory (config.json + safetensors)")
     p.add_argument("--out", required=True, help="output torch_dist checkpoint directory")
     _layout(p)
-    p.add_argument(
-        "--ep",
-        type=int,
-        default=1,
-        help="expert-parallel size of a mixture-of-experts model (default 1; TP x PP x EP processes)",
-    )
+    _expert_layout(p)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the config's dtype")
 
     p = verb("mcore-to-hf", False)
@@ -118,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf", required=True, help="reference HF model directory")
     p.add_argument("--ckpt", required=True, help="checkpoint to check: HF, torch_dist or legacy")
     _layout(p)
+    _expert_layout(p)
     p.add_argument(
         "--tol", type=float, default=5e-3, help="max allowed |logit difference| (default 5e-3, float32)"
     )

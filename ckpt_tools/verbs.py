@@ -247,9 +247,10 @@ def mcore_to_legacy(a: argparse.Namespace) -> int:
 
 
 def verify(a: argparse.Namespace) -> int:
-    """Max |logit difference| between the checkpoint (any format, at --tp/--pp) and the HF model."""
+    """Max |logit difference| between the checkpoint (any format, at --tp/--pp/--ep) and the HF model."""
     _check_layout(a.ckpt, a.tp, a.pp)
-    rc = relaunch_if_needed(a.tp * a.pp, a.argv)
+    _check_experts(a.ckpt, a.ep)
+    rc = relaunch_if_needed(a.tp * a.pp * a.ep, a.argv)
     if rc is not None:
         return rc
     from types import SimpleNamespace
@@ -261,7 +262,7 @@ def verify(a: argparse.Namespace) -> int:
     from megatron_rl.models.forward import gather_tp, run_pipeline
     from megatron_rl.models.loading import load_model_args_any, load_weights
 
-    with _parallel(a.tp, a.pp) as ps:
+    with _parallel(a.tp, a.pp, ep=a.ep) as ps:
         with open(os.path.join(a.hf, "config.json")) as f:
             hf_vocab = json.load(f)["vocab_size"]
         args = load_model_args_any(a.ckpt)
@@ -291,8 +292,8 @@ def verify(a: argparse.Namespace) -> int:
         ok = diff <= a.tol
         _say(
             ps,
-            f"verify {a.ckpt} ({fmt}, TP={a.tp} PP={a.pp}) vs {a.hf}: max |logit diff| = {diff:.3e} over "
-            f"{a.batch}x{a.seq_len} tokens, {vocab} logits (max |logit| {top:.2f}); tol {a.tol:g}: "
-            + ("OK" if ok else "FAILED"),
+            f"verify {a.ckpt} ({fmt}, TP={a.tp} PP={a.pp} EP={a.ep}) vs {a.hf}: max |logit diff| = "
+            f"{diff:.3e} over {a.batch}x{a.seq_len} tokens, {vocab} logits (max |logit| {top:.2f}); "
+            f"tol {a.tol:g}: " + ("OK" if ok else "FAILED"),
         )
     return 0 if ok else 1

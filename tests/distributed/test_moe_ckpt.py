@@ -1,5 +1,6 @@
 """ckpt_tools with a mixture-of-experts model: HF -> torch_dist at EP2 (each of the two ranks saves
-its own experts) -> HF is bit-exact; --ep that does not divide the experts stops in one line."""
+its own experts) -> HF is bit-exact; ``verify --ep 2`` passes the checkpoint against its HF model and
+fails it against another; --ep that does not divide the experts stops in one line."""
 
 import os
 import subprocess
@@ -49,6 +50,12 @@ def test_hf_to_mcore_at_ep2_and_back_is_bit_exact(tmp_path):
     assert any(".mlp.experts.3." in k for k in want)
     for name, w in want.items():
         assert torch.equal(got[name], w), name
+
+    ok = ckpt_tools("verify", "--ep", "2", "--hf", hf, "--ckpt", mcore, "--tol", "1e-4")
+    assert "EP=2" in ok.stdout + ok.stderr and "OK" in ok.stdout + ok.stderr
+    other = save_random_hf_model(str(tmp_path / "other"), "qwen3_moe", seed=6, mlp_only_layers=[2])
+    bad = ckpt_tools("verify", "--ep", "2", "--hf", other, "--ckpt", mcore, "--tol", "1e-4", expect=1)
+    assert "FAILED" in bad.stdout + bad.stderr
 
 
 def test_ep_must_divide_the_experts(tmp_path):
