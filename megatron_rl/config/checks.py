@@ -57,7 +57,7 @@ _CHOICES = {
     "critic.megatron.recompute_granularity": ("full", "selective"),
     "critic.megatron.recompute_method": ("uniform", "block"),
     "actor_rollout_ref.rollout.dtype": ("float32", "bfloat16", "float16"),
-    "actor_rollout_ref.rollout.multi_turn.format": ("hermes",),
+    "actor_rollout_ref.rollout.multi_turn.format": ("hermes", "llama3_json"),
     "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side": ("left", "middle", "right"),
 }
 
@@ -483,6 +483,11 @@ def _check_agent_function(cfg: Config, actor_mp: int, separate_rollout: bool) ->
     if name not in defined:
         raise ConfigError(
             f"{_AGENT}.name={name!r}: {path} defines no top-level function of that name; set {_AGENT}.name."
+        )
+    if mt.format != "hermes":
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.multi_turn.format={mt.format!r} with {_AGENT}.path: the endpoint "
+            "replies with Hermes tool calls only; set it to hermes."
         )
     for key in ("tool_config_path", "interaction_config_path"):
         if getattr(mt, key):

@@ -217,8 +217,9 @@ class MultiTurnConfig:
     interaction_config_path: str | None = None
     """verl's interaction config YAML (interaction: - name, class_name, config); None = no simulated user."""
     format: str = "hermes"
-    """Tool-call format of the model's turns: hermes
-    (<tool_call>{"name": ..., "arguments": {...}}</tool_call>)."""
+    """Tool-call format of the model's turns: hermes (<tool_call>{"name": ..., "arguments": {...}}
+    </tool_call>, Qwen's templates) | llama3_json (the turn is {"name": ..., "parameters": {...}}, Llama
+    3.1-3.3's templates); rollout/tool_formats.py."""
     tool_timeout_s: float = 30.0
     """Seconds one tool call may take; a slower call becomes an error message to the model."""
     tool_workers: int = 128

@@ -27,10 +27,8 @@ per turn), as the engines' collectives need.
 
 from __future__ import annotations
 
-import json
 import math
 import queue
-import re
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
@@ -42,12 +40,16 @@ import torch.distributed as dist
 
 from megatron_rl.rollout import tools as tl
 from megatron_rl.rollout.base import Generation, SamplingParams, gloo_twin, is_dp_leader
+from megatron_rl.rollout.tool_formats import (
+    ToolCall,
+    looks_like_a_call,
+    parse_tool_calls,
+)
 
 if TYPE_CHECKING:
     from megatron_rl.config.schema import MultiTurnConfig
     from megatron_rl.parallel import ParallelState
 
-TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _TURN_SEED_STRIDE = 7919  # each turn samples from its own stream
 _MARK = "MRLASSISTANTMARK"  # the assistant content of the probe conversation (found again in its text)
 
@@ -89,39 +91,6 @@ class ToolPool:
         """Idle workers exit; a stuck one ends with the process (daemon)."""
         for _ in range(self._threads):
             self._jobs.put(None)
-
-
-@dataclass
-class ToolCall:
-    name: str
-    arguments: dict
-    error: str | None = None
-    """A malformed call: the error message the model gets back instead of a result."""
-
-
-def parse_hermes(text: str) -> list[ToolCall]:
-    """Every ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` of ``text``, in order."""
-    calls = []
-    for body in TOOL_CALL.findall(text):
-        try:
-            obj = json.loads(body)
-        except json.JSONDecodeError as e:
-            calls.append(ToolCall("", {}, f"the tool call is not valid JSON ({e.msg})"))
-            continue
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            calls.append(ToolCall("", {}, 'a tool call is {"name": ..., "arguments": {...}}'))
-            continue
-        args = obj.get("arguments", {})
-        if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except json.JSONDecodeError:
-                args = None
-        if not isinstance(args, dict):
-            calls.append(ToolCall(obj["name"], {}, "the tool call's arguments are not a JSON object"))
-            continue
-        calls.append(ToolCall(obj["name"], args))
-    return calls
 
 
 def truncate_text(text: str, limit: int, side: str) -> str:
@@ -322,7 +291,8 @@ class AgentLoop:
         if cfg.max_user_turns is not None and e.user_turns >= cfg.max_user_turns:
             e.finish = "stop"
             return
-        e.calls = parse_hermes(text) if self.tools or "<tool_call>" in text else []
+        fmt = cfg.format
+        e.calls = parse_tool_calls(text, fmt) if self.tools or looks_like_a_call(text, fmt) else []
         if not e.calls and e.interaction is None:
             e.finish = "stop"
 

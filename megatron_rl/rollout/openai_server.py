@@ -45,8 +45,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
 from megatron_rl.config.schema import OpenAIServerConfig
-from megatron_rl.rollout.agent_loop import TOOL_CALL, TurnEncoder, parse_hermes
+from megatron_rl.rollout.agent_loop import TurnEncoder
 from megatron_rl.rollout.base import Generation, SamplingParams
+from megatron_rl.rollout.tool_formats import TOOL_CALL, parse_hermes
 
 if TYPE_CHECKING:
     pass

@@ -87,6 +87,12 @@ def test_rollout_on_ranks_of_its_own_is_refused(harness):
         check(f"{KEY}.path={harness}", "trainer.placement.actor=[0]", "trainer.placement.rollout=[1]")
 
 
+def test_a_tool_format_other_than_hermes_is_refused(harness):
+    with pytest.raises(ConfigError, match=r"multi_turn\.format='llama3_json' with .*set it to hermes") as e:
+        check(f"{KEY}.path={harness}", "actor_rollout_ref.rollout.multi_turn.format=llama3_json")
+    one_line(e)
+
+
 def test_builtin_loop_keys_beside_it_are_refused(harness, tmp_path):
     with pytest.raises(ConfigError, match=rf"multi_turn\.tool_config_path is set together with {KEY}\.path"):
         check(

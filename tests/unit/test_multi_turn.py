@@ -17,8 +17,9 @@ from megatron_rl.config import ConfigError
 from megatron_rl.config.schema import MultiTurnConfig
 from megatron_rl.data import PromptItem
 from megatron_rl.demo import tools_task
-from megatron_rl.rollout.agent_loop import AgentLoop, EpisodeStats, TurnEncoder, parse_hermes, truncate_text
+from megatron_rl.rollout.agent_loop import AgentLoop, EpisodeStats, TurnEncoder, truncate_text
 from megatron_rl.rollout.base import Generation, SamplingParams
+from megatron_rl.rollout.tool_formats import parse_hermes, parse_llama3_json, parse_tool_calls
 from megatron_rl.rollout.tools import BaseTool, ToolResponse, load_interactions, load_tools
 from tests.conftest import single_ps
 
@@ -50,6 +51,53 @@ def test_parse_hermes_calls_and_malformed_ones():
     assert "not valid JSON" in calls[2].error and '"name"' in calls[3].error
     assert calls[4].name == "x" and "not a JSON object" in calls[4].error
     assert parse_hermes("no call <tool_call> unterminated") == []
+
+
+def test_parse_llama3_json_calls_answers_and_malformed_ones():
+    one = '<|python_tag|>{"name": "calc", "parameters": {"expression": "1+2"}}<|eom_id|>'
+    assert [(c.name, c.arguments, c.error) for c in parse_llama3_json(one)] == [
+        ("calc", {"expression": "1+2"}, None)
+    ]
+    two = '{"name": "a", "parameters": {}}; {"name": "b", "arguments": "{\\"x\\": 1}"}<|eot_id|>'
+    assert [(c.name, c.arguments) for c in parse_llama3_json(two)] == [("a", {}), ("b", {"x": 1})]
+    assert parse_llama3_json("The answer is 3.<|eot_id|>") == []  # an answer, not a call
+    assert "not valid JSON" in parse_llama3_json('{"name": "a", "parameters": {')[0].error
+    assert '"parameters"' in parse_llama3_json('{"tool": "a"}')[0].error
+    assert "not a JSON object" in parse_llama3_json('{"name": "a", "parameters": [1]}')[0].error
+    # the same turn read as Hermes has no call, and an unknown format is refused naming the key
+    assert parse_tool_calls(one, "hermes") == []
+    with pytest.raises(ValueError, match="multi_turn.format='gpt-oss'"):
+        parse_tool_calls(one, "gpt-oss")
+
+
+def test_the_loop_runs_llama3_json_calls():
+    from megatron_rl.config.schema import MultiTurnConfig
+
+    tok = tools_task.build_tools_tokenizer()  # its own: a call token is added to it
+    llama_call = '{"name": "lookup", "parameters": {}}'
+    tok.add_tokens([llama_call])
+    call, close = tok.convert_tokens_to_ids(llama_call), tok.convert_tokens_to_ids(tools_task.REPLY_CLOSE)
+
+    def policy(prefix):
+        if close in prefix:
+            return [prefix[prefix.index(close) - 1], tok.eos_token_id]
+        return [call]
+
+    tool = LookupWithHooks()
+    mt = MultiTurnConfig(
+        enable=True, max_assistant_turns=2, max_user_turns=1, tool_timeout_s=5, format="llama3_json"
+    )
+    loop = AgentLoop(mt, single_ps(), tok, tools={"lookup": tool})
+    stop = {tok.eos_token_id, call}
+    params = SamplingParams(n=1, max_new_tokens=8, stop_token_ids=sorted(stop), return_logprobs=True)
+    try:
+        gens = loop.run(ScriptedEngine(policy, stop), [[14, 15]], params, items_for(["7"]))
+    finally:
+        loop.shutdown()
+    g = gens[0][0]
+    assert g.info["tool_calls"] == 1 and g.info["tool_errors"] == 0
+    assert g.token_ids[0] == call and g.token_ids[-2:] == [tok.convert_tokens_to_ids("7"), tok.eos_token_id]
+    assert g.response_mask[0] == 1 and g.response_mask[1] == 0 and g.response_mask[-2:] == [1, 1]
 
 
 def test_truncate_sides():
@@ -157,7 +205,7 @@ def test_multi_turn_checks_name_the_key():
     base = ["actor_rollout_ref.model.path=/m", "actor_rollout_ref.rollout.multi_turn.enable=true"]
     validate(load_config(overrides=base), world_size=1, model_dims={})
     for bad, key in (
-        ("format=llama3_json", "multi_turn.format='llama3_json'"),
+        ("format=gpt-oss", "multi_turn.format='gpt-oss'"),
         ("max_assistant_turns=0", "multi_turn.max_assistant_turns"),
         ("tool_timeout_s=0", "multi_turn.tool_timeout_s"),
     ):
