@@ -125,6 +125,7 @@ RANGES: dict[str, str] = {
     "actor_rollout_ref.rollout.multi_turn.max_tool_response_length": ">=1",
     "actor_rollout_ref.rollout.multi_turn.tool_timeout_s": ">0",
     "actor_rollout_ref.rollout.multi_turn.tool_workers": ">=1",
+    "actor_rollout_ref.rollout.multi_turn.max_tokens_per_turn": ">=1",
     "actor_rollout_ref.rollout.multi_turn.tool_reward_weight": "any",
     "actor_rollout_ref.rollout.multi_turn.endpoint.port": ">=0",
     "actor_rollout_ref.rollout.multi_turn.endpoint.max_body_bytes": ">=1",

@@ -222,6 +222,10 @@ class MultiTurnConfig:
     3.1-3.3's templates); rollout/tool_formats.py."""
     tool_timeout_s: float = 30.0
     """Seconds one tool call may take; a slower call becomes an error message to the model."""
+    max_tokens_per_turn: int | None = None
+    """Most tokens of one model turn (its max_new_tokens); None: the response budget left. A turn that
+    reaches it ends there as if the model had stopped (its calls are parsed, tools and the user go on);
+    the episode still ends at data.max_response_length."""
     tool_workers: int = 128
     """Threads running tool and interaction calls concurrently: calls beyond it wait for a thread, so a
     turn whose tools each take t seconds waits about ceil(calls / tool_workers) x t (tools mostly wait

@@ -242,7 +242,10 @@ class AgentLoop:
             if int(sync[0]) == 0:
                 break
             seed = None if params.seed is None else params.seed + _TURN_SEED_STRIDE * turn
-            p1 = replace(params, n=1, max_new_tokens=max(1, int(sync[1])), seed=seed)
+            turn_max = max(1, int(sync[1]))
+            if self.cfg.max_tokens_per_turn:
+                turn_max = min(turn_max, self.cfg.max_tokens_per_turn)
+            p1 = replace(params, n=1, max_new_tokens=turn_max, seed=seed)
             gens = engine.generate([e.prompt + e.tokens for e in active], p1)
             for e, (g,) in zip(active, gens, strict=True):
                 self._model_turn(e, g, budget, params.return_logprobs)
@@ -270,7 +273,10 @@ class AgentLoop:
         cfg = self.cfg
         room = budget - len(e.tokens)
         toks = list(g.token_ids[:room])
-        cut = len(toks) < len(g.token_ids) or g.finish_reason == "length"
+        capped = (
+            bool(cfg.max_tokens_per_turn) and cfg.max_tokens_per_turn < room
+        )  # the turn's cap, not the budget
+        cut = len(toks) < len(g.token_ids) or (g.finish_reason == "length" and not capped)
         e.tokens += toks
         e.mask += [1] * len(toks)
         if logprobs:

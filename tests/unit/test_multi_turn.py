@@ -100,6 +100,23 @@ def test_the_loop_runs_llama3_json_calls():
     assert g.response_mask[0] == 1 and g.response_mask[1] == 0 and g.response_mask[-2:] == [1, 1]
 
 
+def test_a_turn_cap_ends_the_turn_not_the_episode(tok):
+    from megatron_rl.config.schema import MultiTurnConfig
+
+    word = tok.convert_tokens_to_ids("7")
+    for cap, want_len, want_finish in ((None, 8, "length"), (3, 3, "stop")):
+        mt = MultiTurnConfig(enable=True, max_assistant_turns=2, max_tokens_per_turn=cap)
+        loop = AgentLoop(mt, single_ps(), tok, tools={"lookup": LookupWithHooks()})
+        engine = ScriptedEngine(lambda prefix: [word] * 20, {tok.eos_token_id})
+        params = SamplingParams(n=1, max_new_tokens=8, stop_token_ids=[tok.eos_token_id])
+        try:
+            ((g,),) = loop.run(engine, [[14, 15]], params, items_for(["7"]))
+        finally:
+            loop.shutdown()
+        # no call in the turn: with the cap the episode ends as if the model had stopped
+        assert (len(g.token_ids), g.finish_reason) == (want_len, want_finish), cap
+
+
 def test_truncate_sides():
     assert truncate_text("abcdefghij", 20, "middle") == "abcdefghij"
     assert truncate_text("abcdefghij", 4, "left") == "abcd...(truncated)"
