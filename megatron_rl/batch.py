@@ -44,6 +44,10 @@ _TENSOR_FIELDS = (
 )
 
 
+_ROW_FIELDS = (*_TENSOR_FIELDS, "response_index", "routed_experts")
+"""Every per-row tensor of a batch (what select and to carry)."""
+
+
 @dataclass
 class SeqMeta:
     """Host-side data of one sequence."""
@@ -169,8 +173,9 @@ class RolloutBatch:
             batch.rollout_log_probs = lp
         routed = [g.routed_experts for samples in generations for g in samples]
         if any(r is not None for r in routed):
-            lengths = [len(q.prompt_ids if hasattr(q, "prompt_ids") else q) for q in prompts]
-            batch.routed_experts = _routed_rows(routed, lengths, responses, batch.input_ids.shape[1] - width)
+            batch.routed_experts = _routed_rows(
+                routed, prompt_mask.sum(1).tolist(), [len(x) for x in responses], prompt_ids.shape[1], width
+            )
         return batch
 
     def __len__(self) -> int:
@@ -226,7 +231,7 @@ class RolloutBatch:
             meta = [self.meta[i] for i in idx]
             index = torch.as_tensor(idx, dtype=torch.long)
         kw: dict[str, Any] = {}
-        for name in (*_TENSOR_FIELDS, "response_index", "routed_experts"):
+        for name in _ROW_FIELDS:
             t = getattr(self, name)
             kw[name] = (
                 None if t is None else t[index.to(t.device) if isinstance(index, torch.Tensor) else index]
@@ -292,9 +297,11 @@ class RolloutBatch:
                 lp = b.prompts.shape[1]
                 parts.append(
                     torch.cat(
-                        [
-                            _pad_dim1(x[:, :lp], p - lp, True),
-                            _pad_dim1(x[:, lp:], r - b.response_length, False),
+                        [  # [b, P_i | R_i, L, k] padded along dim 1 with -1 (nothing recorded)
+                            torch.nn.functional.pad(x[:, :lp], (0, 0, 0, 0, p - lp, 0), value=-1),
+                            torch.nn.functional.pad(
+                                x[:, lp:], (0, 0, 0, 0, 0, r - b.response_length), value=-1
+                            ),
                         ],
                         dim=1,
                     )
@@ -303,29 +310,24 @@ class RolloutBatch:
         return out
 
     def to(self, device: torch.device) -> RolloutBatch:
-        names = (*_TENSOR_FIELDS, "response_index", "routed_experts")
+        names = _ROW_FIELDS
         kw: dict[str, Any] = {
             n: (None if getattr(self, n) is None else getattr(self, n).to(device)) for n in names
         }
         return dataclasses.replace(self, **kw)
 
 
-def _pad_dim1(x: torch.Tensor, extra: int, left: bool) -> torch.Tensor:
-    """[B, n, ...] with ``extra`` positions of -1 (no recorded routing) before or after."""
-    pad = torch.full((x.shape[0], extra, *x.shape[2:]), -1, dtype=x.dtype, device=x.device)
-    return torch.cat([pad, x] if left else [x, pad], dim=1)
-
-
-def _routed_rows(routed: list, prompt_lengths: list[int], responses: list, p: int) -> torch.Tensor:
-    """Per-sequence engine routing ([tokens read, L, k] or None) -> [B, P+R, L, k] aligned with input_ids
-    (prompts left padded to ``p``); -1 where nothing was recorded."""
-    shape = next(r for r in routed if r is not None).shape[1:]
-    width = p + max(1, max(len(x) for x in responses))
-    out = torch.full((len(routed), width, *shape), -1, dtype=torch.int16)
-    for i, (rows, lp, resp) in enumerate(zip(routed, prompt_lengths, responses, strict=True)):
+def _routed_rows(
+    routed: list, prompt_lengths: list[int], response_lengths: list[int], p: int, r: int
+) -> torch.Tensor:
+    """Per-sequence engine routing ([tokens read, L, k] or None) -> [B, p + r, L, k] aligned with
+    input_ids (prompts left padded to ``p``, responses right padded to ``r``); -1 where nothing was
+    recorded."""
+    shape = next(x for x in routed if x is not None).shape[1:]
+    out = torch.full((len(routed), p + r, *shape), -1, dtype=torch.int16)
+    for i, (rows, lp, lr) in enumerate(zip(routed, prompt_lengths, response_lengths, strict=True)):
         if rows is None:
             continue
-        start = p - lp
-        n = min(rows.shape[0], lp + len(resp) - 1)  # the last token is never read
-        out[i, start : start + n] = rows[:n].to(torch.int16)
+        n = min(rows.shape[0], lp + lr - 1)  # the last token is never read
+        out[i, p - lp : p - lp + n] = rows[:n].to(torch.int16)
     return out
