@@ -193,6 +193,13 @@ for sig in TERM INT USR2 USR1; do
     trap "forward $sig" "$sig"
 done
 trap "forward TERM" HUP
+# A script started in the background of another script (`cmd &`, nohup) inherits SIGINT ignored, and bash
+# cannot trap a signal ignored at entry: say so rather than let a Ctrl-C-style stop do nothing.
+if [[ "$(trap -p INT)" == "trap -- '' SIGINT" ]]; then
+    echo "megatron-rl: node $NODE_RANK: SIGINT is ignored in this shell (started in the background or" \
+         "under nohup), so it cannot stop the job: use SIGTERM (kill -TERM $$), which saves and exits" \
+        | tee -a "$LOG" >&2
+fi
 
 # torchrun answers the signal it forwards with a traceback of its own (SignalException: Process N got
 # signal: S): routine here, so it is left out (the launcher's lines say what happened; the node log keeps

@@ -56,7 +56,14 @@ def launch(demo, tmp_path, run_dir: str, steps: int, name: str, opts=(), **extra
         cwd=ROOT,
         stdout=out,
         stderr=subprocess.STDOUT,
+        # SIGINT as a terminal gives it: a runner that started pytest in the background passes it ignored,
+        # and bash cannot trap a signal ignored at entry
+        preexec_fn=_default_sigint,
     )
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 ENTRY = ("-m", "megatron_rl.train")
