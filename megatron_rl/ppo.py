@@ -58,6 +58,7 @@ from megatron_rl.algos import (
 from megatron_rl.batch import RolloutBatch
 from megatron_rl.config import ActorConfig, ConfigError, CriticConfig
 from megatron_rl.microbatches import MicroBatching, TokenStats, micro_batches, response_keep
+from megatron_rl.models import routing
 from megatron_rl.models.forward import (
     Positions,
     broadcast_from_last_stage,
@@ -129,6 +130,7 @@ def _forward_response(
     -> [rows, b, r]`` on the last stage (r: the micro-batch's response width); returns [rows, B, R]
     float32 on every rank, 0 past each sequence's last response token (whatever the micro-batching)."""
     mbs, groups = _split(model, ps, batch, _micro(micro), stats)
+    routing.planned(model, batch, mbs, groups, sequence_multiple(model, ps))  # R2 maps its record back
     outs = run_pipeline(model, ps, mbs, per_micro_batch, forward_only=True, positions=positions, head=head)
     # the last stage's outputs (none elsewhere); the fixed path's filler rows are dropped
     parts = [(i, out[:, : len(i)]) for out, i in zip(outs, groups, strict=True)] if ps.is_last_stage else []

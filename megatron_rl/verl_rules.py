@@ -55,8 +55,8 @@ ENGINE_OWN = (
 )
 NO_MULTIMODAL = "text-only models"
 REPLAY_FROM_ENGINE = (
-    "routing is replayed from the rollout engine (actor_rollout_ref.actor.router_replay.mode=R3), "
-    "not from files"
+    "routing is replayed in memory, from the rollout engine (actor_rollout_ref.actor.router_replay.mode=R3) "
+    "or the old-log-prob pass (R2), not from files"
 )
 REPLAY_ELSEWHERE = (
     "routing replay applies to the actor's training passes (actor_rollout_ref.actor.router_replay.mode); "

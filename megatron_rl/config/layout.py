@@ -115,30 +115,28 @@ def check_router_replay(cfg, separate_rollout: bool) -> None:
     MoE model is checked where the model is read (roles.models)."""
     arr = cfg.actor_rollout_ref
     mode = arr.actor.router_replay.mode
-    if mode == "R2":
-        raise ConfigError(
-            f"{REPLAY_KEY}=R2 (replaying the old-log-prob pass's routing in the updates) is not built: "
-            "use R3 (the rollout engine's routing in every training pass) or disabled."
-        )
-    if mode not in ("disabled", "R3"):
-        raise ConfigError(f"{REPLAY_KEY}={mode!r} is not one of ['disabled', 'R3'].")
+    if mode not in ("disabled", "R2", "R3"):
+        raise ConfigError(f"{REPLAY_KEY}={mode!r} is not one of ['disabled', 'R2', 'R3'].")
     if mode == "disabled":
         return
-    if arr.rollout.multi_turn.enable:
-        raise ConfigError(
-            f"{REPLAY_KEY}=R3 with actor_rollout_ref.rollout.multi_turn.enable=true: the routing of the "
-            "appended tool/user tokens is not recorded; drop one."
-        )
-    if separate_rollout:
-        raise ConfigError(
-            f"{REPLAY_KEY}=R3 runs with the colocated engine only: drop trainer.placement.rollout or "
-            "the replay."
-        )
     m = arr.actor.megatron
     recompute = arr.model.enable_gradient_checkpointing and m.recompute_granularity is not None
     if recompute and (m.pipeline_model_parallel_size or 1) > 1:
         raise ConfigError(
-            f"{REPLAY_KEY}=R3 with pipeline_model_parallel_size > 1 and activation recompute: a recomputed "
-            "forward would replay another micro-batch's routing; set "
+            f"{REPLAY_KEY}={mode} with pipeline_model_parallel_size > 1 and activation recompute: a "
+            "recomputed forward would replay another micro-batch's routing; set "
             "actor_rollout_ref.model.enable_gradient_checkpointing=false or PP=1."
+        )
+    if mode == "R2":  # the actor's own routing: any rollout
+        return
+    if arr.rollout.multi_turn.enable:
+        raise ConfigError(
+            f"{REPLAY_KEY}=R3 with actor_rollout_ref.rollout.multi_turn.enable=true: the routing of the "
+            "appended tool/user tokens is not recorded by the engine; use R2 (the old-log-prob pass's "
+            "routing) or disabled."
+        )
+    if separate_rollout:
+        raise ConfigError(
+            f"{REPLAY_KEY}=R3 runs with the colocated engine only: drop trainer.placement.rollout, or "
+            "use R2 (the old-log-prob pass's routing)."
         )

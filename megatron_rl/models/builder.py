@@ -229,6 +229,8 @@ def build_model(
 
     dense = layer_spec(None)
     sparse = layer_spec(args.num_experts) if args.is_moe else None
+    if args.num_layers % ps.pp_size:
+        raise ValueError(f"{ps.pp_size} pipeline stages do not divide the model's {args.num_layers} layers")
     per_stage = args.num_layers // ps.pp_size
     layer_offset = ps.pp_rank * per_stage
     layers = [sparse if args.is_moe_layer(layer_offset + j) else dense for j in range(per_stage)]

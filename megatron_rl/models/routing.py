@@ -1,5 +1,6 @@
-"""Routing replay (``actor_rollout_ref.actor.router_replay.mode=R3``): the actor's training forwards
-route every token to the experts the rollout engine chose for it.
+"""Routing replay (``actor_rollout_ref.actor.router_replay.mode``): the actor's training forwards route
+every token to recorded experts: the rollout engine's choice (R3) or the actor's own in the old-log-prob
+pass (R2).
 
 An MoE engine and the trainer compute the router's top-k from logits that differ by rounding (other
 kernels, another precision); a token near a tie goes to another expert, and its log-prob differs by
@@ -21,8 +22,17 @@ far more than rounding. Replaying the engine's choice removes that part of the m
                                      probabilities are the router's own scores at those ids, so the
                                      router keeps its gradient (and the aux losses their inputs).
 
-Each router also counts the tokens whose own top-k (as a set) differs from the engine's:
-``rollout_corr/router_mismatch`` = those (token, layer) pairs / all recorded ones, over every rank.
+R2 records instead: in the old-log-prob pass (forward only, before any update of the step) each router
+keeps its own top-k per micro-batch ([s/TP * b, k], :class:`Recording`); the pass's micro-batch plan maps
+them back to the batch's layout (gathered over TP under sequence parallelism, over PP for the layers of
+other stages) as ``RolloutBatch.routed_experts``, which the updates then replay as R3 does. The updates
+stay on the routing the old log-probs were computed with, whatever the optimizer steps change in the
+routers; the engine's routing plays no part (multi-turn rollouts and a rollout on ranks of its own work).
+
+Each router also counts the tokens whose own top-k (as a set) differs from the replayed one: under R3
+``rollout_corr/router_mismatch`` = those (token, layer) pairs / all recorded ones, over every rank (the
+engine against the trainer); under R2 ``actor/router_mismatch`` (the updated routers against the
+old-log-prob pass).
 With pipeline parallelism and activation recompute together, the recomputed forward of one
 micro-batch would see the targets of a later one (1F1B keeps several in flight): that combination is
 refused in the config.
@@ -51,6 +61,8 @@ class ReplayTopK:
         """[tokens, k] expert ids for the next forward, NONE where unrecorded; None: route freely."""
         self.mismatched = torch.zeros((), dtype=torch.long)
         self.recorded = torch.zeros((), dtype=torch.long)
+        self.record: list[torch.Tensor] | None = None
+        """R2, during a :func:`recording`: this router's own top-k ids [tokens, k] per forward."""
 
     def get_replay_topk(
         self,
@@ -63,6 +75,8 @@ class ReplayTopK:
         """``scores`` [tokens, E] -> (scores at the chosen ids [tokens, k], ids [tokens, k])."""
         assert default_compute_topk is not None
         values, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        if self.record is not None:
+            self.record.append(own.detach().to(torch.int16))
         if self.target is None:
             return values, own
         target = self.target.to(own.device, own.dtype, non_blocking=True)
@@ -128,6 +142,76 @@ def cleared(replays: list[ReplayTopK]) -> Iterator[None]:
     finally:
         for r in replays:
             r.target = None
+
+
+class Recording:
+    """R2: the routing of one forward-only pass of the actor (the old-log-prob pass), per router and
+    micro-batch, until :meth:`routed_experts` puts it in the batch's layout."""
+
+    def __init__(self, replays: list[ReplayTopK], layers: int, top_k: int) -> None:
+        self.replays, self.layers, self.top_k = replays, layers, top_k
+        self.plan: tuple | None = None
+        """(batch, micro-batches, rows of the batch per micro-batch, padding multiple) of the pass."""
+        self.ids: list[list[torch.Tensor]] = []
+        """Per router (as ``replays``), its own top-k [tokens, k] per micro-batch, once the pass is done."""
+
+    def routed_experts(self, ps, sequence_parallel: bool) -> torch.Tensor:
+        """[B, S, L, k] int16 aligned with the batch's input_ids: the experts each real token went to,
+        NONE on padding and dense layers; the same on every rank of the model (collective over TP under
+        sequence parallelism and over PP)."""
+        assert self.plan is not None, "routing recording: no forward pass ran"
+        batch, mbs, groups, multiple = self.plan
+        n, width = batch.input_ids.shape
+        device = batch.input_ids.device
+        out = torch.full((n, width, self.layers, self.top_k), NONE, dtype=torch.int32, device=device)
+        p = batch.prompts.shape[1]
+        p_len = batch.attention_mask[:, :p].sum(1)  # [B] real prompt tokens (left padded)
+        for m, (mb, rows) in enumerate(zip(mbs, groups, strict=True)):
+            b, s = mb.input_ids.shape
+            rows_t = torch.as_tensor(rows, dtype=torch.long, device=device)
+            real = mb.attention_mask[: len(rows)].to(device).bool()  # [rows, s] (fillers dropped)
+            if mb.response_index is None:  # the batch's own layout: column c is column c
+                cols = torch.arange(s, device=device).expand(len(rows), -1)
+            else:  # compacted: row j's column c came from column P - p_len + c (RolloutBatch.compacted)
+                cols = (p - p_len[rows_t])[:, None] + torch.arange(s, device=device)[None]
+            jj, cc = real.nonzero(as_tuple=True)
+            for r, per_mb in zip(self.replays, self.ids, strict=True):
+                ids = per_mb[m].to(device, torch.int32)  # [s_pad(/TP) * b, k], s-major (gloo: no int16)
+                if sequence_parallel and ps.tp_size > 1:
+                    parts = [torch.empty_like(ids) for _ in range(ps.tp_size)]
+                    dist.all_gather(parts, ids.contiguous(), group=ps.tp_group)
+                    ids = torch.cat(parts)
+                ids = ids.view(-1, b, ids.shape[-1]).transpose(0, 1)[: len(rows), :s]  # [rows, s, k]
+                out[rows_t[jj], cols[jj, cc], r.layer] = ids[jj, cc]
+        if ps.pp_size > 1:  # each layer filled on its own stage, NONE (the minimum) elsewhere
+            dist.all_reduce(out, op=dist.ReduceOp.MAX, group=ps.pp_group)
+        return out.to(torch.int16)
+
+
+@contextlib.contextmanager
+def recording(model: nn.Module, layers: int, top_k: int) -> Iterator[Recording]:
+    """R2: record the routing of the forward-only pass run inside (its micro-batch plan comes through
+    :func:`planned`)."""
+    inner = getattr(model, "module", model)
+    rec = Recording(replays_of(model), layers, top_k)
+    for r in rec.replays:
+        r.record = []
+    inner.routing_recording = rec
+    try:
+        yield rec
+    finally:
+        rec.ids = [r.record or [] for r in rec.replays]
+        for r in rec.replays:
+            r.record = None
+        inner.routing_recording = None
+
+
+def planned(model: nn.Module, batch, microbatches: list, groups: list[list[int]], multiple: int) -> None:
+    """A forward-only pass over ``batch`` is about to run these micro-batches (rows ``groups`` of it,
+    padded to ``multiple``): a :func:`recording` of ``model`` keeps the plan; otherwise nothing."""
+    rec = getattr(getattr(model, "module", model), "routing_recording", None)
+    if rec is not None:
+        rec.plan = (batch, microbatches, groups, multiple)
 
 
 def mismatch_fraction(replays: list[ReplayTopK], groups=(), device=None) -> float | None:

@@ -5,7 +5,8 @@ ActorRole.log_probs(step, batch, stats)   old log-probs [B, R] of the sampled to
                                           the update's first forward gives them (docs/performance.md)
 ActorRole.correct(batch)                  the rollout engine's log-probs against them: mismatch
                                           metrics and corrections (algorithm.rollout_correction);
-                                          under routing replay rollout_corr/router_mismatch
+                                          under R3 rollout_corr/router_mismatch; under R2 the
+                                          old-log-prob pass records the routing the update replays
 ActorRole.update(step, batch, stats)      the PPO update, after trainer.critic_warmup steps
 ActorRole.model                           the module the reshard stream reads into the engines
 ActorRole.register_state(registry)        actor/, actor_optim/ and the optimizer's counters
@@ -108,11 +109,24 @@ class ActorRole:
 
         temperature = self.cfg.actor_rollout_ref.rollout.temperature
         with self.timer("old_log_prob"):  # logged either way (0 s when skipped): the same metric keys
+            # skipped, the update's first forward is the old-log-prob pass: R2 then has nothing to replay
             if old_log_prob_is_first_forward(self.cfg, len(batch), self.ps.dp_size, step, self.model):
                 return None
-            return ppo.compute_log_probs(
-                self.model, self.ps, batch, self.passes.old_log_prob, temperature, stats=stats
-            )
+            if self.cfg.actor_rollout_ref.actor.router_replay.mode != "R2":
+                return ppo.compute_log_probs(
+                    self.model, self.ps, batch, self.passes.old_log_prob, temperature, stats=stats
+                )
+            from megatron_rl.models import routing
+
+            config = getattr(self.model, "module", self.model).config
+            with routing.recording(self.model, config.num_layers, config.moe_router_topk) as rec:
+                old = ppo.compute_log_probs(
+                    self.model, self.ps, batch, self.passes.old_log_prob, temperature, stats=stats
+                )
+            batch.routed_experts = rec.routed_experts(
+                self.ps, config.sequence_parallel
+            )  # the updates replay it
+            return old
 
     def correct(self, batch: RolloutBatch) -> dict[str, float]:
         """Mismatch metrics and corrections against the engine's log-probs (none kept: nothing to do),
@@ -128,15 +142,18 @@ class ActorRole:
             }
 
     def _router_mismatch(self) -> dict[str, float]:
-        """``rollout_corr/router_mismatch`` under R3: (token, layer) pairs whose own top-k differs from
-        the engine's, over the forwards since the last call (models/routing.py); collective."""
-        if self.cfg.actor_rollout_ref.actor.router_replay.mode != "R3":
+        """(token, layer) pairs whose own top-k differs from the replayed one, over the forwards since
+        the last call (models/routing.py): ``rollout_corr/router_mismatch`` under R3 (the engine's),
+        ``actor/router_mismatch`` under R2 (the old-log-prob pass's); collective."""
+        mode = self.cfg.actor_rollout_ref.actor.router_replay.mode
+        if mode == "disabled":
             return {}
         from megatron_rl.models.routing import mismatch_fraction, replays_of
 
         ps = self.ps
         frac = mismatch_fraction(replays_of(self.model), (ps.dp_group, ps.mp_group), ps.device)
-        return {} if frac is None else {"rollout_corr/router_mismatch": frac}
+        key = "rollout_corr/router_mismatch" if mode == "R3" else "actor/router_mismatch"
+        return {} if frac is None else {key: frac}
 
     def update(self, step: int, batch: RolloutBatch, stats: TokenStats) -> dict[str, float]:
         """The PPO update of step ``step`` (mini-batches shuffled by the step); nothing during the

@@ -121,10 +121,11 @@ def build_models(
     from megatron_rl.optim import ModelOptimizer
 
     arr = cfg.actor_rollout_ref
-    replay = arr.actor.router_replay.mode == "R3"
+    mode = arr.actor.router_replay.mode
+    replay = mode in ("R2", "R3")
     if replay and not model_args.is_moe:
         raise ConfigError(
-            "actor_rollout_ref.actor.router_replay.mode=R3 replays expert routing, but "
+            f"actor_rollout_ref.actor.router_replay.mode={mode} replays expert routing, but "
             f"{arr.model.path} is a dense model: set it to disabled."
         )
     actor = _model(

@@ -1,5 +1,6 @@
-"""Routing replay (actor_rollout_ref.actor.router_replay.mode=R3) at EP2 and TP2 x EP2 (sequence
-parallel), on gloo ranks against the transformers engine (tests/distributed/workers/routing_replay.py).
+"""Routing replay (actor_rollout_ref.actor.router_replay.mode=R3, and R2's recording) at EP2, TP2 x EP2
+(sequence parallel) and PP2, on gloo ranks against the transformers engine
+(tests/distributed/workers/routing_replay.py).
 
 Each token's recorded experts travel engine -> Generation -> RolloutBatch -> (compacted) micro-batches ->
 each router of the actor; a layout slip (token order, sequence-parallel chunk, compaction, left
@@ -18,22 +19,23 @@ def hf_model(tmp_path_factory):
     from megatron_rl.models.random_hf import save_random_hf_model
 
     path = tmp_path_factory.mktemp("hf_moe_replay") / "qwen3_moe"
-    save_random_hf_model(str(path), "qwen3_moe", seed=11, mlp_only_layers=[1], num_hidden_layers=3)
+    save_random_hf_model(str(path), "qwen3_moe", seed=11, mlp_only_layers=[1], num_hidden_layers=4)
     return str(path)
 
 
-@pytest.mark.parametrize("tp,ep,nproc", [(1, 2, 2), (2, 2, 4)], ids=["ep2", "tp2ep2_sp"])
-def test_r3_replays_the_engine_routing(hf_model, tmp_path, torchrun, tp, ep, nproc):
+@pytest.mark.parametrize(
+    "tp,ep,pp,nproc", [(1, 2, 1, 2), (2, 2, 1, 4), (1, 1, 2, 2)], ids=["ep2", "tp2ep2_sp", "pp2"]
+)
+def test_replay_uses_the_recorded_routing(hf_model, tmp_path, torchrun, tp, ep, pp, nproc):
     out = str(tmp_path / "r.json")
-    torchrun(
-        "routing_replay.py", nproc, ["--model", hf_model, "--tp", str(tp), "--ep", str(ep), "--out", out]
-    )
+    layout = ["--tp", str(tp), "--ep", str(ep), "--pp", str(pp)]
+    torchrun("routing_replay.py", nproc, ["--model", hf_model, *layout, "--out", out])
     ranks = read_json(out)
     assert len(ranks) == nproc
     for r in ranks:
-        where = f"TP{tp} EP{ep} rank {r['rank']}"
+        where = f"TP{tp} EP{ep} PP{pp} rank {r['rank']}"
         b, s, layers, k = r["shape"]
-        assert (b, layers, k) == (4, 3, 2), where
+        assert (b, layers, k) == (4, 4, 2), where
         assert r["dense_layers"] == [1] and r["dense_all_none"], where
         assert r["unrecorded_all_none"] and r["recorded_all_set"], where
         assert len(set(r["response_lengths"])) > 1, f"{where}: every response has one length"
@@ -46,7 +48,21 @@ def test_r3_replays_the_engine_routing(hf_model, tmp_path, torchrun, tp, ep, npr
         # negative control: routing one position off is visible in the count and the log-probs
         assert r["shifted_mismatch"] > 0.3, where
         assert r["shifted_vs_engine"] > 100 * TOL, where
-        # perturbed routers would choose otherwise, yet every router used the recorded experts
-        assert r["perturbed_mismatch"] > 0.2, where
-        assert r["perturbed_recorded_tokens"] > 0, where
-        assert r["perturbed_used_recorded"] == r["perturbed_recorded_tokens"], where
+        # R2's record: the trainer's own routing of every real token, whatever the micro-batching
+        for name in ("fixed", "dynamic"):
+            assert r[f"r2_{name}_vs_full"] == 0, f"{where} R2 {name}"
+            assert r[f"r2_{name}_set"] and r[f"r2_{name}_none_elsewhere"], f"{where} R2 {name}"
+        assert r["r2_paths_agree"], where
+        # perturbed routers would choose otherwise, yet every router used the recorded experts (R3: the
+        # engine's; R2: the unperturbed pass's, the last token of each row included)
+        for name in ("", "r2_"):
+            assert r[f"{name}perturbed_mismatch"] > 0.2, f"{where} {name}"
+            assert r[f"{name}perturbed_recorded_tokens"] > 0, f"{where} {name}"
+            assert r[f"{name}perturbed_used_recorded"] == r[f"{name}perturbed_recorded_tokens"], (
+                f"{where} {name}"
+            )
+    # R2 records each row's last token too (the engine never reads it); under sequence parallelism a
+    # rank holds a chunk of the sequence, so count over every rank
+    assert sum(r["r2_perturbed_recorded_tokens"] for r in ranks) > sum(
+        r["perturbed_recorded_tokens"] for r in ranks
+    )

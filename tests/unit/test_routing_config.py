@@ -11,15 +11,17 @@ def _cfg(*overrides: str):
     return load_config(None, ["actor_rollout_ref.model.path=/x", *overrides])
 
 
-def test_disabled_and_r3_pass():
+def test_disabled_r2_and_r3_pass():
     check_router_replay(_cfg(), False)
     check_router_replay(_cfg("actor_rollout_ref.actor.router_replay.mode=R3"), False)
+    # R2 replays the actor's own routing: multi-turn and a rollout on ranks of its own are fine
+    r2 = ["actor_rollout_ref.actor.router_replay.mode=R2", "actor_rollout_ref.rollout.multi_turn.enable=true"]
+    check_router_replay(_cfg(*r2), True)
 
 
 @pytest.mark.parametrize(
     "overrides,separate,match",
     [
-        (["actor_rollout_ref.actor.router_replay.mode=R2"], False, r"R2 .*not built: use R3"),
         (["actor_rollout_ref.actor.router_replay.mode=r3"], False, r"not one of"),
         (
             [
@@ -27,12 +29,12 @@ def test_disabled_and_r3_pass():
                 "actor_rollout_ref.rollout.multi_turn.enable=true",
             ],
             False,
-            r"multi_turn\.enable",
+            r"multi_turn\.enable=true: .* use R2",
         ),
-        (["actor_rollout_ref.actor.router_replay.mode=R3"], True, r"trainer\.placement\.rollout"),
+        (["actor_rollout_ref.actor.router_replay.mode=R3"], True, r"trainer\.placement\.rollout, or use R2"),
         (
             [
-                "actor_rollout_ref.actor.router_replay.mode=R3",
+                "actor_rollout_ref.actor.router_replay.mode=R2",
                 "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
                 "actor_rollout_ref.model.enable_gradient_checkpointing=true",
                 "actor_rollout_ref.actor.megatron.recompute_granularity=full",
@@ -51,7 +53,7 @@ def test_refusals_name_the_key(overrides, separate, match):
 def test_verl_spellings():
     cfg = _cfg("actor_rollout_ref.actor.megatron.router_replay.mode=R3")
     assert cfg.actor_rollout_ref.actor.router_replay.mode == "R3"
-    with pytest.raises(ValueError, match=r"replay_file.*rollout engine"):
+    with pytest.raises(ValueError, match=r"replay_file.*in memory.*not from files"):
         _cfg("actor_rollout_ref.actor.router_replay.replay_file=/tmp/r.pt")
 
 

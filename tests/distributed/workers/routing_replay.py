@@ -9,8 +9,12 @@ RolloutBatch, then:
     and the share of (token, layer) pairs whose own top-k differs from the engine's (0 in fp32: the
     trainer's routers would choose the same);
   * negative control: the routing shifted by one position: the shares differ and the log-probs move;
+  * R2: the routing recorded in a forward-only pass (fixed and token-budget micro-batches), back in the
+    batch's layout: equal to the full HF forward's top-k on every real token (the last one too), -1 on
+    padding and the dense layer;
   * routers perturbed (noise on every router weight): without replay the routing differs from the
-    engine's; with replay every router used exactly the recorded experts.
+    engine's; with replay (the engine's, R3, or the unperturbed pass's, R2) every router used exactly
+    the recorded experts.
 
 Rank 0 writes the records of all ranks to --out.
 """
@@ -79,9 +83,10 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    ps = init_parallel(a.tp, 1, device="cpu", ep=a.ep)
+    ps = init_parallel(a.tp, a.pp, device="cpu", ep=a.ep)
     args = load_model_args(a.model)
     options = TrainingOptions(sequence_parallel=a.tp > 1)
     model = build_model(args, ps, options=options)
@@ -146,6 +151,21 @@ def main() -> None:
     rec["shifted_vs_engine"] = (lp_shift - engine_lp)[keep].abs().max().item()
     rec["shifted_mismatch"] = routing.mismatch_fraction(replays, groups)
 
+    # R2: the trainer's own routing in a forward-only pass, mapped back to the batch's layout
+    moe_real = real[:, :, None, None].expand(-1, -1, len(moe), k)
+    r2 = {}
+    for name, micro in (("fixed", MicroBatching(2)), ("dynamic", MicroBatching(1, max_tokens=24, key="k"))):
+        with routing.recording(model, layers, k) as recording, torch.no_grad():
+            compute_log_probs(model, ps, _without(batch), micro)
+        r2[name] = recording.routed_experts(ps, options.sequence_parallel)
+        got, want = r2[name][:, :, moe].sort(-1).values, full[:, :, moe].sort(-1).values
+        rec[f"r2_{name}_vs_full"] = int((got != want)[moe_real].sum())
+        rec[f"r2_{name}_none_elsewhere"] = bool((r2[name][~real] == -1).all()) and bool(
+            (r2[name][:, :, dense] == -1).all()
+        )
+        rec[f"r2_{name}_set"] = bool((r2[name][:, :, moe][real] >= 0).all())
+    rec["r2_paths_agree"] = bool(torch.equal(r2["fixed"], r2["dynamic"]))
+
     # perturb every router (the same noise on every rank: routers are replicated over TP/EP/DP)
     noise = torch.Generator().manual_seed(9)
     with torch.no_grad():
@@ -153,17 +173,22 @@ def main() -> None:
             router = getattr(layer.mlp, "router", None)
             if router is not None:
                 router.weight.add_(3.0 * torch.randn(router.weight.shape, generator=noise))
-    seen = used_ids(replays)
-    with torch.no_grad():
-        compute_log_probs(model, ps, batch, MicroBatching(2))
-    rec["perturbed_mismatch"] = routing.mismatch_fraction(replays, groups)
-    replayed = total = 0
-    for calls in seen.values():
-        for target, ids in calls:
-            have = target[:, 0] >= 0
-            total += int(have.sum())
-            replayed += int((ids[have] == target[have].to(ids.dtype)).all(-1).sum())
-    rec["perturbed_used_recorded"], rec["perturbed_recorded_tokens"] = replayed, total
+    replayed_r2 = _without(batch)
+    replayed_r2.routed_experts = r2["dynamic"]
+    for name, replayed_batch in (("", batch), ("r2_", replayed_r2)):
+        seen = used_ids(replays)
+        with torch.no_grad():
+            compute_log_probs(model, ps, replayed_batch, MicroBatching(1, max_tokens=24, key="k"))
+        rec[f"{name}perturbed_mismatch"] = routing.mismatch_fraction(replays, groups)
+        replayed = total = 0
+        for calls in seen.values():
+            for target, ids in calls:
+                have = target[:, 0] >= 0
+                total += int(have.sum())
+                replayed += int((ids[have] == target[have].to(ids.dtype)).all(-1).sum())
+        rec[f"{name}perturbed_used_recorded"], rec[f"{name}perturbed_recorded_tokens"] = replayed, total
+        for r in replays:  # unwrap
+            del r.get_replay_topk
 
     everyone = [None] * ps.world_size
     dist.all_gather_object(everyone, rec)
