@@ -75,6 +75,7 @@ RANGES: dict[str, str] = {
     "*.log_prob_micro_batch_size_per_gpu": ">=1",
     "*max_token_len_per_gpu": ">=1",
     "*.ppo_epochs": ">=1",
+    "actor_rollout_ref.rollout.engine_restarts": ">=0",
     "actor_rollout_ref.actor.clip_ratio": ">0",
     "actor_rollout_ref.actor.clip_ratio_low": ">=0",
     "actor_rollout_ref.actor.clip_ratio_high": ">=0",

@@ -81,9 +81,9 @@ class PolicyLossConfig:
 @dataclass
 class RouterReplayConfig:
     mode: str = "disabled"
-    """MoE actors: disabled | R3 (every training forward of the actor routes each token to the experts
-    the rollout engine chose for it; models/routing.py). R2 (replaying the old-log-prob pass's routing
-    in the updates) is not built."""
+    """MoE actors: disabled | R2 (the updates route each token to the experts the actor chose in the
+    step's old-log-prob pass) | R3 (every training forward of the actor routes each token to the experts
+    the rollout engine chose for it); models/routing.py."""
 
 
 @dataclass
@@ -264,6 +264,10 @@ class RolloutConfig:
     """Most tokens in one prefill batch of the engine."""
     free_cache_engine: bool = True
     """Release the engine's memory during training (colocated hybrid engine)."""
+    engine_restarts: int = 1
+    """Colocated: times one step's rollout may restart a failed engine in place (every rank's engine
+    shut down and started again, the weights synced again, the step generated again) before the job
+    fails (then launch/torchrun.sh --max-restarts restarts it from its checkpoint); 0: fail at once."""
     enable_cuda_graph: bool = True
     """Capture CUDA graphs for decoding (SGLang)."""
     log_prob_micro_batch_size_per_gpu: int = 8

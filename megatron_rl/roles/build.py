@@ -98,6 +98,7 @@ def build_roles(
             draw,
             tokenizer=tokenizer,
             plan=plan,
+            new_engine=lambda: start_engine(cfg, ps, model_args),
         )
     else:
         rollout = SeparateRollout(cfg, ps, data, models.actor, placement, draw, total_steps)

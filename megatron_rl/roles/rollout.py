@@ -43,6 +43,7 @@ from megatron_rl.offload import HostParking
 from megatron_rl.parallel import ParallelState
 from megatron_rl.roles.transport import from_plain, to_plain
 from megatron_rl.rollout import Generation, SamplingParams, engine_dtype
+from megatron_rl.rollout.base import EngineFailure
 from megatron_rl.rollout.reshard import WeightSyncError
 from megatron_rl.run.metrics import Timer
 from megatron_rl.run.state import SHARED, StateRegistry
@@ -276,16 +277,19 @@ class ColocatedRollout(_Queue):
         draw: Callable[[], list[int]],
         tokenizer=None,
         plan=None,
+        new_engine: Callable[[], object] | None = None,
     ):
         """``park(parking)``: park the training state ``plan`` names before generating
         (roles.models.park_for_generation); ``actor``: the module whose weights the engine syncs;
-        ``plan``: run.memory_plan.OffloadPlan (None: the *_offload keys alone)."""
+        ``plan``: run.memory_plan.OffloadPlan (None: the *_offload keys alone); ``new_engine()``: a
+        fresh engine (collective; start_engine) for a restart in place (None: no restarts)."""
         from megatron_rl.run.memory_plan import config_plan
 
         super().__init__()
         self.plan = plan or config_plan(cfg)
         self.cfg, self.ps, self.data, self.actor, self.park = cfg, ps, data, actor, park
-        self.engine, self.draw = engine, draw
+        self.engine, self.draw, self.new_engine = engine, draw, new_engine
+        self.engine_restarts = 0  # over the run (logged as rollout/engine_restarts)
         self.parking = HostParking(ps.device)
         self.trained = 0  # the actor's version, which the engine samples with once synced
         self.weights_stale = True  # the engine starts without the actor's weights
@@ -302,12 +306,71 @@ class ColocatedRollout(_Queue):
         self, tag: str, prompt_ids: list[list[int]], params: SamplingParams, timer, items: list | None = None
     ) -> tuple[list[list[Generation]], int]:
         """``items``: the prompts' data.PromptItem rows (a multi-turn episode reads its tools_kwargs,
-        interaction_kwargs and chat messages from them)."""
-        from megatron_rl.rollout.reshard import sync_weights
-
+        interaction_kwargs and chat messages from them). A generator that fails (a crashed worker, a
+        lost connection: rollout.base.EngineFailure) is restarted in place up to rollout.engine_restarts
+        times per step."""
         queued = self._queued(tag)
         if queued is not None:
             return queued
+        allowed = self.cfg.actor_rollout_ref.rollout.engine_restarts if self.new_engine else 0
+        for attempt in range(allowed + 1):
+            gens, error = self._generate_once(tag, prompt_ids, params, timer, items)
+            if not self._failed_anywhere(error):
+                break
+            if attempt == allowed:
+                raise error or RuntimeError(
+                    f"{tag}: the rollout engine failed on another rank (its log has the cause)"
+                )
+            self._restart_engine(tag, error, attempt + 1, allowed, timer)
+        rollout = self.cfg.actor_rollout_ref.rollout
+        if rollout.free_cache_engine:
+            with timer("engine"):
+                # SGLang drops its weights with its memory: the next rollout streams them again.
+                self.engine.release_memory()
+            self.weights_stale = True
+        with timer("offload"):
+            self.parking.reload()
+        return gens, self.trained
+
+    def _failed_anywhere(self, error: EngineFailure | None) -> bool:
+        """Whether the engine failed on any training rank (collective over every one of them)."""
+        flag = torch.tensor([0.0 if error is None else 1.0], device=self.ps.device)
+        for group in (self.ps.mp_group, self.ps.dp_group):
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return bool(flag.item())
+
+    def _restart_engine(self, tag: str, error: EngineFailure | None, n: int, allowed: int, timer) -> None:
+        """Every rank's engine shut down and started again (collective: an engine of rollout TP > 1
+        spans ranks); the weights stream into it on the next attempt."""
+        ps = self.ps
+        if error is not None and error.rank == ps.global_rank:  # one line, from the rank that hosts it
+            cause = " ".join(error.cause.split())[:300]
+            print(
+                f"megatron-rl: {tag}: the rollout engine on rank {error.rank} failed ({cause}); restarting "
+                f"every rank's engine in place ({n} of {allowed}: actor_rollout_ref.rollout."
+                "engine_restarts), syncing the weights again and generating the step again",
+                flush=True,
+            )
+        with timer("engine"):
+            self.parking.reload()  # the actor's parameters back on the device for the sync
+            try:
+                self.engine.shutdown()
+            except Exception:  # a crashed engine may not shut down cleanly; its replacement starts anyway
+                pass
+            assert self.new_engine is not None
+            self.engine = self.new_engine()
+        self.weights_stale = True
+        self.engine_restarts += 1
+
+    def _generate_once(
+        self, tag: str, prompt_ids: list[list[int]], params: SamplingParams, timer, items: list | None
+    ) -> tuple[list[list[Generation]] | None, EngineFailure | None]:
+        """Park, resume the engine, sync the weights if stale, generate: (generations, None), or (None,
+        the failure) when the generator failed (rollout.base.EngineFailure; anything else, out of
+        memory and a failed sync check included, is raised: a restart would not cure it)."""
+        from megatron_rl.rollout.reshard import sync_weights
+
         ps, rollout = self.ps, self.cfg.actor_rollout_ref.rollout
         free = rollout.free_cache_engine
         with timer("offload"):
@@ -331,20 +394,16 @@ class ColocatedRollout(_Queue):
             with timer("offload"):
                 self.parking.park(self.actor.parameters())
         with timer("gen"):
-            if self.agent is None:
-                gens = self.engine.generate(prompt_ids, params)
-            else:
-                gens = self.agent.run(self.engine, prompt_ids, params, items)
-                if tag.startswith("train/"):
-                    self.episode_stats.add(gens)
-        if free:
-            with timer("engine"):
-                # SGLang drops its weights with its memory: the next rollout streams them again.
-                self.engine.release_memory()
-            self.weights_stale = True
-        with timer("offload"):
-            self.parking.reload()
-        return gens, self.trained
+            try:
+                if self.agent is None:
+                    gens = self.engine.generate(prompt_ids, params)
+                else:
+                    gens = self.agent.run(self.engine, prompt_ids, params, items)
+            except EngineFailure as e:  # raised on every rank the failed generator serves
+                return None, e
+            if self.agent is not None and tag.startswith("train/"):
+                self.episode_stats.add(gens)
+        return gens, None
 
     def policy_updated(self, step: int, timer) -> None:
         self.trained, self.weights_stale = step, True
@@ -353,6 +412,8 @@ class ColocatedRollout(_Queue):
         """perf/parked_gb and perf/offload/* (run.memory_plan); multi_turn/*: the episodes of this step's
         training rollouts (rollout/agent_loop.EpisodeStats)."""
         out = self.plan.metrics(self.parking.last_parked_bytes)
+        if self.engine_restarts:
+            out["rollout/engine_restarts"] = float(self.engine_restarts)
         return out if self.agent is None else {**out, **self.episode_stats.pop(self.ps)}
 
     def shutdown(self) -> None:

@@ -320,6 +320,8 @@ def collective_generate(
         box = [result]
         dist.broadcast_object_list(box, src=dist.get_global_rank(mp_group, 0), group=mp_group)
         result = box[0]
+    if isinstance(result, _Failed):  # every rank the generator serves raises, past the collectives
+        raise EngineFailure(result.rank, result.cause)
     if result is None:  # a DP leader always receives a list; its TP/PP peers get it by the broadcast
         raise RuntimeError(f"rank {ps.rank} received no results from its data-parallel leader")
     if len(result) != len(prompts):
@@ -330,12 +332,35 @@ def collective_generate(
     return result
 
 
+ENGINE_FAILURES = (RuntimeError, OSError, EOFError)
+"""What a failed generator raises (a dead worker, a broken pipe or connection): the ranks it serves are
+told, and raise :class:`EngineFailure` together, after the collectives."""
+
+
+class EngineFailure(RuntimeError):
+    """The generator serving this rank failed (raised by ``generate`` on every rank it serves, so that
+    they leave the collectives together); ``rank``: the global rank hosting it."""
+
+    def __init__(self, rank: int, cause: str) -> None:
+        super().__init__(cause)
+        self.rank, self.cause = rank, cause
+
+
+@dataclass
+class _Failed:
+    """In place of the generations when the generator failed."""
+
+    rank: int
+    cause: str
+
+
 def _generate_for_group(
     contributions: list[Contribution],
     run: Callable[[list[list[int]], Origins], list[list[Generation]]] | None,
-) -> list[list[list[Generation]] | None]:
+) -> list:
     """On rank 0 of a rollout group: ``run`` once on the concatenated prompts, cut back into one piece
-    per contribution (None for a rank that sent None)."""
+    per contribution (None for a rank that sent None); a :class:`_Failed` for each when ``run`` failed
+    (out of memory excepted: that is raised)."""
     flat = [p for c in contributions if c for p in c[1]]
     origins = [(c[0], i) for c in contributions if c for i in range(len(c[1]))]
     if not flat:
@@ -343,7 +368,13 @@ def _generate_for_group(
     elif run is None:
         raise RuntimeError("this rank leads a rollout group but hosts no generator")
     else:
-        out = run(flat, origins)
+        try:
+            out = run(flat, origins)
+        except RolloutOOMError:
+            raise
+        except ENGINE_FAILURES as e:
+            failed = _Failed(dist.get_rank() if dist.is_initialized() else 0, f"{type(e).__name__}: {e}")
+            return [failed] * len(contributions)
     if len(out) != len(flat):
         raise RuntimeError(f"engine returned {len(out)} results for {len(flat)} prompts")
     pieces: list[list[list[Generation]] | None] = []
