@@ -289,6 +289,8 @@ def summarize(rows: list[dict], nproc: int) -> dict:
                 "rollout_corr/rollout_is_mean",
                 "rollout_corr/rollout_rs_masked_fraction",
                 "rollout_corr/router_mismatch",
+                "actor/router_mismatch",
+                "actor/ppo_kl",
             )
             if mean(k) is not None
         },

@@ -1,7 +1,15 @@
-"""Benchmark: reshard stream (+ SGLang update) of a Qwen2.5-1.5B-shaped actor at TP = the GPUs.
+"""Benchmark: reshard stream (+ SGLang update) of a random actor at TP = the GPUs.
 
     torchrun --nproc_per_node=2 bench/reshard.py --out reshard.json    # TP=2 (rollout TP=2)
     torchrun --nproc_per_node=1 bench/reshard.py --out reshard.json    # TP=1: the bound is a copy
+    torchrun --nproc_per_node=1 bench/reshard.py --model qwen3-30b-a3b --layers 4 --out reshard_moe.json
+
+--model picks the shape: Qwen2.5-1.5B (dense, the default), or Qwen3-30B-A3B (Qwen3-MoE: 128 experts
+of 768, top-8, on every layer) cut to --layers decoder layers (4 by default: ~3.1B parameters, 6.2 GB
+of bf16; the stream then carries 128 x 3 expert matrices per layer, the router [128, 2048] and the
+embedding and LM head). The actor has expert parallelism 1 and expert TP = TP, so every rank holds
+every expert; the engine builds the same shape from the model's config alone (no model directory).
+--graphs on|off: the engine's decode CUDA graphs (on by default, as the trainer starts it).
 
 Same run, same bytes (the HF tensors the stream produces, bf16):
   bound       one NCCL all_gather_into_tensor over the TP group whose output has those bytes;
@@ -18,34 +26,64 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 import zlib
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+if TYPE_CHECKING:
+    from megatron_rl.model_args import ModelArgs
+    from megatron_rl.parallel import ParallelState
 
-def qwen_args():
-    from transformers import Qwen2Config
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ppo_step import MOE_LAYERS, model_shape  # noqa: E402
+
+MODELS = ("qwen2.5-1.5b", "qwen3-30b-a3b")
+SHAPE_NAMES = {"qwen2.5-1.5b": "Qwen2.5-1.5B", "qwen3-30b-a3b": "Qwen3-30B-A3B"}
+
+
+def hf_model_args(model: str, layers: int | None) -> ModelArgs:
+    """ModelArgs of a --model shape (bench/ppo_step.py's table), from its HF config alone."""
+    import transformers
 
     from megatron_rl.model_args import model_args_from_hf_config
-    from megatron_rl.models.random_hf import QWEN25_1_5B
+    from megatron_rl.models.random_hf import ARCH_CLASSES
 
-    hf = Qwen2Config(**QWEN25_1_5B, pad_token_id=0, bos_token_id=1, eos_token_id=2).to_dict()
-    hf["architectures"] = ["Qwen2ForCausalLM"]
+    arch, dims = model_shape(model, layers)
+    config_class, lm_class = ARCH_CLASSES[arch]
+    config = getattr(transformers, config_class)(**dims, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    hf = config.to_dict()
+    hf["architectures"] = [lm_class]
     return model_args_from_hf_config(hf)
 
 
+def describe(model: str, args: ModelArgs) -> str:
+    """The shape and its layer count, e.g. "Qwen3-30B-A3B shape, 4 layers, 128 experts, top-8 (...)"."""
+    layers = f"{args.num_layers} layer{'s' * (args.num_layers != 1)}"
+    moe = f", {args.num_experts} experts, top-{args.moe_top_k}" if args.is_moe else ""
+    return f"{SHAPE_NAMES[model]} shape, {layers}{moe} (random weights), bf16"
+
+
 @torch.no_grad()
-def randomize(model, ps) -> None:
+def randomize(model: torch.nn.Module, ps: ParallelState) -> None:
     """O(1) weights: matrices ~ N(0, 1/fan_in), embeddings ~ N(0, 1), norms in [0.5, 1.5]; TP-split
-    tensors differ per TP rank, replicated ones are identical on every rank."""
-    for name, p in model.named_parameters():
+    tensors differ per TP rank (an expert's per expert-TP rank), replicated ones are identical on every
+    rank. The seed comes from the global name (global layer and expert index), so an expert's weights
+    do not depend on which EP rank holds it. MoE: each expert's linear_fc1 [2 * ffn / ETP, H] and
+    linear_fc2 [H, ffn / ETP] (SequentialMLP) and the router [E, H] are matrices like any other."""
+    from megatron_rl.models.builder import named_global_params
+
+    for name, p in named_global_params(model).items():
         split = getattr(p, "tensor_model_parallel", False)
-        seed = zlib.crc32(name.encode()) + (1000 * ps.tp_rank if split else 0)
+        expert = ".local_experts." in name
+        tp_size, tp_rank = (ps.etp_size, ps.etp_rank) if expert else (ps.tp_size, ps.tp_rank)
+        seed = zlib.crc32(name.encode()) + (1000 * tp_rank if split else 0)
         g = torch.Generator(device=p.device).manual_seed(seed)
         if p.ndim == 2:
-            fan_in = p.shape[1] * (ps.tp_size if split and getattr(p, "partition_dim", 0) == 1 else 1)
+            fan_in = p.shape[1] * (tp_size if split and getattr(p, "partition_dim", 0) == 1 else 1)
             scale = 1.0 if "word_embeddings" in name else fan_in**-0.5
             p.copy_(torch.randn(p.shape, generator=g, device=p.device) * scale)
         elif name.endswith("bias"):
@@ -68,12 +106,20 @@ def timed(fn, repeats: int, warmup: int = 1) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen2.5-1.5b", choices=MODELS)
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help=f"decoder layers (default: {MOE_LAYERS} for qwen3-30b-a3b, the shape's own for qwen2.5-1.5b)",
+    )
     ap.add_argument("--out", required=True)
     ap.add_argument("--bucket-mb", type=int, nargs="+", default=[512, 128, 2048])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--engine", default="sglang", choices=["sglang", "none"])
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.4)
+    ap.add_argument("--graphs", choices=["on", "off"], default="on", help="the engine's decode CUDA graphs")
     a = ap.parse_args()
 
     from megatron_rl.config import RolloutConfig
@@ -83,16 +129,17 @@ def main() -> None:
     from megatron_rl.rollout.reshard import iter_hf_buckets, plan_buckets, sync_weights
 
     ps = init_parallel(int(os.environ.get("WORLD_SIZE", "1")), 1, device="cuda")  # TP over every GPU
-    args = qwen_args()
+    args = hf_model_args(a.model, a.layers)
     model = build_model(args, ps, dtype=torch.bfloat16)
     randomize(model, ps)
     res: dict = {
-        "model": "Qwen2.5-1.5B shape (random weights), bf16",
+        "model": describe(a.model, args),
         "layout": f"train TP={ps.tp_size} PP={ps.pp_size} DP={ps.dp_size}",
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
     }
-    numel = sum(b.numel for b in plan_buckets(args, ps.tp_size, ps.pp_size, 1 << 40, 2))
+    etp = ps.etp_size if args.is_moe else None  # as iter_hf_buckets plans it
+    numel = sum(b.numel for b in plan_buckets(args, ps.tp_size, ps.pp_size, 1 << 40, 2, etp))
     nbytes = numel * 2
     res["stream_bytes"] = nbytes
 
@@ -120,7 +167,7 @@ def main() -> None:
         torch.cuda.reset_peak_memory_stats()
         r = timed(lambda mb=mb: drain(mb), a.repeats)
         r["peak_extra_bytes"] = torch.cuda.max_memory_allocated() - base
-        r["buckets"] = len(plan_buckets(args, ps.tp_size, ps.pp_size, mb << 20, 2))
+        r["buckets"] = len(plan_buckets(args, ps.tp_size, ps.pp_size, mb << 20, 2, etp))
         r["x_bound"] = r["median_s"] / res["bound"]["median_s"]
         res["reshard"][mb] = r
 
@@ -130,12 +177,13 @@ def main() -> None:
             dtype="bfloat16",
             tensor_model_parallel_size=ps.tp_size,
             gpu_memory_utilization=a.gpu_memory_utilization,
-            enable_cuda_graph=False,
+            enable_cuda_graph=a.graphs == "on",
             max_num_batched_tokens=8192,
         )
         t0 = time.perf_counter()
         engine = create_engine(cfg, "", args, ps, seed=0)
         res["engine_start_s"] = time.perf_counter() - t0
+        res["engine_cuda_graphs"] = cfg.enable_cuda_graph
         res["sync"] = {}
         for mb in a.bucket_mb:
             stats = {}
@@ -173,6 +221,7 @@ def main() -> None:
             json.dump(res, f, indent=1)
         gb = nbytes / 1e9
         b = res["bound"]["median_s"]
+        print(f"{res['model']}; {res['layout']}; engine CUDA graphs {a.graphs}")
         print(f"stream {gb:.2f} GB bf16; bound (all_gather_into_tensor) {b * 1e3:.1f} ms = {gb / b:.0f} GB/s")
         for mb, r in res["reshard"].items():
             print(

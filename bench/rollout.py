@@ -2,6 +2,13 @@
 
     python bench/rollout.py --tp 1 --out bench_out/rollout_tp1          # 1 GPU
     python bench/rollout.py --tp 2 --out bench_out/rollout_tp2          # 2 GPUs
+    python bench/rollout.py --model qwen3-30b-a3b --layers 4 --prompts 128 --graphs on \\
+        --out bench_out/rollout_moe                                     # MoE, 1 GPU
+
+--model picks the shape of the random HF model written under --out/model: Qwen2.5-1.5B (dense, the
+default) or Qwen3-30B-A3B (Qwen3-MoE: 128 experts of 768, top-8, on every layer) cut to --layers
+decoder layers (4 by default: ~3.1B parameters, 6.2 GB of bf16). Both sides see the same directory,
+so the same MoE batch; the trainer's actor has expert parallelism 1 (every rank holds every expert).
 
 For CUDA graphs on and off (--graphs), one process tree per mode:
   standalone  a fresh python process starts ``sglang.Engine`` on the HF model directory (its own
@@ -12,10 +19,9 @@ For CUDA graphs on and off (--graphs), one process tree per mode:
               releases and resumes its memory once (as every colocated step does), and generates through
               the trainer's collective path.
 Each generates, for every --prompts count (128 and 512 by default), the same prompts of --prompt-len
-random token ids (Qwen2.5-1.5B shape, random weights), n=1, --new-tokens new tokens with EOS ignored
-(every response has exactly that many tokens), temperature 1; one warm-up generate of the same batch
-first, then the timed one. tokens/s = prompts x new tokens / seconds. Rank 0 writes --out/summary.json
-and prints the table.
+random token ids, n=1, --new-tokens new tokens with EOS ignored (every response has exactly that many
+tokens), temperature 1; one warm-up generate of the same batch first, then the timed one. tokens/s =
+prompts x new tokens / seconds. Rank 0 writes --out/summary.json and prints the table.
 """
 
 from __future__ import annotations
@@ -30,6 +36,10 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ppo_step import MOE_LAYERS, model_shape  # noqa: E402
+
+MODELS = ("qwen2.5-1.5b", "qwen3-30b-a3b")
 
 
 def _prompts(vocab: int, count: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -42,6 +52,7 @@ def _rollout_cfg(a: argparse.Namespace, graphs: bool):
 
     return RolloutConfig(
         name="sglang",
+        dtype="bfloat16",  # the trainer resolves None from the actor's params_dtype (bf16 here)
         tensor_model_parallel_size=a.tp,
         gpu_memory_utilization=a.gpu_memory_utilization,
         enable_cuda_graph=graphs,
@@ -54,9 +65,9 @@ def standalone(a: argparse.Namespace, graphs: bool) -> dict:
 
     from megatron_rl.rollout.sglang_engine import engine_arguments
 
-    with open(os.path.join(a.model, "config.json")) as f:
+    with open(os.path.join(a.model_dir, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
-    kwargs = engine_arguments(_rollout_cfg(a, graphs), a.model, a.tp, 0, seed=0)
+    kwargs = engine_arguments(_rollout_cfg(a, graphs), a.model_dir, a.tp, 0, seed=0)
     kwargs["load_format"] = "auto"
     t0 = time.perf_counter()
     engine = sglang.Engine(**kwargs)
@@ -86,12 +97,12 @@ def in_trainer(a: argparse.Namespace, graphs: bool) -> dict | None:
     from megatron_rl.rollout.reshard import sync_weights
 
     ps = init_parallel(a.tp, 1, device="cuda")
-    args = load_model_args_any(a.model)
+    args = load_model_args_any(a.model_dir)  # an MoE config.json gives MoE args: experts built, filled
     actor = build_model(args, ps, role="actor", dtype=torch.bfloat16)
-    load_weights(actor, a.model, ps)
+    load_weights(actor, a.model_dir, ps)
     cfg = _rollout_cfg(a, graphs)
     t0 = time.perf_counter()
-    engine = create_engine(cfg, a.model, args, ps, seed=0)
+    engine = create_engine(cfg, a.model_dir, args, ps, seed=0)
     out = {"engine_start_s": time.perf_counter() - t0}
     # A colocated step: release (training runs), resume, stream the weights in.
     t0 = time.perf_counter()
@@ -121,21 +132,42 @@ def in_trainer(a: argparse.Namespace, graphs: bool) -> dict | None:
 
 
 def _prepare(a: argparse.Namespace) -> str:
-    """A Qwen2.5-1.5B-shaped random HF model (bf16, HF init) under --out (reused when present)."""
+    """A random HF model of the --model shape (bf16, HF init) under --out, reused when present; a
+    directory of another shape there is refused rather than measured."""
     import torch
 
-    from megatron_rl.models.random_hf import QWEN25_1_5B, save_random_hf_model
+    from megatron_rl.models.random_hf import save_random_hf_model
 
+    arch, dims = model_shape(a.model, a.layers)
     path = os.path.join(a.out, "model")
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        v = QWEN25_1_5B["vocab_size"]
+    config = os.path.join(path, "config.json")
+    keys = ("model_type", "num_hidden_layers", "hidden_size", "vocab_size")
+    want = (arch, dims["num_hidden_layers"], dims["hidden_size"], dims["vocab_size"])
+    if os.path.isfile(config):
+        with open(config) as f:
+            saved = json.load(f)
+        have = tuple(saved.get(k) for k in keys)
+        if have != want:
+            raise SystemExit(
+                f"bench: {path} holds another model ({', '.join(keys)} = {have}; --model {a.model} "
+                f"needs {want}); use another --out"
+            )
+    else:
+        v = dims["vocab_size"]
         ids = dict(pad_token_id=v - 3, bos_token_id=v - 2, eos_token_id=v - 1)
-        save_random_hf_model(path, "qwen2", seed=0, init="hf", dtype=torch.bfloat16, **QWEN25_1_5B, **ids)
+        save_random_hf_model(path, arch, seed=0, init="hf", dtype=torch.bfloat16, **dims, **ids)
     return path
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen2.5-1.5b", choices=MODELS)
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help=f"decoder layers (default: {MOE_LAYERS} for qwen3-30b-a3b, the shape's own for qwen2.5-1.5b)",
+    )
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--prompts", type=int, nargs="+", default=[128, 512])
     ap.add_argument("--prompt-len", type=int, default=512)
@@ -144,7 +176,7 @@ def main() -> None:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--out", required=True)
     ap.add_argument("--worker", choices=["standalone", "trainer"], help=argparse.SUPPRESS)
-    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     ap.add_argument("--graph", choices=["on", "off"], help=argparse.SUPPRESS)
     a = ap.parse_args()
 
@@ -156,11 +188,16 @@ def main() -> None:
         return
 
     os.makedirs(a.out, exist_ok=True)
-    model = _prepare(a)
+    model_dir = _prepare(a)
     common = ["--tp", str(a.tp), "--prompts", *map(str, a.prompts), "--prompt-len", str(a.prompt_len)]
-    common += ["--new-tokens", str(a.new_tokens), "--out", a.out, "--model", model]
+    common += ["--new-tokens", str(a.new_tokens), "--out", a.out, "--model-dir", model_dir]
     common += ["--gpu-memory-utilization", str(a.gpu_memory_utilization)]
-    summary: dict = {"args": vars(a), "runs": {}}
+    with open(os.path.join(model_dir, "config.json")) as f:
+        hf = json.load(f)
+    experts = hf.get("num_local_experts", hf.get("num_experts"))
+    moe = f", {experts} experts, top-{hf['num_experts_per_tok']}" if experts else ""
+    shape = f"{a.model} shape, {hf['num_hidden_layers']} layers{moe} (random weights), bf16"
+    summary: dict = {"args": vars(a), "model": shape, "runs": {}}
     for graph in ["on", "off"] if a.graphs == "both" else [a.graphs]:
         for worker in ("standalone", "trainer"):
             me = [os.path.abspath(__file__), *common, "--worker", worker, "--graph", graph]
