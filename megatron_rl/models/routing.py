@@ -163,7 +163,7 @@ class Recording:
         batch, mbs, groups, multiple = self.plan
         n, width = batch.input_ids.shape
         device = batch.input_ids.device
-        out = torch.full((n, width, self.layers, self.top_k), NONE, dtype=torch.int32, device=device)
+        out = torch.full((n, width, self.layers, self.top_k), NONE, dtype=torch.int16, device=device)
         p = batch.prompts.shape[1]
         p_len = batch.attention_mask[:, :p].sum(1)  # [B] real prompt tokens (left padded)
         for m, (mb, rows) in enumerate(zip(mbs, groups, strict=True)):
@@ -182,10 +182,12 @@ class Recording:
                     dist.all_gather(parts, ids.contiguous(), group=ps.tp_group)
                     ids = torch.cat(parts)
                 ids = ids.view(-1, b, ids.shape[-1]).transpose(0, 1)[: len(rows), :s]  # [rows, s, k]
-                out[rows_t[jj], cols[jj, cc], r.layer] = ids[jj, cc]
+                out[rows_t[jj], cols[jj, cc], r.layer] = ids[jj, cc].to(out.dtype)
         if ps.pp_size > 1:  # each layer filled on its own stage, NONE (the minimum) elsewhere
-            dist.all_reduce(out, op=dist.ReduceOp.MAX, group=ps.pp_group)
-        return out.to(torch.int16)
+            wide = out.to(torch.int32)  # neither gloo nor NCCL reduces int16
+            dist.all_reduce(wide, op=dist.ReduceOp.MAX, group=ps.pp_group)
+            out = wide.to(torch.int16)
+        return out
 
 
 @contextlib.contextmanager
