@@ -326,15 +326,20 @@ def summarize(rows: list[dict], nproc: int) -> dict:
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="qwen2.5-1.5b", choices=MODELS)
+def add_model_args(ap: argparse.ArgumentParser, models: tuple[str, ...] = MODELS) -> None:
+    """--model (one of ``models``) and --layers, as every benchmark of a model shape takes them."""
+    ap.add_argument("--model", default="qwen2.5-1.5b", choices=models)
     ap.add_argument(
         "--layers",
         type=int,
         default=None,
         help=f"decoder layers (default: {MOE_LAYERS} for qwen3-30b-a3b, the shape's own for the others)",
     )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(ap)
     ap.add_argument("--nproc", type=int, default=1)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--rollout-tp", type=int, default=None)

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from megatron_rl.parallel import ParallelState
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ppo_step import MOE_LAYERS, model_shape  # noqa: E402
+from ppo_step import add_model_args, model_shape  # noqa: E402
 
 MODELS = ("qwen2.5-1.5b", "qwen3-30b-a3b")
 SHAPE_NAMES = {"qwen2.5-1.5b": "Qwen2.5-1.5B", "qwen3-30b-a3b": "Qwen3-30B-A3B"}
@@ -107,13 +107,7 @@ def timed(fn, repeats: int, warmup: int = 1) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="qwen2.5-1.5b", choices=MODELS)
-    ap.add_argument(
-        "--layers",
-        type=int,
-        default=None,
-        help=f"decoder layers (default: {MOE_LAYERS} for qwen3-30b-a3b, the shape's own for qwen2.5-1.5b)",
-    )
+    add_model_args(ap, MODELS)
     ap.add_argument("--out", required=True)
     ap.add_argument("--bucket-mb", type=int, nargs="+", default=[512, 128, 2048])
     ap.add_argument("--repeats", type=int, default=5)

@@ -37,7 +37,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ppo_step import MOE_LAYERS, model_shape  # noqa: E402
+from ppo_step import add_model_args, model_shape  # noqa: E402
 
 MODELS = ("qwen2.5-1.5b", "qwen3-30b-a3b")
 
@@ -161,13 +161,7 @@ def _prepare(a: argparse.Namespace) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="qwen2.5-1.5b", choices=MODELS)
-    ap.add_argument(
-        "--layers",
-        type=int,
-        default=None,
-        help=f"decoder layers (default: {MOE_LAYERS} for qwen3-30b-a3b, the shape's own for qwen2.5-1.5b)",
-    )
+    add_model_args(ap, MODELS)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--prompts", type=int, nargs="+", default=[128, 512])
     ap.add_argument("--prompt-len", type=int, default=512)
