@@ -288,6 +288,8 @@ def summarize(rows: list[dict], nproc: int) -> dict:
                 "rollout_corr/log_ppl_abs_diff",
                 "rollout_corr/rollout_is_mean",
                 "rollout_corr/rollout_rs_masked_fraction",
+                "rollout_corr/chi2_token",
+                "rollout_corr/chi2_seq",
                 "rollout_corr/router_mismatch",
                 "actor/router_mismatch",
                 "actor/ppo_kl",
