@@ -147,7 +147,7 @@ def init_parallel(
     pp: int = 1,
     seed: int = 42,
     device: str = "auto",
-    timeout_minutes: int = 30,
+    timeout_minutes: float = 30,
     ranks: tuple[int, ...] | None = None,
     ep: int = 1,
     etp: int | None = None,

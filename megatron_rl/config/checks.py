@@ -164,7 +164,7 @@ RANGES: dict[str, str] = {
     "trainer.max_ckpt_to_keep": ">=1",
     "trainer.nnodes": ">=1",
     "trainer.n_gpus_per_node": ">=1",
-    "trainer.dist_timeout_minutes": ">=1",
+    "trainer.dist_timeout_minutes": ">0",
     "trainer.console_block_freq": ">=1",
     "trainer.max_nonfinite_steps": ">=0",
 }

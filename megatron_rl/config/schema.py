@@ -537,8 +537,9 @@ class TrainerConfig:
     """Processes per node the job expects; a value set here must match torchrun's."""
     device: str = "auto"
     """auto (cuda when available) | cuda | cpu."""
-    dist_timeout_minutes: int = 30
-    """How long a collective may wait for the other ranks before the job fails."""
+    dist_timeout_minutes: float = 30
+    """How long a collective may wait for the other ranks before the job fails (a hung rank then ends
+    the job, which ``launch/torchrun.sh --max-restarts`` restarts from its checkpoint)."""
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     """Which global ranks hold which role (docs/placement.md)."""
     log_dir: str | None = None

@@ -79,7 +79,7 @@ MESSAGE_TYPES = (WeightsPlan, SamplingParams)
 class RolloutClient:
     """The training ranks' side: post weights and generation requests, take the generations."""
 
-    def __init__(self, ps: ParallelState, placement, rollout_tp: int, timeout_minutes: int) -> None:
+    def __init__(self, ps: ParallelState, placement, rollout_tp: int, timeout_minutes: float) -> None:
         """``placement``: the job's config.placement.Placement; ``rollout_tp``: the engines' TP size."""
         self.ps, self.box = ps, Mailbox(job_store(ps), types=MESSAGE_TYPES)
         self.rollout_ranks, self.engines = len(placement.rollout), placement.rollout_engines(rollout_tp)
@@ -154,7 +154,7 @@ class RolloutServer:
     """The rollout ranks' side: one engine per rollout-TP group, serving requests until "stop"."""
 
     def __init__(
-        self, engine, args: ModelArgs, ps: ParallelState, placement, rollout_tp: int, timeout_minutes: int
+        self, engine, args: ModelArgs, ps: ParallelState, placement, rollout_tp: int, timeout_minutes: float
     ):
         """``ps``: the rollout ranks' world (rollout TP x engines); ``placement``: the job's Placement."""
         self.engine, self.args, self.ps = engine, args, ps

@@ -47,12 +47,15 @@ def env(**extra: str) -> dict[str, str]:
     return {**out, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, **extra}
 
 
-def launch(demo, tmp_path, run_dir: str, steps: int, name: str, opts=(), **extra) -> subprocess.Popen:
-    """launch/torchrun.sh --nproc 2 [opts] on the demo; its output goes to tmp_path/<name>.out."""
+def launch(
+    demo, tmp_path, run_dir: str, steps: int, name: str, opts=(), environ=None, **extra
+) -> subprocess.Popen:
+    """launch/torchrun.sh --nproc 2 [opts] on the demo (``environ``: more of the launcher's environment,
+    e.g. ENTRY); its output goes to tmp_path/<name>.out."""
     out = open(tmp_path / f"{name}.out", "w")  # noqa: SIM115 - closed with the process
     return subprocess.Popen(
         ["bash", SCRIPT, "--nproc", "2", *opts, *keys(demo, run_dir, steps, **extra)],
-        env=env(LOG_DIR=str(tmp_path / f"logs-{name}")),
+        env=env(LOG_DIR=str(tmp_path / f"logs-{name}"), **(environ or {})),
         cwd=ROOT,
         stdout=out,
         stderr=subprocess.STDOUT,
@@ -187,9 +190,14 @@ def _rank(pid: int) -> int:
         return -1
 
 
+def _is_rank(cmd: str) -> bool:
+    """The trainer, or a worker of tests/faults/workers that runs it."""
+    return "megatron_rl.train" in cmd or os.path.join("tests", "faults", "workers") in cmd
+
+
 def rank_pids(torchrun_pid: int) -> list[int]:
     """The ranks torchrun started, by rank."""
-    ranks = [p for p in children().get(torchrun_pid, []) if "megatron_rl.train" in cmdline(p)]
+    ranks = [p for p in children().get(torchrun_pid, []) if _is_rank(cmdline(p))]
     return sorted(ranks, key=_rank)
 
 

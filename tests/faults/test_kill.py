@@ -93,3 +93,35 @@ def test_a_rank_killed_under_max_restarts_finishes_from_the_checkpoint(demo, str
     assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6]
     for a, b in zip(straight, got, strict=False):
         assert jobs.stable(a) == jobs.stable(b), f"step {a['step']} differs"
+
+
+HANG = os.path.join(os.path.dirname(__file__), "workers", "hang_in_step.py")
+
+
+@pytest.mark.slow
+def test_a_hung_rank_times_out_and_the_job_restarts_from_the_checkpoint(demo, straight, tmp_path):
+    """Rank 1 hangs in step 3's update (tests/faults/workers/hang_in_step.py): rank 0's collective times
+    out after trainer.dist_timeout_minutes (30 s here), the job fails, launch/torchrun.sh --max-restarts 1
+    starts it again, the ranks resume from the newest checkpoint and the job ends at its last step (exit
+    0), every row equal to a run never interrupted, nothing left behind."""
+    run_dir, mark = str(tmp_path / "run"), tmp_path / "hung"
+    environ = {"ENTRY": HANG, "FAULT_RANK": "1", "FAULT_STEP": "3", "FAULT_MARK": str(mark)}
+    kw = {**EVERY_STEP, "trainer.dist_timeout_minutes": 0.5}
+    proc = jobs.launch(demo, tmp_path, run_dir, 6, "hang", ("--max-restarts", "1"), environ, **kw)
+    try:
+        jobs.wait_for_step(proc, run_dir, 2)
+        sids = jobs.sessions(jobs.job(proc.pid)[1])
+        rc = proc.wait(timeout=600)
+    finally:
+        jobs.kill_launch(proc)
+    out = (tmp_path / "hang.out").read_text()
+    assert rc == 0, out[-4000:]
+    assert mark.exists(), "rank 1 never hung"
+    assert "trainer.dist_timeout_minutes" in out, out[-4000:]  # the failure names the key
+    resumed = re.findall(r"resumed from (\S+) at step (\d+)", out)
+    assert len(resumed) == 1 and int(resumed[0][1]) == 2, out[-4000:]
+    assert jobs.left_behind(sids) == []
+    got = jobs.rows(run_dir)
+    assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6]
+    for a, b in zip(straight, got, strict=False):
+        assert jobs.stable(a) == jobs.stable(b), f"step {a['step']} differs"
