@@ -322,6 +322,7 @@ class ColocatedRollout(_Queue):
                     f"{tag}: the rollout engine failed on another rank (its log has the cause)"
                 )
             self._restart_engine(tag, error, attempt + 1, allowed, timer)
+        assert gens is not None  # no rank failed on the last attempt
         rollout = self.cfg.actor_rollout_ref.rollout
         if rollout.free_cache_engine:
             with timer("engine"):
