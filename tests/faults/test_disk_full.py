@@ -70,7 +70,7 @@ def _worker(root: str, hf_dir: str) -> None:
     disk to half a checkpoint's room, save step 2."""
     from megatron_rl.model_args import load_model_args
     from megatron_rl.models.builder import build_model, load_hf_weights
-    from megatron_rl.parallel import init_parallel
+    from megatron_rl.parallel import destroy_parallel, init_parallel
     from megatron_rl.run.checkpoint import CheckpointManager
     from megatron_rl.run.explain import explain_failures
     from megatron_rl.run.ports import free_port
@@ -79,14 +79,17 @@ def _worker(root: str, hf_dir: str) -> None:
     logging.basicConfig(level=logging.INFO)  # as the trainer's rank 0 logs
     with explain_failures():
         ps = init_parallel(1, 1, device="cpu")
-        model = build_model(load_model_args(hf_dir), ps, "actor")
-        load_hf_weights(model, hf_dir, ps)
-        m = CheckpointManager(root, ps, claim=True)
-        first = m.save(1, {"actor": model}, {}, {}, {})
-        size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(first) for f in fs)
-        with open(os.path.join(root, "filler"), "wb") as f:
-            f.write(b"\0" * max(0, shutil.disk_usage(root).free - size // 2))
-        m.save(2, {"actor": model}, {}, {}, {})
+        try:
+            model = build_model(load_model_args(hf_dir), ps, "actor")
+            load_hf_weights(model, hf_dir, ps)
+            m = CheckpointManager(root, ps, claim=True)
+            first = m.save(1, {"actor": model}, {}, {}, {})
+            size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(first) for f in fs)
+            with open(os.path.join(root, "filler"), "wb") as f:
+                f.write(b"\0" * max(0, shutil.disk_usage(root).free - size // 2))
+            m.save(2, {"actor": model}, {}, {}, {})
+        finally:  # gloo's threads still running at interpreter exit abort the process (SIGABRT)
+            destroy_parallel()
 
 
 if __name__ == "__main__":

@@ -260,7 +260,7 @@ def _worker(argv: list[str]) -> None:
 
     import torch
 
-    from megatron_rl.parallel import init_parallel
+    from megatron_rl.parallel import destroy_parallel, init_parallel
     from megatron_rl.run import checkpoint
     from megatron_rl.run.explain import explain_failures
     from megatron_rl.run.ports import free_port
@@ -292,16 +292,20 @@ def _worker(argv: list[str]) -> None:
         checkpoint.open_private = lambda *args, **kw: _FullFile(real_open(*args, **kw))
     with explain_failures():
         ps = init_parallel(1, 1, device="cpu")
-        for i, run in enumerate(a.run):
-            last = i == len(a.run) - 1
-            if last and a.drop_order_file:
-                os.remove(os.path.join(a.root, checkpoint.ORDER_FILE))
-            m = CheckpointManager(a.root, ps, a.keep if last else None, permissions=a.permissions, claim=True)
-            m.resumed_from = a.resumed if last else None
-            for step in map(int, run.split(",")):
-                blob = torch.zeros((2 << 20) if step >= a.big_from else 16)
-                m.save(step, {}, {}, {"blob": blob}, {"note": json.dumps({"step": step})})
-            m.release()
+        try:
+            for i, run in enumerate(a.run):
+                last = i == len(a.run) - 1
+                if last and a.drop_order_file:
+                    os.remove(os.path.join(a.root, checkpoint.ORDER_FILE))
+                keep = a.keep if last else None
+                m = CheckpointManager(a.root, ps, keep, permissions=a.permissions, claim=True)
+                m.resumed_from = a.resumed if last else None
+                for step in map(int, run.split(",")):
+                    blob = torch.zeros((2 << 20) if step >= a.big_from else 16)
+                    m.save(step, {}, {}, {"blob": blob}, {"note": json.dumps({"step": step})})
+                m.release()
+        finally:  # gloo's threads still running at interpreter exit abort the process (SIGABRT)
+            destroy_parallel()
 
 
 if __name__ == "__main__":
