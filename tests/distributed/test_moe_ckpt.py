@@ -30,6 +30,7 @@ def ckpt_tools(*args: str, expect: int = 0) -> subprocess.CompletedProcess:
     return proc
 
 
+@pytest.mark.slow  # over 45 s: `make test-slow` (CI runs it)
 def test_hf_to_mcore_at_ep2_and_back_is_bit_exact(tmp_path):
     from safetensors.torch import load_file
 

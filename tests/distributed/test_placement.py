@@ -31,6 +31,7 @@ def demo(tmp_path_factory):
     return prepare(str(tmp_path_factory.mktemp("demo")))
 
 
+@pytest.mark.slow  # over 45 s: `make test-slow` (CI runs it)
 def test_critic_and_rollout_on_ranks_of_their_own_give_the_colocated_numbers(demo, tmp_path, torchrun):
     """Actor on rank 0, critic on rank 1, the engine on rank 2, against all three on one rank: three
     steps and a validation equal. A checkpoint written by the colocated run resumes in the separate
@@ -109,6 +110,7 @@ def _write_placement(path, actor: list[int], rollout: list[int]) -> None:
         f.write(f"actor: {actor}\nrollout: {rollout}\n")
 
 
+@pytest.mark.slow  # over 45 s: `make test-slow` (CI runs it)
 def test_sigusr1_moves_ranks_between_roles_and_training_goes_on(demo, tmp_path):
     """Launcher -> torchrun -> 3 ranks. After step 2 the placement file swaps the roles of ranks 0 and 2
     and the launcher gets SIGUSR1: the ranks save, torchrun starts again, training goes on from the

@@ -172,6 +172,7 @@ OFFLOAD_ALL = {
 }
 
 
+@pytest.mark.slow  # over 45 s: `make test-slow` (CI runs it)
 def test_resume_is_bit_exact(demo, tmp_path, torchrun):
     """Six steps in one run (with every *_offload key on: the training state is parked in host memory
     during each rollout) equal 3 + 3 steps resumed from a checkpoint (no offload), bit for bit."""
