@@ -29,6 +29,13 @@ def run_torchrun(script: str, nproc: int, args: list[str], timeout: int = 600, n
     return proc.stdout
 
 
+def run_torchrun_runs(worker: str, nproc: int, runs: list[list[str]], timeout: int = 600) -> str:
+    """Run ``worker`` (a module of tests/distributed/workers) once per argument list of ``runs``, all in
+    one torchrun launch of ``nproc`` processes (workers/runs.py): one process start for all of them."""
+    argv = [arg for i, args in enumerate(runs) for arg in ([] if i == 0 else ["--then"]) + args]
+    return run_torchrun("runs.py", nproc, [worker, *argv], timeout=timeout)
+
+
 def run_forked_ranks(worker: Callable[[int, str, str], None], tmp_path, nproc: int = 2) -> None:
     """Run ``worker(rank, init_file, out_dir)`` in ``nproc`` forked processes (a gloo group through
     ``file://init_file``); every rank must exit 0 within 60 s. Results go to files in ``out_dir``."""

@@ -19,28 +19,41 @@ def hf_models(tmp_path_factory):
     return str(root)
 
 
-@pytest.mark.parametrize(
-    "tp,pp,attention",
-    [(1, 1, "sdpa"), (2, 1, "sdpa"), (1, 2, "sdpa"), (2, 2, "sdpa"), (2, 1, "unfused")],
-    ids=["tp1", "tp2", "pp2", "tp2pp2", "tp2-unfused-attention"],
-)
-def test_logits_match_hf(hf_models, tmp_path, torchrun, tp, pp, attention):
+LAYOUTS = {  # id: (tp, pp, attention)
+    "tp1": (1, 1, "sdpa"),
+    "tp2": (2, 1, "sdpa"),
+    "pp2": (1, 2, "sdpa"),
+    "tp2pp2": (2, 2, "sdpa"),
+    "tp2-unfused-attention": (2, 1, "unfused"),
+}
+CORRUPT = {"qkv": 1, "fc1": 2}  # the wrong layout: TP
+
+
+@pytest.fixture(scope="module")
+def results(hf_models, tmp_path_factory) -> dict[str, dict]:
+    """{layout id or corrupt kind: the worker's result}: one launch per process count."""
+    from tests.conftest import run_torchrun_runs
+
+    root = tmp_path_factory.mktemp("parity")
+    launches: dict[int, list[tuple[str, list[str]]]] = {}
+    for name, (tp, pp, attention) in LAYOUTS.items():
+        args = ["--models", hf_models, "--archs", *ARCHS, "--tp", str(tp), "--pp", str(pp)]
+        launches.setdefault(tp * pp, []).append((name, [*args, "--attention", attention]))
+    for corrupt, tp in CORRUPT.items():
+        args = ["--models", hf_models, "--archs", "llama", "phi3", "--tp", str(tp), "--corrupt", corrupt]
+        launches.setdefault(tp, []).append((corrupt, args))
+    for nproc, runs in launches.items():
+        run_torchrun_runs(
+            "parity", nproc, [[*args, "--out", str(root / f"{name}.json")] for name, args in runs]
+        )
+    return {name: read_json(str(root / f"{name}.json")) for runs in launches.values() for name, _ in runs}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_logits_match_hf(results, layout):
     """Both core attentions (torch SDPA, megatron's unfused) against the HF oracle."""
-    out = str(tmp_path / "r.json")
-    args = [
-        "--models",
-        hf_models,
-        "--archs",
-        *ARCHS,
-        "--tp",
-        str(tp),
-        "--pp",
-        str(pp),
-        "--attention",
-        attention,
-    ]
-    torchrun("parity.py", tp * pp, [*args, "--out", out])
-    res = read_json(out)
+    tp, pp, _ = LAYOUTS[layout]
+    res = results[layout]
     assert sorted(res) == sorted(ARCHS)
     for arch, r in res.items():
         assert r["max_logit"] > 1.0, "weights too small to expose a layout bug"
@@ -50,26 +63,8 @@ def test_logits_match_hf(hf_models, tmp_path, torchrun, tp, pp, attention):
             assert max(r["bytes_read_per_rank"]) < 0.75 * r["model_bytes"], r
 
 
-@pytest.mark.parametrize("corrupt,tp", [("qkv", 1), ("fc1", 2)])
-def test_wrong_layout_is_caught(hf_models, tmp_path, torchrun, corrupt, tp):
+@pytest.mark.parametrize("corrupt,tp", list(CORRUPT.items()))
+def test_wrong_layout_is_caught(results, corrupt, tp):
     """Negative control: the parity check fails for the usual qkv / fc1 layout mistakes."""
-    out = str(tmp_path / "r.json")
-    torchrun(
-        "parity.py",
-        tp,
-        [
-            "--models",
-            hf_models,
-            "--archs",
-            "llama",
-            "phi3",
-            "--tp",
-            str(tp),
-            "--corrupt",
-            corrupt,
-            "--out",
-            out,
-        ],
-    )
-    for arch, r in read_json(out).items():
+    for arch, r in results[corrupt].items():
         assert r["max_diff"] > 100 * TOL, f"{arch}: a wrong {corrupt} layout went unnoticed"

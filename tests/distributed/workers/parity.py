@@ -64,11 +64,19 @@ def main():
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     ps = init_parallel(a.tp, a.pp, device="cpu")
+    orig = tables.param_layouts
     if a.corrupt:
-        orig = tables.param_layouts
         tables.param_layouts = lambda args, tp, role="actor": [
             wrong_layout(x, a.corrupt, tp) for x in orig(args, tp, role)
         ]
+    try:
+        check(a, ps)
+    finally:
+        tables.param_layouts = orig  # a later run in the same process (workers/runs.py) gets the real one
+    destroy_parallel()
+
+
+def check(a: argparse.Namespace, ps) -> None:
     results = {}
     for arch in a.archs:
         path = os.path.join(a.models, arch)
@@ -111,7 +119,6 @@ def main():
     if results:
         with open(a.out, "w") as f:
             json.dump(results, f)
-    destroy_parallel()
 
 
 if __name__ == "__main__":
