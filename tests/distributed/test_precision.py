@@ -12,13 +12,25 @@ def hf_dir(tmp_path_factory):
     return save_random_hf_model(str(tmp_path_factory.mktemp("hf") / "llama"), "llama", num_hidden_layers=1)
 
 
+@pytest.fixture(scope="module")
+def results(hf_dir, tmp_path_factory) -> dict[int, dict]:
+    """{tp: the worker's result}: DP2 and TP2 in one launch of 2 processes."""
+    from tests.conftest import run_torchrun_runs
+
+    root = tmp_path_factory.mktemp("precision")
+    run_torchrun_runs(
+        "precision",
+        2,
+        [["--model", hf_dir, "--tp", str(tp), "--out", str(root / f"tp{tp}.json")] for tp in (1, 2)],
+    )
+    return {tp: read_json(str(root / f"tp{tp}.json")) for tp in (1, 2)}
+
+
 @pytest.mark.parametrize("tp", [1, 2], ids=["dp2", "tp2"])
-def test_stochastic_rounding_keeps_replicas_identical(hf_dir, tmp_path, torchrun, tp):
+def test_stochastic_rounding_keeps_replicas_identical(results, tp):
     """DP2: megatron's distributed optimizer (each rank rounds its own shard, then the all-gather) and
     the plain one (each rank rounds the whole parameter with the same noise); TP2: norm weights."""
-    out = str(tmp_path / "r.json")
-    torchrun("precision.py", 2, ["--model", hf_dir, "--tp", str(tp), "--out", out])
-    r = read_json(out)
+    r = results[tp]
     assert r["dp_size"] * r["tp_size"] == 2
     for name in ("distributed", "plain"):
         assert r[name]["update_frac"] > 0.05, "the rounding moved (almost) nothing: the test proves nothing"
