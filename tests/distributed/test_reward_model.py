@@ -1,6 +1,6 @@
 """A reward model held in Megatron shards (``build_model(role="reward")`` + ``compute_rm_scores``) scores
 like HF's ``...ForSequenceClassification`` at TP1 (DP2), TP2 (with and without sequence parallelism)
-and PP2, each a torchrun/gloo launch of 2 processes over Llama, Qwen2 and Qwen3.
+and PP2, one after another in one torchrun/gloo launch of 2 processes, over Llama, Qwen2 and Qwen3.
 
 Oracle: HF's ``logits[:, 0]`` (the score head at the last non-pad token) on the same padded batch of 7
 sequences of 1..9 tokens, right padded (HF's convention, with pad_token_id) and left padded. O(1) random
@@ -34,7 +34,7 @@ TOL = 1e-4
 def runs(tmp_path_factory) -> dict[str, dict[str, dict]]:
     """{layout: {arch: result}}; TP2 saves the torch_dist checkpoints that PP2 loads."""
     from megatron_rl.models.random_hf import save_random_hf_model
-    from tests.conftest import run_torchrun
+    from tests.conftest import run_torchrun_runs
 
     root = tmp_path_factory.mktemp("rm")
     # Qwen2 with tie_word_embeddings (as RMs built on small Qwen2.5 models): the score head is never tied.
@@ -46,13 +46,14 @@ def runs(tmp_path_factory) -> dict[str, dict[str, dict]]:
     }
     models = [f"{arch}={d}" for arch, d in dirs.items()]
     td = root / "td"
-    out = {}
-    for name, (tp, pp) in LAYOUTS.items():
+    runs = []
+    for name, (tp, pp) in LAYOUTS.items():  # in this order: TP2 saves before PP2 loads
         extra = ["--save-td", str(td)] if name == "tp2" else ["--load-td", str(td)] if name == "pp2" else []
-        args = ["--models", *models, "--tp", str(tp), "--pp", str(pp), "--out", str(root / name), *extra]
-        run_torchrun("rm_scores.py", 2, args)
-        out[name] = {arch: read_json(str(root / name / f"{arch}.json")) for arch in ARCHS}
-    return out
+        runs.append(
+            ["--models", *models, "--tp", str(tp), "--pp", str(pp), "--out", str(root / name), *extra]
+        )
+    run_torchrun_runs("rm_scores", 2, runs)
+    return {name: {arch: read_json(str(root / name / f"{arch}.json")) for arch in ARCHS} for name in LAYOUTS}
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
