@@ -1,10 +1,11 @@
 """Reshard stream -> transformers engine at TP2 (x DP2), PP2 and TP2xPP2 (real torchrun/gloo jobs).
 
-One launch per layout runs every check (tests/distributed/workers/reshard.py): engine logits == Megatron
-logits, engine weights == the original files bit for bit, tiny buckets == default buckets, a wrong
-qkv layout is caught, greedy generation == transformers' generate, seeded sampling reproduces,
-engine log-probs == reference log-probs, TP/PP peers receive identical generations, and a bucket
-dropped before the engine fails the sync's integrity check.
+One run per layout (tests/distributed/workers/reshard.py; the layouts of one process count share a
+launch) makes every check: engine logits == Megatron logits, engine weights == the original files bit
+for bit, tiny buckets == default buckets, a wrong qkv layout is caught, greedy generation ==
+transformers' generate, seeded sampling reproduces, engine log-probs == reference log-probs, TP/PP
+peers receive identical generations, and a bucket dropped before the engine fails the sync's integrity
+check.
 """
 
 import pytest
@@ -26,12 +27,29 @@ def hf_models(tmp_path_factory):
     return str(root)
 
 
-@pytest.mark.parametrize("tp,pp,nproc", [(2, 1, 4), (1, 2, 2), (2, 2, 4)], ids=["tp2dp2", "pp2", "tp2pp2"])
-def test_reshard_into_hf_engine(hf_models, tmp_path, torchrun, tp, pp, nproc):
-    out = str(tmp_path / "r.json")
+LAYOUTS = {"tp2dp2": (2, 1, 4), "pp2": (1, 2, 2), "tp2pp2": (2, 2, 4)}  # id: (tp, pp, nproc)
+
+
+@pytest.fixture(scope="module")
+def results(hf_models, tmp_path_factory) -> dict[str, list[dict]]:
+    """{layout id: every rank's record}: one launch per process count."""
+    from tests.conftest import run_torchrun_runs
+
+    root = tmp_path_factory.mktemp("reshard")
     args = ["--models", hf_models, "--archs", *ARCHS, "--gen-arch", GEN_ARCH, "--control-arch", GEN_ARCH]
-    torchrun("reshard.py", nproc, [*args, "--tp", str(tp), "--pp", str(pp), "--out", out])
-    ranks = read_json(out)
+    launches: dict[int, list[list[str]]] = {}
+    for name, (tp, pp, nproc) in LAYOUTS.items():
+        out = str(root / f"{name}.json")
+        launches.setdefault(nproc, []).append([*args, "--tp", str(tp), "--pp", str(pp), "--out", out])
+    for nproc, runs in launches.items():
+        run_torchrun_runs("reshard", nproc, runs)
+    return {name: read_json(str(root / f"{name}.json")) for name in LAYOUTS}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_reshard_into_hf_engine(results, layout):
+    tp, pp, nproc = LAYOUTS[layout]
+    ranks = results[layout]
     assert len(ranks) == nproc
     leaders = [r for r in ranks if r["tp_rank"] == 0 and r["pp_rank"] == 0]
     assert len(leaders) == nproc // (tp * pp)
