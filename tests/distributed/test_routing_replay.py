@@ -23,14 +23,30 @@ def hf_model(tmp_path_factory):
     return str(path)
 
 
-@pytest.mark.parametrize(
-    "tp,ep,pp,nproc", [(1, 2, 1, 2), (2, 2, 1, 4), (1, 1, 2, 2)], ids=["ep2", "tp2ep2_sp", "pp2"]
-)
-def test_replay_uses_the_recorded_routing(hf_model, tmp_path, torchrun, tp, ep, pp, nproc):
-    out = str(tmp_path / "r.json")
-    layout = ["--tp", str(tp), "--ep", str(ep), "--pp", str(pp)]
-    torchrun("routing_replay.py", nproc, ["--model", hf_model, *layout, "--out", out])
-    ranks = read_json(out)
+LAYOUTS = {"ep2": (1, 2, 1, 2), "tp2ep2_sp": (2, 2, 1, 4), "pp2": (1, 1, 2, 2)}  # id: (tp, ep, pp, nproc)
+
+
+@pytest.fixture(scope="module")
+def results(hf_model, tmp_path_factory) -> dict[str, list[dict]]:
+    """{layout id: every rank's record}: one launch per process count."""
+    from tests.conftest import run_torchrun_runs
+
+    root = tmp_path_factory.mktemp("replay")
+    launches: dict[int, list[list[str]]] = {}
+    for name, (tp, ep, pp, nproc) in LAYOUTS.items():
+        layout = ["--tp", str(tp), "--ep", str(ep), "--pp", str(pp)]
+        launches.setdefault(nproc, []).append(
+            ["--model", hf_model, *layout, "--out", str(root / f"{name}.json")]
+        )
+    for nproc, runs in launches.items():
+        run_torchrun_runs("routing_replay", nproc, runs)
+    return {name: read_json(str(root / f"{name}.json")) for name in LAYOUTS}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_replay_uses_the_recorded_routing(results, layout):
+    tp, ep, pp, nproc = LAYOUTS[layout]
+    ranks = results[layout]
     assert len(ranks) == nproc
     for r in ranks:
         where = f"TP{tp} EP{ep} PP{pp} rank {r['rank']}"
