@@ -255,6 +255,8 @@ def _transformer_section() -> list[str]:
         elif r.action == "refused":
             ok = ", ".join(f"`{a}`" for a in r.allowed) or "none"
             here = f"accepted: {ok}; otherwise refused: {r.why}"
+        elif key == "moe_grouped_gemm":
+            here = "kept: grouped-matmul experts (default true; false: one MLP per expert; MoE models only)"
         elif r.action == "transformer" and key.startswith("moe_"):
             here = "kept: read by the MoE layers' router (MoE models only)"
         elif r.action == "transformer":

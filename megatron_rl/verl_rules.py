@@ -69,11 +69,11 @@ ATTENTION = (
 )
 FROM_THE_MODEL = (
     "the TransformerConfig is built from the model's config.json and the parallel sizes; of "
-    "override_transformer_config, recompute_* and the MoE router losses and dtype are used"
+    "override_transformer_config, recompute_*, the MoE router losses and dtype and moe_grouped_gemm are used"
 )
 MOE_KERNELS = (
     "the MoE layers run megatron's top-k softmax router (aux loss from moe_aux_loss_coeff), alltoall "
-    "dispatcher and SequentialMLP experts, without TE permute fusion, grouped GEMM or DeepEP"
+    "dispatcher and grouped-matmul experts (moe_grouped_gemm), without TE permute fusion or DeepEP"
 )
 UNEVEN_PP = "uneven pipeline stages are not implemented (the layers are split evenly over the stages)"
 NO_DISTILLATION = "distillation is not implemented"
@@ -136,6 +136,7 @@ RULES: tuple[Rule, ...] = (
     Rule("*.megatron.override_transformer_config.moe_aux_loss_coeff", "transformer"),
     Rule("*.megatron.override_transformer_config.moe_z_loss_coeff", "transformer"),
     Rule("*.megatron.override_transformer_config.moe_router_dtype", "transformer"),
+    Rule("*.megatron.override_transformer_config.moe_grouped_gemm", "transformer"),
     _ignored("*.override_transformer_config.moe_*", MOE_KERNELS),
     _ignored("*.override_transformer_config.*_fusion", NO_FUSIONS),
     _ignored("*.override_transformer_config.persist_layer_norm", NO_FUSIONS),

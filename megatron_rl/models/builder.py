@@ -6,7 +6,8 @@ attention. The critic is the same trunk with its vocabulary head replaced by a s
 reward model (``role="reward"``) likewise, with HF's sequence-classification ``score`` head (no bias).
 A mixture-of-experts model (Qwen3-MoE, Mixtral) has megatron's MoELayer in its sparse layers: the
 TopKRouter (fp32 logits), the alltoall token dispatcher over the expert-parallel group, and the
-SequentialMLP experts (one local SwiGLU MLP per expert of this EP rank).
+experts of this EP rank: :class:`~megatron_rl.models.experts.GroupedExperts` (one grouped matmul per
+projection, the default) or megatron's SequentialMLP (one MLP per expert; ``moe_grouped_gemm=False``).
 
 Each rank builds only its pipeline stage and holds only its TP shard; :func:`load_hf_weights`
 reads exactly those slices from the safetensors files.
@@ -108,6 +109,9 @@ class TrainingOptions:
     """MoE: coefficient of the load-balancing loss (megatron's ``aux_loss``; 0 turns it off)."""
     moe_z_loss_coeff: float = 0.0
     """MoE: coefficient of the router z-loss (mean squared logsumexp of the router logits; 0: off)."""
+    moe_grouped_gemm: bool = True
+    """MoE: run a rank's experts as grouped matmuls (GroupedExperts) rather than one MLP per expert
+    (megatron's SequentialMLP); both hold the same weights and write the same checkpoints."""
     transformer_overrides: tuple = ()
     """(key, value) pairs of TransformerConfig arguments set over the ones built here: the section's
     megatron.override_transformer_config without its moe_* keys (recompute_modules)."""
@@ -203,6 +207,8 @@ def build_model(
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 
+    from megatron_rl.models.experts import GroupedExperts
+
     if role not in ("actor", "critic", "reward"):
         raise ValueError(f"role must be actor, critic or reward, got {role!r}")
     if args.is_moe and args.num_experts % ps.ep_size:
@@ -225,6 +231,8 @@ def build_model(
             sub.self_attention.submodules.q_layernorm = sub.self_attention.submodules.k_layernorm = RMSNorm
         if sdpa:
             sub.self_attention.submodules.core_attention = SDPAttention
+        if num_experts and options.moe_grouped_gemm:
+            sub.mlp.submodules.experts = ModuleSpec(module=GroupedExperts)
         return layer
 
     dense = layer_spec(None)
@@ -274,10 +282,12 @@ def mark_tensor_parallel(model: nn.Module, ps: ParallelState) -> None:
     params = named_global_params(model)
     for lay in stage_layouts(model, ps):
         p = params[lay.name]
+        stacked = p._base is not None  # one expert's view of GroupedExperts' [E_local, ...] weight
+        p = p._base if stacked else p
         p.tensor_model_parallel = (
             lay.dim is not None and (ps.tp_size if lay.expert is None else ps.etp_size) > 1
         )
-        p.partition_dim = -1 if lay.dim is None else lay.dim
+        p.partition_dim = -1 if lay.dim is None else lay.dim + stacked
         p.partition_stride = 1
 
 
@@ -290,13 +300,20 @@ def stage_layouts(model: nn.Module, ps: ParallelState) -> list:
     )
 
 
-def named_global_params(model: nn.Module) -> dict[str, nn.Parameter]:
-    """This stage's parameters under their global (full-model) names: global layer and expert index."""
+def named_global_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """This stage's parameters under their global (full-model) names: global layer and expert index.
+
+    The stacked weights of GroupedExperts appear as one view per expert, under SequentialMLP's names
+    (those of the layout tables); writing into a view writes the parameter."""
+    from megatron_rl.models.experts import GroupedExperts
+
+    local: dict[str, torch.Tensor] = dict(model.named_parameters())
+    for prefix, module in model.named_modules():
+        if isinstance(module, GroupedExperts):
+            del local[f"{prefix}.weight1"], local[f"{prefix}.weight2"]
+            local.update({f"{prefix}.{n}": v for n, v in module.expert_views().items()})
     off = getattr(model, "expert_offset", 0)
-    return {
-        global_expert_name(global_layer_name(n, model.layer_offset), off): p
-        for n, p in model.named_parameters()
-    }
+    return {global_expert_name(global_layer_name(n, model.layer_offset), off): p for n, p in local.items()}
 
 
 @torch.no_grad()

@@ -262,11 +262,9 @@ def iter_hf_buckets(
     tp, pp = ps.tp_size, ps.pp_size
     itemsize = torch.empty((), dtype=dtype).element_size()
     plan = plan_buckets(args, tp, pp, bucket_bytes, itemsize, ps.etp_size if args.is_moe else None)
-    expert_offset = getattr(model, "expert_offset", 0)
-    params = {
-        tables.global_expert_name(tables.global_layer_name(n, model.layer_offset), expert_offset): p.detach()
-        for n, p in model.named_parameters()
-    }
+    from megatron_rl.models.builder import named_global_params
+
+    params = {n: p.detach() for n, p in named_global_params(model).items()}
     mine = [b for b in plan if b.stage == ps.pp_rank]
     experts = _ExpertGather(args, ps) if args.is_moe else None
 

@@ -18,6 +18,7 @@ LAYOUTS = {
     "dp2": (2, 1, 1, 0.01, "ep1"),
     "ep1_no_router_loss": (1, 1, 1, 0.0, None),
     "tp2ep2": (4, 2, 2, 0.0, "ep1_no_router_loss"),
+    "ep2_sequential": (2, 1, 2, 0.01, "ep1"),  # megatron's SequentialMLP experts, not grouped ones
 }
 METRIC_RTOL = 1e-4
 WEIGHT_TOL = 5e-5  # fp32 summation order; the update moves weights by ~1e-3
@@ -35,6 +36,7 @@ def runs(tmp_path_factory):
         d = root / name
         d.mkdir()
         flags = ["--model", model, "--tp", str(tp), "--ep", str(ep), "--aux", str(aux), "--out", str(d)]
+        flags += ["--sequential-experts"] if name.endswith("_sequential") else []
         run_torchrun("moe_ppo.py", nproc, flags)
         out[name] = [torch.load(d / f"rank{r}.pt") for r in range(nproc)]
     return out
@@ -51,7 +53,7 @@ def merged(ranks: list[dict], key: str = "weights") -> tuple[dict[str, torch.Ten
     return weights, differ
 
 
-@pytest.mark.parametrize("layout", ["ep2", "dp2", "tp2ep2"])
+@pytest.mark.parametrize("layout", ["ep2", "dp2", "tp2ep2", "ep2_sequential"])
 def test_update_is_invariant_to_the_expert_layout(runs, layout):
     (ref,) = runs[LAYOUTS[layout][4]]
     for r in runs[layout]:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.model_args import load_model_args
-from megatron_rl.models.builder import build_model, load_hf_weights
+from megatron_rl.models.builder import build_model, load_hf_weights, named_global_params
 from megatron_rl.models.forward import gather_tp, run_pipeline
 from megatron_rl.parallel import destroy_parallel, init_parallel
 from megatron_rl.weights import tables
@@ -65,7 +65,7 @@ def main():
         local = sorted(
             {
                 int(m.group(1))
-                for n, _ in model.named_parameters()
+                for n in named_global_params(model)
                 if (m := re.search(r"local_experts\.(\d+)", n))
             }
         )

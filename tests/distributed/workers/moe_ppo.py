@@ -61,6 +61,7 @@ def main():
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--aux", type=float, default=0.01, help="moe_aux_loss_coeff (moe_z_loss_coeff: a tenth)")
+    ap.add_argument("--sequential-experts", action="store_true", help="SequentialMLP, not GroupedExperts")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     ps = init_parallel(a.tp, 1, seed=1, device="cpu", ep=a.ep)
@@ -71,7 +72,10 @@ def main():
     ex = {k: v[rows] for k, v in extra.items()}
     # megatron trains MoE layers at TP > 1 only with sequence parallelism
     options = TrainingOptions(
-        sequence_parallel=a.tp > 1, moe_aux_loss_coeff=a.aux, moe_z_loss_coeff=a.aux / 10
+        sequence_parallel=a.tp > 1,
+        moe_aux_loss_coeff=a.aux,
+        moe_z_loss_coeff=a.aux / 10,
+        moe_grouped_gemm=not a.sequential_experts,
     )
     model = build_model(args, ps, "actor", options=options)
     load_hf_weights(model, a.model, ps)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from megatron_rl.config import RolloutConfig
 from megatron_rl.model_args import load_model_args
-from megatron_rl.models.builder import build_model, load_hf_weights
+from megatron_rl.models.builder import build_model, load_hf_weights, named_global_params
 from megatron_rl.models.forward import gather_tp, run_pipeline
 from megatron_rl.parallel import destroy_parallel, init_parallel
 from megatron_rl.rollout import create_engine, reshard
@@ -112,8 +112,8 @@ def check_arch(path: str, ps) -> dict:
     rec: dict = {
         "experts": sorted(
             {
-                int(m.group(1)) + model.expert_offset
-                for n, _ in model.named_parameters()
+                int(m.group(1))
+                for n in named_global_params(model)
                 if (m := re.search(r"local_experts\.(\d+)", n))
             }
         )
