@@ -28,6 +28,15 @@ import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
 
+def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """x [N, in] @ w[e] [in, out] for each expert's rows -> [N, out]."""
+    y = F.grouped_mm(x, w, offs=offs)
+    if y.requires_grad:
+        # grouped_mm's backward rejects a broadcast gradient (stride 0, as from a sum): make it dense
+        y.register_hook(torch.Tensor.contiguous)
+    return y
+
+
 class GroupedExperts(MegatronModule):
     """A rank's routed experts (SwiGLU or plain activation, no biases) as two grouped matmuls."""
 
@@ -63,10 +72,10 @@ class GroupedExperts(MegatronModule):
             x, probs = (probs.unsqueeze(-1) * x).to(x.dtype), torch.ones_like(probs)
         # grouped_mm's group boundaries: the end row of each expert's tokens, int32 on x's device.
         offs = torch.cumsum(tokens_per_expert.to(device=x.device), 0, dtype=torch.int32)
-        h = F.grouped_mm(x, self.weight1.transpose(1, 2), offs=offs)  # [N, 2F/ETP]
+        h = _grouped_mm(x, self.weight1.transpose(1, 2), offs)  # [N, 2F/ETP]
         h = self._activation(h)
         h = (h * probs.unsqueeze(-1)).to(x.dtype)  # the router's weight, applied as MLP's per_token_scale
-        return F.grouped_mm(h, self.weight2.transpose(1, 2), offs=offs), None  # [N, H]
+        return _grouped_mm(h, self.weight2.transpose(1, 2), offs), None  # [N, H]
 
     def _activation(self, h: torch.Tensor) -> torch.Tensor:
         """megatron's unfused MLP activation (its GLU with the optional clamp and linear offset)."""
