@@ -35,15 +35,47 @@ def _env() -> dict[str, str]:
     return {**env, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
 
 
-def save_steps(root, *runs: tuple[int, ...], keep: int | None = None, extra: tuple[str, ...] = ()):
-    """Run the worker: each of ``runs`` is one run's saves (a new manager, as a new job would have);
-    ``keep`` and ``extra`` options apply to the last run."""
-    cmd = [sys.executable, "-m", "tests.unit.test_ckpt_guard", str(root)]
+def job(root, *runs: tuple[int, ...], keep: int | None = None, extra: tuple[str, ...] = ()) -> list[str]:
+    """The worker's arguments for one directory: each of ``runs`` is one run's saves (a new manager, as
+    a new job would have); ``keep`` and ``extra`` options apply to the last run."""
+    args = [str(root)]
     for steps in runs:
-        cmd += ["--run", ",".join(map(str, steps))]
+        args += ["--run", ",".join(map(str, steps))]
     if keep:
-        cmd += ["--keep", str(keep)]
-    return subprocess.run([*cmd, *extra], env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
+        args += ["--keep", str(keep)]
+    return [*args, *extra]
+
+
+def save_steps(*jobs: list[str]) -> subprocess.CompletedProcess:
+    """Run the worker once for all of ``jobs`` (one process start: the imports cost seconds each)."""
+    cmd = [sys.executable, "-m", "tests.unit.test_ckpt_guard"]
+    cmd += [arg for i, args in enumerate(jobs) for arg in ([] if i == 0 else ["--then"]) + args]
+    return subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict[str, object]]:
+    """The worker's saves of the tests below, in one process: (the process, {job: its root})."""
+    base = tmp_path_factory.mktemp("saves")
+    roots = {name: base / name / "run" for name in ("order_file", "no_order_file", "resumed", "private")}
+    jobs = [
+        # an older run left global_step_8 and global_step_10; a new one saves 2, 4, 6, keeping 2
+        job(roots["order_file"], (8, 10), (2, 4, 6), keep=2),
+        job(roots["no_order_file"], (8, 10), (2, 4, 6), keep=2, extra=("--drop-order-file",)),
+        job(
+            roots["resumed"],
+            (2,),
+            (4, 6, 8),
+            keep=1,
+            extra=("--resumed", str(roots["resumed"] / "global_step_2")),
+        ),
+        job(roots["private"], (1,)),
+    ]
+    umask = os.umask(0o022)  # the usual umask, which alone would leave 0644 files and 0755 directories
+    try:
+        return save_steps(*jobs), roots
+    finally:
+        os.umask(umask)
 
 
 def _dirs(root) -> list[str]:
@@ -60,12 +92,11 @@ def _manager(root, keep=None) -> CheckpointManager:
 
 
 @pytest.mark.parametrize("older_run_has_order_file", [True, False])
-def test_pruning_keeps_the_newest_by_save_order(tmp_path, older_run_has_order_file):
+def test_pruning_keeps_the_newest_by_save_order(saved, older_run_has_order_file):
     """An older run left global_step_8 and global_step_10; a new run (no resume) saves 2, 4, 6 with
     max_ckpt_to_keep=2: 4 and 6 remain (not 8 and 10, the highest numbers), the tracker says 6."""
-    root = tmp_path / "run"
-    extra = () if older_run_has_order_file else ("--drop-order-file",)  # an older version wrote none
-    p = save_steps(root, (8, 10), (2, 4, 6), keep=2, extra=extra)
+    p, roots = saved
+    root = roots["order_file" if older_run_has_order_file else "no_order_file"]  # an older version wrote none
     assert p.returncode == 0, p.stderr
     assert _dirs(root) == ["global_step_4", "global_step_6"]
     assert (root / LATEST).read_text().strip() == "6"
@@ -73,20 +104,20 @@ def test_pruning_keeps_the_newest_by_save_order(tmp_path, older_run_has_order_fi
     assert _manager(root).resume_path() == str(root / "global_step_6")
 
 
-def test_pruning_spares_the_checkpoint_the_run_resumed_from(tmp_path):
-    root = tmp_path / "run"
-    p = save_steps(root, (2,), (4, 6, 8), keep=1, extra=("--resumed", str(root / "global_step_2")))
+def test_pruning_spares_the_checkpoint_the_run_resumed_from(saved):
+    p, roots = saved
+    root = roots["resumed"]
     assert p.returncode == 0, p.stderr
     assert _dirs(root) == ["global_step_2", "global_step_8"]
 
 
-def test_files_and_directories_are_private_by_default(tmp_path):
+def test_files_and_directories_are_private_by_default(saved, tmp_path):
     """0600 files, 0700 directories: weights, trainer_state.json, the tracker, the order file, the lock;
     trainer.checkpoint_permissions="0640" gives 0640 / 0750."""
-    root, shared = tmp_path / "run", tmp_path / "shared"
+    p, roots = saved  # saved under umask 0022
+    root, shared = roots["private"], tmp_path / "shared"
     umask = os.umask(0o022)  # the usual umask, which alone would leave 0644 files and 0755 directories
     try:
-        p = save_steps(root, (1,))
         assert p.returncode == 0, p.stderr
         # the 0640 variant: rank 0's publication step (the chmod walk, tracker, order file) in-process
         ps = SimpleNamespace(rank=0, tp_size=1, pp_size=1, dp_size=1, world_size=1)
@@ -246,7 +277,8 @@ def test_full_disk_fails_the_save_in_one_line_and_keeps_earlier_checkpoints(tmp_
 
 def _worker(argv: list[str]) -> None:
     """One-process gloo world: CheckpointManager.save of each --steps (no models: the shard file and
-    trainer_state.json are what a save of any size writes through the same path)."""
+    trainer_state.json are what a save of any size writes through the same path), for each directory's
+    arguments (separated by ``--then``) in turn."""
     ap = argparse.ArgumentParser()
     ap.add_argument("root")
     ap.add_argument("--run", action="append", required=True, help="steps of one run, e.g. 2,4,6")
@@ -256,7 +288,14 @@ def _worker(argv: list[str]) -> None:
     ap.add_argument("--permissions", default="0600")
     ap.add_argument("--big-from", type=int, default=1 << 30, help="from this step on, write 8 MB per save")
     ap.add_argument("--fake-enospc", action="store_true", help="big writes fail with ENOSPC at the file")
-    a = ap.parse_args(argv)
+    jobs, current = [], []
+    for arg in argv:
+        if arg == "--then":
+            jobs.append(ap.parse_args(current))
+            current = []
+        else:
+            current.append(arg)
+    jobs.append(ap.parse_args(current))
 
     import torch
 
@@ -267,7 +306,7 @@ def _worker(argv: list[str]) -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     logging.basicConfig(level=logging.INFO)
-    if a.fake_enospc:  # the boundary: the file a save writes its shard into
+    if any(a.fake_enospc for a in jobs):  # the boundary: the file a save writes its shard into
         real_open = checkpoint.open_private
 
         class _FullFile:
@@ -293,17 +332,18 @@ def _worker(argv: list[str]) -> None:
     with explain_failures():
         ps = init_parallel(1, 1, device="cpu")
         try:
-            for i, run in enumerate(a.run):
-                last = i == len(a.run) - 1
-                if last and a.drop_order_file:
-                    os.remove(os.path.join(a.root, checkpoint.ORDER_FILE))
-                keep = a.keep if last else None
-                m = CheckpointManager(a.root, ps, keep, permissions=a.permissions, claim=True)
-                m.resumed_from = a.resumed if last else None
-                for step in map(int, run.split(",")):
-                    blob = torch.zeros((2 << 20) if step >= a.big_from else 16)
-                    m.save(step, {}, {}, {"blob": blob}, {"note": json.dumps({"step": step})})
-                m.release()
+            for a in jobs:
+                for i, run in enumerate(a.run):
+                    last = i == len(a.run) - 1
+                    if last and a.drop_order_file:
+                        os.remove(os.path.join(a.root, checkpoint.ORDER_FILE))
+                    keep = a.keep if last else None
+                    m = CheckpointManager(a.root, ps, keep, permissions=a.permissions, claim=True)
+                    m.resumed_from = a.resumed if last else None
+                    for step in map(int, run.split(",")):
+                        blob = torch.zeros((2 << 20) if step >= a.big_from else 16)
+                        m.save(step, {}, {}, {"blob": blob}, {"note": json.dumps({"step": step})})
+                    m.release()
         finally:  # gloo's threads still running at interpreter exit abort the process (SIGABRT)
             destroy_parallel()
 
