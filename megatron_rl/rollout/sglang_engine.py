@@ -5,14 +5,16 @@ consecutive ranks (R may differ from the training TP). The first rank of each gr
 ``sglang.Engine(tp_size=R, base_gpu_id=<its local GPU>)``, whose R scheduler processes run on the
 GPUs of the group's ranks, next to the trainer. Groups therefore have to sit inside one node.
 
-Start-up: the trainer's NCCL communicators exist before the engine starts (init_parallel binds the
-device; we also run one collective on each megatron group we use; on the H200, a communicator created
-after the engine failed its first collective with ncclUnhandledCudaError), and torchrun's
-RANK/WORLD_SIZE/MASTER_*/TORCHELASTIC_* variables are hidden from the engine's child processes while it
-starts (:func:`torchrun_env_hidden` says why that edit is process-wide). The engine
+Start-up (:func:`start_sglang`): the trainer's NCCL communicators exist before the engine starts
+(init_parallel binds the device; we also run one collective on each megatron group we use; on the H200,
+a communicator created after the engine failed its first collective with ncclUnhandledCudaError), and
+torchrun's RANK/WORLD_SIZE/MASTER_*/TORCHELASTIC_* variables are hidden from the engine's child processes
+while it starts (:func:`torchrun_env_hidden` says why that edit is process-wide). The engine
 reads only a config.json (written to a temporary directory from the model's config, EOS removed so that
 ``SamplingParams.stop_token_ids`` is the complete stop set) and starts with dummy weights: the first
 :func:`~megatron_rl.rollout.reshard.sync_weights` fills it, and ``generate`` refuses to run before that.
+Each start logs one line of the arguments that matter (:func:`engine_summary`); SGLang's own dump of
+every argument goes to our logger at DEBUG (:class:`ServerArgsToDebug`).
 
 Weights. Every rank of the group holds each full bucket on its own GPU (the reshard stream
 broadcasts over PP). Each rank shares its bucket buffer with the SGLang worker on the same GPU through
@@ -33,12 +35,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import shutil
 import tempfile
 import threading
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -74,6 +78,9 @@ _TORCHRUN_VARS = (
     "MASTER_PORT",
 )
 _ENV_LOCK = threading.RLock()  # one engine start at a time edits os.environ
+_SGLANG_ENGINE_LOGGER = "sglang.srt.entrypoints.engine"  # logs every ServerArgs field at INFO
+
+log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -97,6 +104,55 @@ def torchrun_env_hidden() -> Iterator[None]:
             yield
         finally:
             os.environ.update(saved)
+
+
+class ServerArgsToDebug(logging.Filter):
+    """On SGLang's engine logger: its ``server_args=ServerArgs(...)`` record (every field, about 15 kB on
+    one INFO line, at each start) goes to our logger at DEBUG instead; any other record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if not message.startswith("server_args="):
+            return True
+        log.debug("SGLang's engine arguments: %s", message)
+        return False
+
+
+@contextlib.contextmanager
+def server_args_at_debug() -> Iterator[None]:
+    """:class:`ServerArgsToDebug` on SGLang's engine logger inside, removed after (nothing else in the
+    logging configuration changes)."""
+    logger = logging.getLogger(_SGLANG_ENGINE_LOGGER)
+    demote = ServerArgsToDebug()
+    logger.addFilter(demote)
+    try:
+        yield
+    finally:
+        logger.removeFilter(demote)
+
+
+def engine_summary(model: str, kwargs: dict) -> str:
+    """One line of the ``sglang.Engine`` arguments that decide its speed and memory (the rest are
+    logged at DEBUG)."""
+    graphs = (
+        "off" if kwargs.get("disable_cuda_graph") else f"up to batch {kwargs.get('cuda_graph_max_bs_decode')}"
+    )
+    return (
+        f"SGLang engine: model {model}, TP={kwargs.get('tp_size', 1)}, dtype={kwargs.get('dtype')}, "
+        f"mem_fraction_static={kwargs.get('mem_fraction_static')}, CUDA graphs {graphs}, "
+        f"attention_backend={kwargs.get('attention_backend')}"
+    )
+
+
+def start_sglang(kwargs: dict, model: str) -> Any:
+    """``sglang.Engine(**kwargs)`` in this process, with torchrun's variables hidden
+    (:func:`torchrun_env_hidden`), one summary line logged and SGLang's argument dump at DEBUG.
+    ``model``: what the summary names (the engine itself reads a temporary config directory)."""
+    import sglang
+
+    log.info(engine_summary(model, kwargs))
+    with torchrun_env_hidden(), server_args_at_debug():
+        return sglang.Engine(**kwargs)
 
 
 def engine_arguments(
@@ -209,6 +265,7 @@ class SGLangEngine:
                 "use actor_rollout_ref.rollout.name=hf on CPU"
             )
         self.cfg, self.args, self.ps, self.seed = cfg, args, ps, seed
+        self.model_path = model_path
         self.dtype = DTYPES[cfg.dtype]
         r = cfg.tensor_model_parallel_size
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count()))
@@ -237,8 +294,6 @@ class SGLangEngine:
         self._released = False
 
     def _start(self, engine_kwargs: dict):
-        import sglang
-
         self._config_dir = tempfile.mkdtemp(prefix="megatron_rl_sglang_")
         hf = dict(self.args.hf_config)
         hf["eos_token_id"] = None  # stopping is SamplingParams.stop_token_ids alone
@@ -248,8 +303,7 @@ class SGLangEngine:
             self.cfg, self._config_dir, self.group_size, self.ps.local_rank, self.seed, self.cuda_graph_max_bs
         )
         kwargs.update(engine_kwargs)
-        with torchrun_env_hidden():
-            return sglang.Engine(**kwargs)
+        return start_sglang(kwargs, self.model_path or self._config_dir)
 
     # -- weights ---------------------------------------------------------------------------------
 
