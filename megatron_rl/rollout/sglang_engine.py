@@ -144,12 +144,28 @@ def engine_summary(model: str, kwargs: dict) -> str:
     )
 
 
+def progress_bars_thread_locked() -> None:
+    """Give tqdm a thread lock, so that no progress bar of this process creates tqdm's default
+    multiprocessing lock.
+
+    Why: that lock is a named semaphore. Once ``sglang.Engine`` has made spawn the start method, a new
+    one is registered with multiprocessing's resource tracker, a child process of ours; the engine's
+    shutdown kills every child process, the tracker included, and at exit the semaphore's clean-up
+    reaches a relaunched tracker that never saw it: "KeyError: '/loky-...'" (named so when joblib,
+    imported by scikit-learn through transformers, renamed multiprocessing's semaphores). The bars here
+    (the trainer's step bar, loading bars) are drawn by threads of this process only."""
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
+
+
 def start_sglang(kwargs: dict, model: str) -> Any:
     """``sglang.Engine(**kwargs)`` in this process, with torchrun's variables hidden
     (:func:`torchrun_env_hidden`), one summary line logged and SGLang's argument dump at DEBUG.
     ``model``: what the summary names (the engine itself reads a temporary config directory)."""
     import sglang
 
+    progress_bars_thread_locked()
     log.info(engine_summary(model, kwargs))
     with torchrun_env_hidden(), server_args_at_debug():
         return sglang.Engine(**kwargs)

@@ -1,11 +1,16 @@
 """Quiet, truthful logs: an SGLang start logs one line of its arguments (its own dump of them goes to
-DEBUG). SGLang is not needed: a fake ``sglang`` module does to the process what ``sglang.Engine`` does."""
+DEBUG) and a run that started SGLang ends without a resource-tracker traceback. SGLang is not needed: a
+fake ``sglang`` module does to the process what ``sglang.Engine`` does."""
 
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
 import sys
+import textwrap
 import types
+from pathlib import Path
 
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.rollout.sglang_engine import (
@@ -16,6 +21,7 @@ from megatron_rl.rollout.sglang_engine import (
     start_sglang,
 )
 
+ROOT = Path(__file__).resolve().parents[2]
 SGLANG_LOGGER = "sglang.srt.entrypoints.engine"
 OURS = "megatron_rl.rollout.sglang_engine"
 SERVER_ARGS = (
@@ -67,3 +73,47 @@ def test_a_start_logs_one_summary_line(caplog, monkeypatch):
     )
     off = engine_summary("m", {**kwargs, "disable_cuda_graph": True})
     assert "CUDA graphs off" in off
+
+
+# A run's end after an SGLang engine: sglang.Engine makes spawn the start method and starts child
+# processes (the resource tracker with them, started here directly); its shutdown kills every child
+# process. The trainer's step bar is made after the start.
+AFTER_AN_ENGINE = """
+import multiprocessing as mp
+import sys
+import types
+from multiprocessing import resource_tracker
+
+import psutil
+
+
+class Engine:
+    def __init__(self, **kwargs):
+        mp.set_start_method("spawn", force=True)
+        resource_tracker.ensure_running()
+
+    def shutdown(self):
+        children = psutil.Process().children(recursive=True)
+        for child in children:
+            child.kill()
+        psutil.wait_procs(children, timeout=30)  # a run's exit comes long after
+
+
+sys.modules["sglang"] = types.SimpleNamespace(Engine=Engine)
+from megatron_rl.rollout.sglang_engine import start_sglang
+from megatron_rl.run.metrics import progress_bar
+
+engine = start_sglang({"tp_size": 1}, "model")
+progress_bar(3, 0, enabled=False).close()
+engine.shutdown()
+print("done")
+"""
+
+
+def test_a_run_after_an_engine_ends_without_a_resource_tracker_traceback(tmp_path):
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent(AFTER_AN_ENGINE))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0 and out.stdout.strip() == "done", out.stderr
+    assert "KeyError" not in out.stderr and "resource_tracker" not in out.stderr, out.stderr
