@@ -124,14 +124,40 @@ _KNOWN_NOTICES = (
 )
 
 
-def silence_known_notices() -> None:
-    """Hide megatron-core's fallback notices (listed above) and its INFO logs; warnings stay visible."""
+_te_noticed = False
+
+
+def te_notice() -> str | None:
+    """What the hidden Transformer Engine / Apex notices said, in one line; None when Transformer Engine
+    is installed. Without it megatron-core's optimizer falls back to Apex's fused Adam or torch's AdamW
+    (and local multi-tensor kernels); our layers are megatron-core's local spec either way."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        return None
+    adam = "Apex's fused Adam" if importlib.util.find_spec("apex") is not None else "torch's AdamW"
+    return (
+        f"megatron-rl: Transformer Engine not installed: megatron-core runs its local layers and {adam} "
+        "(docs/gpu.md)"
+    )
+
+
+def silence_known_notices(announce: bool = False) -> None:
+    """Hide megatron-core's fallback notices (listed above) and its INFO logs; warnings stay visible.
+
+    ``announce`` (rank 0 of a GPU run, the only kind that could use Transformer Engine): print
+    :func:`te_notice` in place of the hidden notices, once per process."""
     import logging
     import warnings
 
+    global _te_noticed
     for pattern in _KNOWN_NOTICES:
         warnings.filterwarnings("ignore", message=pattern)
     logging.getLogger("megatron").setLevel(logging.WARNING)
+    line = te_notice() if announce and not _te_noticed else None
+    if line is not None:
+        _te_noticed = True
+        print(line, flush=True)
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -163,13 +189,13 @@ def init_parallel(
     ranks and the rollout ranks of a separate-rollout placement each get their own world, and reach
     each other through the job's store (``ParallelState.job_store``).
     """
-    silence_known_notices()
+    dev = resolve_device(device)
+    silence_known_notices(announce=dev.type == "cuda" and int(os.environ.get("RANK", 0)) == 0)
     from megatron.core import parallel_state as mps
 
     from megatron_rl import cpu_bridge
 
     cpu_bridge.install()
-    dev = resolve_device(device)
     backend = "nccl" if dev.type == "cuda" else "gloo"
     job_rank, job_store = int(os.environ.get("RANK", 0)), None
     if not dist.is_initialized():

@@ -1,6 +1,7 @@
 """Quiet, truthful logs: an SGLang start logs one line of its arguments (its own dump of them goes to
-DEBUG) and a run that started SGLang ends without a resource-tracker traceback. SGLang is not needed: a
-fake ``sglang`` module does to the process what ``sglang.Engine`` does."""
+DEBUG), a run that started SGLang ends without a resource-tracker traceback, and megatron-core's
+fallback notices become one line of ours. SGLang is not needed: a fake ``sglang`` module does to the
+process what ``sglang.Engine`` does."""
 
 from __future__ import annotations
 
@@ -117,3 +118,41 @@ def test_a_run_after_an_engine_ends_without_a_resource_tracker_traceback(tmp_pat
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0 and out.stdout.strip() == "done", out.stderr
     assert "KeyError" not in out.stderr and "resource_tracker" not in out.stderr, out.stderr
+
+
+# megatron-core's fallback notices, as a GPU run's rank 0 meets them: hidden, and one line of ours.
+MEGATRON_IMPORTS = """
+from megatron_rl.parallel import silence_known_notices
+
+silence_known_notices(announce=True)
+silence_known_notices(announce=True)  # init_parallel again: no second line
+import megatron.core.models.gpt.gpt_layer_specs
+import megatron.core.optimizer
+import megatron.core.optimizer.clip_grads
+"""
+
+
+def test_megatron_core_fallback_notices_are_one_line_of_ours():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-W", "default", "-c", MEGATRON_IMPORTS]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "not installed" not in out.stderr, out.stderr
+    assert out.stdout.splitlines() == [
+        "megatron-rl: Transformer Engine not installed: megatron-core runs its local layers and torch's "
+        "AdamW (docs/gpu.md)"
+    ]
+
+
+def test_no_line_with_transformer_engine_installed(monkeypatch):
+    import importlib.util
+
+    from megatron_rl import parallel
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: object() if name == "transformer_engine" else real(name, *a),
+    )
+    assert parallel.te_notice() is None
