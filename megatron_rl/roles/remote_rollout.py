@@ -57,6 +57,7 @@ from megatron_rl.rollout.reshard import (
     WeightSyncError,
     checksums_match,
     iter_hf_buckets,
+    make_bucket,
     plan_buckets,
     tensor_checksum,
 )
@@ -222,13 +223,7 @@ class RolloutServer:
         flat = torch.empty(max(b.numel for b in buckets), dtype=dtype, device=ps.device)
         for b in buckets:
             broadcast_root(self._group, flat[: b.numel])
-            bucket = Bucket(
-                (t.name, flat[t.offset : t.offset + t.numel].view(t.shape))
-                for s in b.params
-                for t in s.tensors
-            )
-            bucket.flat = flat[: b.numel]
-            yield bucket
+            yield make_bucket(b, flat)
 
     def _generate(self, msg: dict) -> None:
         ps = self.ps

@@ -21,6 +21,8 @@ broadcasts over PP). Each rank shares its bucket buffer with the SGLang worker o
 a CUDA IPC handle (SGLang's "flattened_bucket" format: one tensor + per-tensor metadata); the group
 leader gathers the R handles (gloo) and makes one ``update_weights_from_tensor`` call per bucket, so
 no weight byte crosses GPUs here. A barrier keeps the peers' buffers untouched until the load ends.
+A mixture-of-experts bucket goes to :mod:`megatron_rl.rollout.sglang_loader` (SGLang's custom weight
+loader), which copies each stacked run of experts into the fused expert weights at once.
 
 Generation. :func:`~megatron_rl.rollout.base.collective_generate` gathers the DP leaders' prompts of
 the group at the engine host, which submits prompt x n requests in one ``generate`` call (n copies of
@@ -62,6 +64,7 @@ from megatron_rl.rollout.base import (
     oom_message,
     row_seeds,
 )
+from megatron_rl.rollout.sglang_loader import LOADER, bucket_header
 
 # torchrun's variables; SGLang's own process setup must not see them (it would join our world).
 _TORCHRUN_VARS = (
@@ -195,6 +198,7 @@ def engine_arguments(
         disable_cuda_graph=not cfg.enable_cuda_graph,
         random_seed=seed,
         log_level="error",
+        custom_weight_loader=[LOADER],  # MoE buckets: experts copied into the fused weights (sglang_loader)
     )
     if cfg.enable_cuda_graph:
         # Larger decode batches run without graphs; each captured size costs start-up time.
@@ -337,30 +341,50 @@ class SGLangEngine:
             flat = getattr(bucket, "flat", None)
             if flat is None:  # a plain list of tensors: flatten it here
                 flat = torch.cat([t.reshape(-1).to(self.dtype) for _, t in bucket])
-            meta, off = [], 0
-            for name, t in bucket:
-                n = t.numel()
-                meta.append(FlattenedTensorMetadata(name, t.shape, t.dtype, off, off + n, n))
-                off += n
             torch.cuda.current_stream().synchronize()  # the SGLang worker reads it from another process
-            payload = MultiprocessingSerializer.serialize({"flattened_tensor": flat, "metadata": meta})
+            if getattr(bucket, "stacks", None):  # routed experts: sglang_loader copies them in whole
+                load_format = LOADER
+                payload = MultiprocessingSerializer.serialize([(bucket_header(bucket), flat)])
+            else:
+                meta, off = [], 0
+                for name, t in bucket:
+                    n = t.numel()
+                    meta.append(FlattenedTensorMetadata(name, t.shape, t.dtype, off, off + n, n))
+                    off += n
+                load_format = "flattened_bucket"
+                payload = MultiprocessingSerializer.serialize({"flattened_tensor": flat, "metadata": meta})
             if self.group_size > 1:
                 payloads = [None] * self.group_size if self.group_rank == 0 else None
                 dist.gather_object(payload, payloads, dst=self.leader, group=self._group)
             else:
                 payloads = [payload]
             if self.engine is not None:
-                ok, msg = self.engine.update_weights_from_tensor(
-                    named_tensors=payloads, load_format="flattened_bucket", flush_cache=False
-                )
+                ok, msg = self._load(payloads, load_format)
                 if not ok:
-                    raise RuntimeError(f"SGLang rejected a weight bucket ({len(meta)} tensors): {msg}")
+                    raise RuntimeError(f"SGLang rejected a weight bucket ({len(bucket)} tensors): {msg}")
             if self.group_size > 1:
                 dist.barrier(group=self._group)  # peers' buffers stay intact until the load is done
             del payload, flat
         if self.engine is not None:
             self.engine.flush_cache()
         self._synced = True
+
+    def _load(self, payloads: list, load_format: str) -> tuple[bool, str]:
+        """One ``update_weights_from_tensor`` request with one serialized payload per engine rank (each
+        rank's own bucket buffer: no weight byte crosses GPUs). ``Engine.update_weights_from_tensor``
+        takes pre-serialized payloads for the flattened format only, so the request is built here."""
+        from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+
+        if load_format == "flattened_bucket":
+            return self.engine.update_weights_from_tensor(
+                named_tensors=payloads, load_format=load_format, flush_cache=False
+            )
+        req = UpdateWeightsFromTensorReqInput(
+            serialized_named_tensors=payloads, load_format=load_format, flush_cache=False
+        )
+        return self.engine.loop.run_until_complete(
+            self.engine.tokenizer_manager.update_weights_from_tensor(req, None)
+        )
 
     def release_memory(self) -> None:
         if self.engine is not None and not self._released:

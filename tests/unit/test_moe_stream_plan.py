@@ -67,3 +67,35 @@ def test_fused_experts_are_views_under_checkpoint_names(arch):
     f = args.moe_ffn_hidden_size
     assert bool((params["model.layers.0.mlp.experts.gate_up_proj"][2, :f] == 7.0).all())
     assert not bool((params["model.layers.0.mlp.experts.gate_up_proj"][2, f:] == 7.0).any())
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("bucket_bytes", [40_000, 1 << 30])
+def test_stacks_view_every_expert_in_an_engines_fused_layout(arch, bucket_bytes):
+    """Each bucket's experts are laid out so that one view per layer and projection covers them:
+    w13 [n, 2F, H] = [gate_e; up_e] per expert, w2 [n, H, F] = down_e; small buckets split a layer."""
+    from megatron_rl.rollout.reshard import make_bucket
+
+    _, args = tiny(arch)
+    h, f = args.hidden_size, args.moe_ffn_hidden_size
+    plan = plan_buckets(args, 1, 1, bucket_bytes, itemsize=4)
+    covered = []
+    for b in plan:
+        bucket = make_bucket(b, torch.randn(b.numel))
+        tensors = dict(bucket)
+        for st, view in bucket.stacks:
+            covered += st.names
+            if st.proj == "w13":  # names: gate_e, up_e, gate_e+1, ...
+                pairs = [st.names[k : k + 2] for k in range(0, len(st.names), 2)]
+                want = [torch.cat([tensors[g], tensors[u]]) for g, u in pairs]
+                firsts = [g for g, _ in pairs]
+            else:
+                want = [tensors[n] for n in st.names]
+                firsts = list(st.names)
+            assert view.shape == ((len(want), 2 * f, h) if st.proj == "w13" else (len(want), h, f))
+            assert torch.equal(view, torch.stack(want))
+            assert all(f".experts.{st.first + k}." in n for k, n in enumerate(firsts))
+    experts = [t.name for b in plan for s in b.params if s.layout.expert is not None for t in s.tensors]
+    assert sorted(covered) == sorted(experts)
+    if bucket_bytes < 1 << 30:
+        assert any(len(st.names) < 2 * args.num_experts for b in plan for st in b.stacks)  # a split layer
