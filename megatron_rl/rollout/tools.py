@@ -155,21 +155,51 @@ _OPS = {
 }
 
 
+MAX_RESULT_BITS = 4096
+"""Largest integer the calculator computes (about 1,233 decimal digits), checked before each operation."""
+MAX_EXPONENT = 64
+"""Largest |exponent| of ``**``."""
+
+
+def _checked(op: ast.AST, left: Any, right: Any) -> Any:
+    """``left op right``, refused before it is computed when an integer result could pass
+    MAX_RESULT_BITS: big-integer arithmetic holds the GIL, so a timeout cannot stop it once started."""
+    if isinstance(left, int) and isinstance(right, int):
+        a, b = abs(left).bit_length(), abs(right).bit_length()
+        if isinstance(op, ast.Pow):
+            if abs(right) > MAX_EXPONENT:
+                raise ValueError(f"an exponent over {MAX_EXPONENT} is past the calculator's limit")
+            bits = a * right if a > 1 else a  # 0, 1 and -1 stay small
+        elif isinstance(op, ast.Mult):
+            bits = a + b
+        else:  # + - / // %: at most one bit more than the larger operand
+            bits = max(a, b) + 1
+        if bits > MAX_RESULT_BITS:
+            raise ValueError(
+                f"the result would have about {bits} bits; the calculator's limit is {MAX_RESULT_BITS} "
+                "bits (about 1233 digits)"
+            )
+    elif isinstance(op, ast.Pow) and abs(right) > MAX_EXPONENT:
+        raise ValueError(f"an exponent over {MAX_EXPONENT} is past the calculator's limit")
+    value = _OPS[type(op)](left, right)
+    if isinstance(value, complex):  # (-8) ** 0.5
+        raise ValueError("the result is not a real number")
+    return value
+
+
 def safe_arithmetic(expression: str, max_len: int = 200) -> float:
-    """Evaluate + - * / // % ** and parentheses over numbers; anything else is a ValueError."""
+    """Evaluate + - * / // % ** and parentheses over numbers; anything else, and a result past
+    MAX_RESULT_BITS or an exponent past MAX_EXPONENT, is a ValueError naming the limit."""
     if len(expression) > max_len:
         raise ValueError(f"expression longer than {max_len} characters")
 
     def ev(node):
         if isinstance(node, ast.Expression):
             return ev(node.body)
-        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
             return node.value
         if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-            left, right = ev(node.left), ev(node.right)
-            if isinstance(node.op, ast.Pow) and abs(right) > 64:
-                raise ValueError("exponent too large")
-            return _OPS[type(node.op)](left, right)
+            return _checked(node.op, ev(node.left), ev(node.right))
         if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
             return _OPS[type(node.op)](ev(node.operand))
         raise ValueError(f"unsupported expression element {type(node).__name__}")
