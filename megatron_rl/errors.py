@@ -30,3 +30,9 @@ class CheckpointError(LaunchError):
 
     def __init__(self, message: str, same_on_all_ranks: bool = True) -> None:
         super().__init__(message, same_on_all_ranks)
+
+
+class NonFiniteRewardError(LaunchError):
+    """A reward that is NaN or infinite, stopped where it entered (a reward function, a tool, an agent
+    harness, a reward server or model): one line naming the source, the row and the key to look at. One
+    such reward would void a whole step's update, so it is never trained on."""

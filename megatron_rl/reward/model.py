@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from megatron_rl.errors import NonFiniteRewardError
 from megatron_rl.models.forward import broadcast_from_last_stage, run_pipeline
 from megatron_rl.parallel import ParallelState
 from megatron_rl.reward.source import RewardSource
@@ -149,7 +150,15 @@ class ModelReward(RewardSource):
     def score_batch(self, batch, response_lengths: torch.Tensor):
         from megatron_rl.reward.rules import RewardOutput
 
-        return RewardOutput(self(batch).float().cpu(), {}, 0)
+        scores = self(batch).float().cpu()
+        bad = (~torch.isfinite(scores)).nonzero().flatten().tolist()
+        if bad:  # every rank of the replica holds the same scores, so each raises the same line
+            i = bad[0]
+            raise NonFiniteRewardError(
+                f"the reward model scored row {i} (uid {batch.meta[i].uid!r}) {float(scores[i])} "
+                f"({len(bad)} rows in all); look at reward_model.model.path (its weights)"
+            )
+        return RewardOutput(scores, {}, 0)
 
     def _retokenize(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         lengths = batch.response_mask.sum(-1).long().tolist()

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from megatron_rl.demo.toy import TOY_DATA_SOURCE, toy_compute_score
-from megatron_rl.errors import LaunchError
+from megatron_rl.errors import LaunchError, NonFiniteRewardError
 from megatron_rl.reward.source import RewardSource, response_token_lists
 
 logger = logging.getLogger(__name__)
@@ -184,9 +184,11 @@ class RewardManager(RewardSource):
     """Scores decoded responses with ``compute_score``, one float per sequence (the built-in rules, or
     custom_reward_function: a reward source of reward.source's protocol, on one rank per replica).
 
-    A sample whose reward function raises (or returns a non-finite or non-numeric value) is logged with
-    its index, data_source and response, scores 0.0, and is counted in ``RewardOutput.num_errors``
-    (metric ``reward/num_errors``).
+    A sample whose reward function raises (or returns a non-numeric value) is logged with its index,
+    data_source and response, scores 0.0, and is counted in ``RewardOutput.num_errors`` (metric
+    ``reward/num_errors``). A NaN or infinite score stops the run (:class:`NonFiniteRewardError`, one
+    line naming the function, the sample and its uid): it is a bug in the function, and one such score
+    would void the step's update.
     If every sample of a batch fails, the reward function is broken rather than unlucky, and training on
     all-zero rewards would waste the run, so a RuntimeError is raised from the first exception.
 
@@ -221,10 +223,11 @@ class RewardManager(RewardSource):
             [mt.data_source for mt in batch.meta],
             [mt.ground_truth for mt in batch.meta],
             [mt.extra_info for mt in batch.meta],
+            uids=[mt.uid for mt in batch.meta],
         )
 
     def _call(
-        self, i: int, data_source: str, text: str, ground_truth: Any, extra_info: Any
+        self, i: int, data_source: str, text: str, ground_truth: Any, extra_info: Any, uid: str | None = None
     ) -> tuple[float, dict]:
         """``_score_one`` under the timeout; exceptions come back as they were raised."""
         if self._worker is None or not self._worker.is_alive():
@@ -232,7 +235,7 @@ class RewardManager(RewardSource):
         status, value = self._worker.run(
             lambda: self._score_one(data_source, text, ground_truth, extra_info), self.timeout_s or None
         )
-        where = f"sample {i} (data_source={data_source!r})"
+        where = f"sample {i} (data_source={data_source!r}{'' if uid is None else f', uid {uid!r}'})"
         if status == "timeout":
             self._worker = None  # abandoned: still inside the hung call
             raise RewardFunctionError(
@@ -246,6 +249,14 @@ class RewardManager(RewardSource):
             )
         if status == "error":
             raise value
+        if not math.isfinite(value[0]):
+            key = (
+                "custom_reward_function.path/.name" if self.compute_score is not default_compute_score else ""
+            )
+            raise NonFiniteRewardError(
+                f"reward function returned {value[0]} ({self.name}) on {where}; a reward must be a finite "
+                f"number: fix the function{f' that {key} names' if key else ''}"
+            )
         return value
 
     def _score_one(
@@ -272,10 +283,7 @@ class RewardManager(RewardSource):
             result = result.item()
         if not isinstance(result, numbers.Real):
             raise TypeError(f"reward function returned {type(result).__name__}, expected a number")
-        value = float(result)
-        if not math.isfinite(value):
-            raise ValueError(f"reward function returned {value}")
-        return value, extras
+        return float(result), extras  # a non-finite one is refused by the caller, naming the sample
 
     def __call__(
         self,
@@ -283,7 +291,9 @@ class RewardManager(RewardSource):
         data_sources: Sequence[str],
         ground_truths: Sequence[Any],
         extra_infos: Sequence[dict[str, Any] | None] | None = None,
+        uids: Sequence[str] | None = None,
     ) -> RewardOutput:
+        """Scores of the decoded responses; ``uids`` (the batch's, optional) name the rows in errors."""
         n = len(response_ids)
         if extra_infos is None:
             extra_infos = [None] * n
@@ -302,8 +312,10 @@ class RewardManager(RewardSource):
             zip(texts, data_sources, ground_truths, extra_infos, strict=True)
         ):
             try:
-                value, sample_extras = self._call(i, source, text, truth, info)
-            except RewardFunctionError:
+                value, sample_extras = self._call(
+                    i, source, text, truth, info, None if uids is None else uids[i]
+                )
+            except (RewardFunctionError, NonFiniteRewardError):
                 raise
             except Exception as exc:
                 num_errors += 1

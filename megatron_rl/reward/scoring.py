@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from megatron_rl.algos.dapo import overlong_penalty
 from megatron_rl.batch import RolloutBatch
+from megatron_rl.errors import NonFiniteRewardError
 from megatron_rl.reward.source import RewardSource
 
 if TYPE_CHECKING:
@@ -72,14 +73,49 @@ def reward_scores(
     """Per-sequence scores [B] on ``ps.device`` (overlong shaping included) and the number of reward
     errors on this replica; sets ``meta[i].reward_extras`` on every rank of the replica. Multi-turn
     episodes: the response text includes the tool/user turns, and ``multi_turn.tool_reward_weight`` x
-    the episode's tool rewards (extra_info["tool_reward"]) is added to its score."""
+    the episode's tool rewards (extra_info["tool_reward"]) is added to its score.
+
+    A score that is not finite stops the run here (:class:`NonFiniteRewardError`, naming the source,
+    the row and the keys), whatever produced it: it would void the step's update."""
     lengths = batch.attention_mask[:, batch.prompts.shape[1] :].sum(-1).long().cpu()  # tool tokens too
     scores, n_err = _reward_scores(reward_fn, batch, ps, cfg, lengths)
+    _check_finite(scores, batch, f"the reward ({reward_fn.name})", _source_keys(cfg))
     weight = cfg.actor_rollout_ref.rollout.multi_turn.tool_reward_weight
     if weight:
-        tool = torch.tensor([float(mt.extra_info.get("tool_reward", 0.0)) for mt in batch.meta])
-        scores = scores + weight * tool.to(scores.device, scores.dtype)
+        tool = torch.tensor(
+            [float(mt.extra_info.get("tool_reward", 0.0)) for mt in batch.meta], dtype=torch.float64
+        )
+        _check_finite(tool, batch, "the episode's tool reward", "actor_rollout_ref.rollout.multi_turn.*")
+        scores = scores + (weight * tool).to(scores.device, scores.dtype)
+        _check_finite(scores, batch, "the score plus tool_reward_weight x the tool reward", _WEIGHT)
     return scores, n_err
+
+
+_WEIGHT = "actor_rollout_ref.rollout.multi_turn.tool_reward_weight"
+
+
+def _source_keys(cfg: Config) -> str:
+    """The config keys of the reward source in use (for error lines)."""
+    rm = cfg.reward_model
+    if rm.enable:
+        return "reward_model.model.path"
+    if rm.http.url:
+        return "reward_model.http.url"
+    if cfg.custom_reward_function.path:
+        return "custom_reward_function.path/.name"
+    return "the built-in rule of the data_source (reward/rules.py)"
+
+
+def _check_finite(values: torch.Tensor, batch: RolloutBatch, what: str, keys: str) -> None:
+    """A NonFiniteRewardError naming the first row of ``values`` [B] that is NaN or infinite."""
+    bad = (~torch.isfinite(values)).nonzero().flatten().tolist()
+    if bad:
+        i = bad[0]
+        raise NonFiniteRewardError(
+            f"{what} is {float(values[i])} for row {i} (uid {batch.meta[i].uid!r}, data_source "
+            f"{batch.meta[i].data_source!r}; {len(bad)} rows in all); a reward must be a finite number: "
+            f"look at {keys}"
+        )
 
 
 def _reward_scores(

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from megatron_rl.demo.toy import TOY_DATA_SOURCE, build_toy_tokenizer
+from megatron_rl.errors import NonFiniteRewardError
 from megatron_rl.reward.rules import (
     RewardManager,
     compute_score_gsm8k,
@@ -304,14 +305,15 @@ def test_reward_manager_one_failure_is_logged_and_counted(tok, caplog):
     assert "sample 1" in msg and "src/b" in msg and "bad sample" in msg and "copy 9 9 =" in msg
 
 
-def test_reward_manager_non_finite_score_is_an_error(tok):
+def test_reward_manager_non_finite_score_stops_the_run_naming_the_sample(tok):
     def nan_once(data_source, solution_str, ground_truth, extra_info=None):
         return float("nan") if ground_truth == "x" else 0.5
 
-    out = RewardManager(tok, compute_score=nan_once)(
-        [_ids(tok, "1"), _ids(tok, "2")], ["a", "a"], ["x", "y"], [None, None]
-    )
-    assert out.scores.tolist() == [0.0, 0.5] and out.num_errors == 1
+    # one NaN would void the step's update: refused, not scored 0 and counted
+    with pytest.raises(NonFiniteRewardError, match=r"reward function returned nan .* on sample 1"):
+        RewardManager(tok, compute_score=nan_once)(
+            [_ids(tok, "1"), _ids(tok, "2")], ["a", "a"], ["y", "x"], [None, None]
+        )
 
 
 def test_reward_manager_all_failures_raise(tok):
