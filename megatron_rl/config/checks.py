@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import os
 from typing import Any
 
@@ -126,6 +127,7 @@ RANGES: dict[str, str] = {
     "actor_rollout_ref.rollout.multi_turn.max_tool_response_length": ">=1",
     "actor_rollout_ref.rollout.multi_turn.tool_timeout_s": ">0",
     "actor_rollout_ref.rollout.multi_turn.tool_workers": ">=1",
+    "actor_rollout_ref.rollout.multi_turn.max_abandoned_tool_calls": ">=1",
     "actor_rollout_ref.rollout.multi_turn.max_tokens_per_turn": ">=1",
     "actor_rollout_ref.rollout.multi_turn.tool_reward_weight": "any",
     "actor_rollout_ref.rollout.multi_turn.endpoint.port": ">=0",
@@ -246,9 +248,13 @@ def _check_ranges(cfg: Config) -> None:
             continue
         if not isinstance(value, (int, float)) or not _in_range(value, rule):
             raise ConfigError(f"{key}={value!r} is out of range: it must be {_describe(rule)}.")
+        if not math.isfinite(value):  # nan passes no comparison but "any"; inf passes ">0"
+            raise ConfigError(f"{key}={value!r} is not a finite number: set it to one ({_describe(rule)}).")
 
 
 def _describe(rule: str) -> str:
+    if rule == "any":
+        return "any finite value"
     if rule[0] in "[(":
         return f"in {rule}"
     return f">= {rule[2:]}" if rule.startswith(">=") else f"> {rule[1:]}"

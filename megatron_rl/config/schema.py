@@ -230,6 +230,10 @@ class MultiTurnConfig:
     """Threads running tool and interaction calls concurrently: calls beyond it wait for a thread, so a
     turn whose tools each take t seconds waits about ceil(calls / tool_workers) x t (tools mostly wait
     on I/O: threads are cheap)."""
+    max_abandoned_tool_calls: int = 64
+    """Timed-out tool calls whose threads may still run (a Python thread cannot be killed): each gets a
+    fresh worker in its place; with this many still running, new calls are refused at once with an error
+    message to the model (logged as multi_turn/abandoned_tool_calls)."""
     tool_reward_weight: float = 0.0
     """Each episode's tool rewards (execute's step rewards + calc_reward, or the agent function's
     reward) times this are added to its score."""

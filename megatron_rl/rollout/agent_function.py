@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import math
 import sys
 import time
 import uuid
@@ -139,7 +140,7 @@ def run_agent_episodes(
                 if fut.done() or now - start > cfg.episode_timeout_s:
                     del running[job]
                     if not fut.done():
-                        pool.replace_worker()  # the stuck harness keeps its thread; the pool gets another
+                        pool.abandon(fut)  # the stuck harness keeps its thread; the pool gets another
                     row = getattr(items[job[0]], "index", job[0])
                     got = _episode(server.close_session(eid), fut, params, cfg)
                     if isinstance(got, str):
@@ -168,7 +169,27 @@ def _episode(s: Session, fut: Any, params: SamplingParams, cfg: OpenAIServerConf
         return f"agent_function raised {type(exc).__name__}: {exc}"
     if s.prompt is None:
         return "agent_function made no chat request to its base_url"
+    try:
+        reward = agent_reward(fut.result())
+    except ValueError as exc:
+        return str(exc)
     g = s.generation(params.return_logprobs)
-    reward = fut.result()
-    g.info["agent_reward"] = None if reward is None else float(reward)
+    g.info["agent_reward"] = reward
     return g
+
+
+def agent_reward(value: Any) -> float | None:
+    """What ``agent_fn`` returned as the episode's reward: None, or a finite float; anything else is a
+    ValueError (a NaN reward would void the step's update)."""
+    if value is None:
+        return None
+    try:
+        reward = float(value)
+    except (TypeError, ValueError):
+        reward = math.nan
+    if not math.isfinite(reward):
+        raise ValueError(
+            f"agent_function returned {value!r}, not a finite number or None (its reward is trained on "
+            "with actor_rollout_ref.rollout.multi_turn.tool_reward_weight)"
+        )
+    return reward

@@ -27,17 +27,20 @@ per turn), as the engines' collectives need.
 
 from __future__ import annotations
 
+import logging
 import math
 import queue
+import re
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
+from megatron_rl.errors import LaunchError, NonFiniteRewardError
 from megatron_rl.rollout import tools as tl
 from megatron_rl.rollout.base import Generation, SamplingParams, gloo_twin, is_dp_leader
 from megatron_rl.rollout.tool_formats import (
@@ -50,46 +53,132 @@ if TYPE_CHECKING:
     from megatron_rl.config.schema import MultiTurnConfig
     from megatron_rl.parallel import ParallelState
 
+logger = logging.getLogger(__name__)
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
 _TURN_SEED_STRIDE = 7919  # each turn samples from its own stream
 _MARK = "MRLASSISTANTMARK"  # the assistant content of the probe conversation (found again in its text)
 
 
+class ToolRefused(RuntimeError):
+    """A call the pool refused at once: too many timed-out calls are still running."""
+
+
 class ToolPool:
-    """``workers`` daemon threads running jobs, each returning a Future. Daemon threads, and a fresh
-    worker for each one stuck in a timed-out call: a tool that never returns holds one thread, not the
-    loop, nor the process at exit."""
+    """``workers`` daemon threads running jobs, each returning a Future.
 
-    def __init__(self, workers: int) -> None:
+    A Python thread cannot be killed, so a job that runs past its timeout is *abandoned*
+    (:meth:`abandon`): its thread stays inside the call and a fresh worker takes its place, up to
+    ``workers + max_abandoned`` threads in all. The thread of an abandoned job exits when the job
+    returns (the pool is back to ``workers``). With ``max_abandoned`` jobs abandoned and still running,
+    :meth:`submit` refuses at once (a :class:`ToolRefused` future), and a queued job that no live
+    worker is left to start can be cancelled (:meth:`refuse_queued`): the pool never holds more than
+    ``workers + max_abandoned`` threads, however many calls hang.
+    """
+
+    def __init__(self, workers: int, max_abandoned: int | None = None) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads = 0
+        self._lock = threading.Lock()
+        self.workers = workers
+        self.max_abandoned = workers if max_abandoned is None else max_abandoned
+        self._threads = 0  # alive: idle, busy or abandoned
+        self._abandoned = 0  # of them, inside a job that was abandoned
         for _ in range(workers):
-            self.replace_worker()
+            self._spawn()
 
-    def replace_worker(self) -> None:
+    def _spawn(self) -> None:
         self._threads += 1
         threading.Thread(target=self._work, name="tool", daemon=True).start()
+
+    @property
+    def abandoned(self) -> int:
+        """Abandoned jobs whose threads are still running."""
+        with self._lock:
+            return self._abandoned
+
+    @property
+    def threads(self) -> int:
+        """Threads of the pool alive (idle, busy or abandoned)."""
+        with self._lock:
+            return self._threads
+
+    @property
+    def live(self) -> int:
+        """Threads that take new jobs (not inside an abandoned one)."""
+        with self._lock:
+            return self._threads - self._abandoned
 
     def _work(self) -> None:
         while True:
             item = self._jobs.get()
             if item is None:
+                with self._lock:
+                    self._threads -= 1
                 return
             fut, fn = item
             if not fut.set_running_or_notify_cancel():
                 continue
             try:
-                fut.set_result(fn())
-            except BaseException as exc:  # the caller reports it as the tool's error
+                result, exc = fn(), None
+            except BaseException as e:  # the caller reports it as the tool's error
+                result, exc = None, e
+            leave = False
+            with self._lock:
+                fut.finished = True
+                if getattr(fut, "abandoned", False):
+                    # back from an abandoned job: its place went to a fresh worker, so this one goes,
+                    # unless the cap left the pool short of workers
+                    self._abandoned -= 1
+                    leave = self._threads - self._abandoned > self.workers
+                    if leave:
+                        self._threads -= 1
+            if exc is None:
+                fut.set_result(result)
+            else:
                 fut.set_exception(exc)
+            if leave:
+                return
 
     def submit(self, fn) -> Future:
         fut: Future = Future()
+        if self.abandoned >= self.max_abandoned:
+            fut.set_exception(ToolRefused(self.refused()))
+            return fut
         self._jobs.put((fut, fn))
         return fut
 
+    def abandon(self, fut: Future) -> bool:
+        """Stop waiting for ``fut``'s job: its thread runs on, another takes its place while the
+        abandoned are fewer than ``max_abandoned``. False when the job has just finished (the caller
+        reads its result instead)."""
+        with self._lock:
+            if getattr(fut, "finished", False):
+                return False
+            if getattr(fut, "abandoned", False):
+                return True
+            fut.abandoned = True  # type: ignore[attr-defined]
+            self._abandoned += 1
+            if self._threads < self.workers + self.max_abandoned:
+                self._spawn()
+            return True
+
+    def refused(self) -> str:
+        """The message of a refused call (names the cap's key)."""
+        with self._lock:
+            stuck = self._abandoned
+        return (
+            f"refused: {stuck} earlier tool calls timed out and still run "
+            f"(multi_turn.max_abandoned_tool_calls={self.max_abandoned})"
+        )
+
+    def refuse_queued(self, fut: Future) -> bool:
+        """Cancel ``fut`` if it has not started and every thread is inside an abandoned job (none is
+        left to start it until a hung call returns); True when cancelled."""
+        return self.live == 0 and fut.cancel()
+
     def shutdown(self) -> None:
-        """Idle workers exit; a stuck one ends with the process (daemon)."""
-        for _ in range(self._threads):
+        """Idle workers exit; an abandoned one exits when its job returns, or with the process."""
+        for _ in range(self.threads):
             self._jobs.put(None)
 
 
@@ -175,6 +264,8 @@ class Episode:
     instances: dict[str, str] = field(default_factory=dict)
     """tool name -> instance id (created at the episode's first call of that tool)."""
     interaction_id: str | None = None
+    where: str = "prompt row ?"
+    """The episode in error lines: its prompt's data row and sample."""
 
 
 def _clean(d: Any) -> Any:
@@ -199,7 +290,7 @@ class AgentLoop:
         schemas = [tl.schema_dict(t.tool_schema) for t in self.tools.values()]
         self.encoder = TurnEncoder(tokenizer, schemas)
         self._mp = gloo_twin(ps, ps.mp_group) if ps.tp_size * ps.pp_size > 1 else None
-        self._pool = ToolPool(cfg.tool_workers) if self.leader else None
+        self._pool = ToolPool(cfg.tool_workers, cfg.max_abandoned_tool_calls) if self.leader else None
 
     def shutdown(self) -> None:
         if self._pool is not None:
@@ -228,10 +319,11 @@ class AgentLoop:
                         f"extra_info.interaction_kwargs.name={name!r} "
                         f"names none of the interactions {sorted(self.interactions)}"
                     )
-            for _ in range(params.n):
-                episodes.append(
-                    Episode(list(p), list(messages), _clean(extra.get("tools_kwargs") or {}), name, ikw)
-                )
+            row = getattr(items[i], "index", i) if items else i
+            for j in range(params.n):
+                e = Episode(list(p), list(messages), _clean(extra.get("tools_kwargs") or {}), name, ikw)
+                e.where = f"prompt row {row}, sample {j}"
+                episodes.append(e)
         turn = 0
         while True:
             active = [e for e in episodes if e.finish is None]
@@ -252,6 +344,7 @@ class AgentLoop:
             self._observe([e for e in active if e.finish is None], budget)
             turn += 1
         self._finish(episodes)
+        abandoned = self._pool.abandoned if self._pool is not None else 0
         out = []
         for e in episodes:
             info = {
@@ -263,6 +356,7 @@ class AgentLoop:
                 "turn_scores": list(e.turn_scores),
                 "reward_scores": dict(e.reward_scores),
                 "tool_reward": sum(e.tool_rewards) + sum(e.reward_scores.values()),
+                "abandoned_tool_calls": abandoned,  # this rank's, when the run ended
             }
             lps = list(e.logprobs) if params.return_logprobs else None
             out.append(Generation(list(e.tokens), lps, e.finish or "stop", list(e.mask), info))
@@ -311,13 +405,13 @@ class AgentLoop:
             try:
                 results = self._environment(eps)
             except Exception as exc:  # the TP/PP peers must not wait forever for the results
-                results = f"{type(exc).__name__}: {exc}"
+                results = _failure(exc)
         if self._mp is not None:
             box = [results]
             dist.broadcast_object_list(box, src=dist.get_global_rank(self._mp, 0), group=self._mp)
             results = box[0]
-        if isinstance(results, str):
-            raise RuntimeError(f"multi-turn rollout: {results}")
+        if isinstance(results, tuple):
+            _raise(results)
         for e, r in zip(eps, results, strict=True):
             e.calls = []
             for k, v in r["stats"].items():
@@ -343,13 +437,15 @@ class AgentLoop:
     def _environment(self, eps: list[Episode]) -> list[dict]:
         """Run the tools / interactions of ``eps``: per episode, the messages to append and what they
         scored. Calls of one episode to one tool run in order in one job (they share its instance);
-        everything else runs at once."""
+        everything else runs at once. A failing tool is a message to the model naming the tool (and a
+        log line naming the episode); a non-finite reward stops the rollout naming the tool and row."""
         cfg = self.cfg
         results = [
             {"stats": {}, "tool_rewards": [], "turn_scores": [], "messages": [], "terminate": False}
             for _ in eps
         ]
         replies: list[list] = [[] for _ in eps]  # per episode, per call: (status, value)
+        names: list[list[str]] = [[] for _ in eps]  # per episode, per call: the tool called
         jobs: list[tuple[int, list[int], Any]] = []  # (episode, its call positions, future or ready list)
         for i, e in enumerate(eps):
             if not e.calls:
@@ -358,6 +454,7 @@ class AgentLoop:
             calls = e.calls[: cfg.max_parallel_calls]
             results[i]["stats"]["dropped_calls"] = len(e.calls) - len(calls)
             replies[i] = [None] * len(calls)
+            names[i] = [c.name for c in calls]
             by_tool: dict[str, list[int]] = {}
             for k, c in enumerate(calls):
                 if c.error is not None:
@@ -374,42 +471,73 @@ class AgentLoop:
             e, r = eps[i], results[i]
             if not ks:  # the interaction
                 if out[0] != "ok":
-                    raise RuntimeError(f"interaction {e.interaction!r} failed: {out[1]}")
+                    what = "timed out" if out[0] == "timeout" else f"failed: {out[1]}"
+                    raise RuntimeError(f"interaction {e.interaction!r} {what} on {e.where}")
                 terminate, content, score, instance = out[1]
                 r["terminate"], r["interaction_id"] = bool(terminate), instance
                 e.interaction_id = instance
                 if score is not None:
-                    r["turn_scores"].append(float(score))
-                r["messages"].append({"role": "user", "content": str(content)})
+                    where = f"interaction {e.interaction!r} (its turn score) on {e.where}"
+                    r["turn_scores"].append(finite_reward(score, where, "interaction_config_path"))
+                r["messages"].append({"role": "user", "content": clean_text(str(content))})
                 continue
             if out[0] == "ok":
                 per_call, instance = out[1]
                 if instance is not None:
                     e.instances[eps[i].calls[ks[0]].name] = instance
                     r.setdefault("instances", {})[eps[i].calls[ks[0]].name] = instance
-            else:  # the whole job timed out or failed outside any call
+            else:  # the whole job timed out, was refused or failed outside any call
                 per_call = [out] * len(ks)
             for k, reply in zip(ks, per_call, strict=True):
                 replies[i][k] = reply
+        failures = []
         for i, r in enumerate(results):
             st = r["stats"]
-            for status, value in replies[i]:
+            for name, (status, value) in zip(names[i], replies[i], strict=True):
                 st["tool_calls"] = st.get("tool_calls", 0) + 1
                 if status == "timeout":
                     st["tool_timeouts"] = st.get("tool_timeouts", 0) + 1
-                    text = f"Error: the tool call timed out after {cfg.tool_timeout_s:g} s"
+                    text = f"Error: tool {name!r} timed out after {cfg.tool_timeout_s:g} s"
                 elif status == "error":
                     st["tool_errors"] = st.get("tool_errors", 0) + 1
-                    text = f"Error: {value}"
+                    text = f"Error: {value}" if name not in self.tools else f"Error: tool {name!r}: {value}"
                 else:
                     text, reward = value
-                    r["tool_rewards"].append(float(reward or 0.0))
+                    where = f"tool {name!r} (its step reward) on {eps[i].where}"
+                    r["tool_rewards"].append(finite_reward(reward, where, "tool_config_path"))
+                if status != "ok":
+                    failures.append(f"{text[len('Error: ') :]} ({eps[i].where})")
                 limit, side = cfg.max_tool_response_length, cfg.tool_response_truncate_side
-                r["messages"].append({"role": "tool", "content": truncate_text(text, limit, side)})
+                r["messages"].append(
+                    {"role": "tool", "content": truncate_text(clean_text(text), limit, side)}
+                )
+        if failures:
+            logger.warning(
+                "multi-turn: %d tool call(s) failed this turn; first: %s", len(failures), failures[0]
+            )
         for r, e in zip(results, eps, strict=True):
-            last = e.tokens[-1] if e.tokens else None
-            r["ids"] = self.encoder.encode(r["messages"], last) if r["messages"] else []
+            r["ids"] = self._encode(r["messages"], e)
         return results
+
+    def _encode(self, messages: list[dict], e: Episode) -> list[int]:
+        """``messages`` as the token ids after ``e``'s turn; a reply the chat template cannot render
+        becomes an error message in its place, so a tool's text never stops the rollout."""
+        if not messages:
+            return []
+        last = e.tokens[-1] if e.tokens else None
+        try:
+            return self.encoder.encode(messages, last)
+        except Exception as exc:
+            why = f"Error: the reply could not be rendered by the chat template ({type(exc).__name__})"
+            logger.warning("multi-turn: %s on %s: %s", why, e.where, exc)
+            safe = [{**m, "content": why} for m in messages]
+            try:
+                return self.encoder.encode(safe, last)
+            except Exception as again:
+                raise RuntimeError(
+                    f"the chat template cannot render a {messages[0]['role']} message on {e.where}: "
+                    f"{type(again).__name__}: {again}"
+                ) from None
 
     def _submit(self, e: Episode, name: str, calls: list[ToolCall]) -> Future:
         """One job: the episode's calls of tool ``name`` in order, on its instance (created first if the
@@ -458,70 +586,128 @@ class AgentLoop:
         return fut
 
     def _collect(self, items: list) -> list[tuple[str, Any]]:
-        """Wait for the futures, each up to tool_timeout_s from when it started running."""
-        limit = self.cfg.tool_timeout_s
+        """Wait for the futures, each up to tool_timeout_s from when it started running. A timed-out
+        job is abandoned to the pool (its thread runs on, its result is dropped); a job the pool refused
+        (:class:`ToolPool`'s cap) comes back at once as an error."""
+        limit, pool = self.cfg.tool_timeout_s, self._pool
         out: list[tuple[str, Any] | None] = [None if isinstance(x, Future) else x for x in items]
         pending = {i for i, x in enumerate(items) if isinstance(x, Future)}
         while pending:
             now = time.monotonic()
             for i in list(pending):
                 f = items[i]
-                if f.done():
+                if f.done() and not f.cancelled():
                     exc = f.exception()
-                    out[i] = ("ok", f.result()) if exc is None else ("error", f"{type(exc).__name__}: {exc}")
+                    if exc is None:
+                        out[i] = ("ok", f.result())
+                    elif isinstance(exc, ToolRefused):
+                        out[i] = ("error", str(exc))
+                    else:
+                        out[i] = ("error", f"{type(exc).__name__}: {exc}")
                     pending.discard(i)
                 elif "start" in f.started and now - f.started["start"] > limit:
-                    out[i] = ("timeout", None)  # the thread runs on; its result is dropped
+                    if pool.abandon(f):  # else it has just finished: read on the next pass
+                        out[i] = ("timeout", None)
+                        pending.discard(i)
+                elif "start" not in f.started and pool.refuse_queued(f):
+                    out[i] = ("error", pool.refused())
                     pending.discard(i)
-                    self._pool.replace_worker()  # the stuck thread no longer counts as a worker
             if pending:
                 starts = [items[i].started.get("start") for i in pending]
                 nearest = min((s + limit - now for s in starts if s is not None), default=limit)
+                if pool.live == 0:  # queued jobs wait for no one: look again soon
+                    nearest = min(nearest, 0.05)
                 wait([items[i] for i in pending], timeout=max(0.001, nearest), return_when=FIRST_COMPLETED)
         return out  # type: ignore[return-value]
 
     def _finish(self, episodes: list[Episode]) -> None:
         """calc_reward and release of every tool instance, finalize of every interaction (leader),
-        then the rewards to the peers."""
-        scores = None
+        then the rewards to the peers (or, when one is not finite, the error: every peer raises it)."""
+        scores: list[dict] | tuple | None = None
         if self.leader:
-            jobs, where = [], []
-            for k, e in enumerate(episodes):
-                for name, iid in e.instances.items():
-                    tool = self.tools[name]
-
-                    def job(tool=tool, iid=iid):
-                        try:
-                            return float(tl.call(tool.calc_reward, iid) or 0.0)
-                        finally:
-                            tl.call(tool.release, iid)
-
-                    jobs.append(self._timed(job))
-                    where.append((k, name))
-                if e.interaction_id is not None:
-                    inter = self.interactions[e.interaction]
-                    jobs.append(
-                        self._timed(
-                            lambda inter=inter, iid=e.interaction_id: tl.call(inter.finalize_interaction, iid)
-                        )
-                    )
-                    where.append((k, None))
-            scores = [{} for _ in episodes]
-            for (k, name), out in zip(where, self._collect(jobs), strict=True):
-                if name is None:
-                    continue
-                if out[0] == "ok":
-                    scores[k][name] = out[1]
-                else:
-                    episodes[k].stats["tool_errors"] += 1
+            try:
+                scores = self._final_rewards(episodes)
+            except Exception as exc:  # the TP/PP peers must not wait forever for the rewards
+                scores = _failure(exc)
         if self._mp is not None:
             box = [(scores, [e.stats for e in episodes])]
             dist.broadcast_object_list(box, src=dist.get_global_rank(self._mp, 0), group=self._mp)
             scores, stats = box[0]
             for e, s in zip(episodes, stats, strict=True):
                 e.stats = s
+        if isinstance(scores, tuple):
+            _raise(scores)
         for e, s in zip(episodes, scores, strict=True):
             e.reward_scores = s
+
+    def _final_rewards(self, episodes: list[Episode]) -> list[dict]:
+        """Per episode, {tool: calc_reward} (leader); a failed calc_reward counts as a tool error."""
+        jobs, where = [], []
+        for k, e in enumerate(episodes):
+            for name, iid in e.instances.items():
+                tool = self.tools[name]
+
+                def job(tool=tool, iid=iid):
+                    try:
+                        return tl.call(tool.calc_reward, iid)
+                    finally:
+                        tl.call(tool.release, iid)
+
+                jobs.append(self._timed(job))
+                where.append((k, name))
+            if e.interaction_id is not None:
+                inter = self.interactions[e.interaction]
+                jobs.append(
+                    self._timed(
+                        lambda inter=inter, iid=e.interaction_id: tl.call(inter.finalize_interaction, iid)
+                    )
+                )
+                where.append((k, None))
+        scores: list[dict] = [{} for _ in episodes]
+        for (k, name), out in zip(where, self._collect(jobs), strict=True):
+            if name is None:
+                continue
+            if out[0] == "ok":
+                at = f"tool {name!r} (its calc_reward) on {episodes[k].where}"
+                scores[k][name] = finite_reward(out[1], at, "tool_config_path")
+            else:
+                episodes[k].stats["tool_errors"] += 1
+        return scores
+
+
+def _failure(exc: Exception) -> tuple[bool, str]:
+    """The leader's failure as it travels to the peers: (one-line LaunchError?, message)."""
+    if isinstance(exc, LaunchError):
+        return True, str(exc)
+    return False, f"{type(exc).__name__}: {exc}"
+
+
+def _raise(failure: tuple[bool, str]) -> NoReturn:
+    """Raise the leader's failure on every rank of the replica."""
+    launch, message = failure
+    if launch:
+        raise LaunchError(message)
+    raise RuntimeError(f"multi-turn rollout: {message}")
+
+
+def clean_text(text: str) -> str:
+    """``text`` as valid UTF-8: each lone surrogate (which no tokenizer encodes) becomes U+FFFD."""
+    return _SURROGATE.sub("\ufffd", text)
+
+
+def finite_reward(value: Any, where: str, key: str) -> float:
+    """``value`` (None: 0) as a finite float, else a NonFiniteRewardError naming ``where`` and the key
+    of what produced it (``multi_turn.<key>``): a NaN or inf reward would void a whole update."""
+    try:
+        reward = float(value or 0.0)
+    except (TypeError, ValueError):
+        reward = math.nan
+    if not math.isfinite(reward):
+        raise NonFiniteRewardError(
+            f"{where} returned {value!r}, not a finite number; fix what "
+            f"actor_rollout_ref.rollout.multi_turn.{key} loads (a reward must be a finite number)"
+        )
+    return reward
 
 
 # --------------------------------------------------------------------------------------------------
@@ -538,6 +724,7 @@ class EpisodeStats:
         self.turns: list[float] = []
         self.sums = dict.fromkeys(_SUMS, 0.0)
         self.length_ended = 0.0
+        self.abandoned = 0.0  # timed-out tool calls still running on this rank (the latest run's)
 
     def add(self, gens: list[list[Generation]]) -> None:
         for per_prompt in gens:
@@ -547,17 +734,19 @@ class EpisodeStats:
                 for k in _SUMS:
                     self.sums[k] += float(info.get(k, 0))
                 self.length_ended += float(g.finish_reason == "length")
+                self.abandoned = float(info.get("abandoned_tool_calls", self.abandoned))
 
     def pop(self, ps: ParallelState) -> dict[str, float]:
         """multi_turn/num_turns/{mean,max,min}, multi_turn/<tool stat>_per_episode,
-        multi_turn/length_ended_ratio; the same keys on every rank (episodes of every DP rank)."""
+        multi_turn/length_ended_ratio, multi_turn/abandoned_tool_calls (the most timed-out calls still
+        running on one rank); the same keys on every rank (episodes of every DP rank)."""
         n = float(len(self.turns))
         stats = torch.tensor(
             [n, sum(self.turns), self.length_ended, *(self.sums[k] for k in _SUMS)], dtype=torch.float64
         ).to(ps.device)
-        hi = torch.tensor([max(self.turns, default=-math.inf), -min(self.turns, default=math.inf)]).to(
-            ps.device
-        )
+        hi = torch.tensor(
+            [max(self.turns, default=-math.inf), -min(self.turns, default=math.inf), self.abandoned]
+        ).to(ps.device)
         if ps.dp_size > 1:
             dist.all_reduce(stats, group=ps.dp_group)
             dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=ps.dp_group)
@@ -568,6 +757,7 @@ class EpisodeStats:
             "multi_turn/num_turns/max": hi[0].item() if stats[0] > 0 else 0.0,
             "multi_turn/num_turns/min": -hi[1].item() if stats[0] > 0 else 0.0,
             "multi_turn/length_ended_ratio": stats[2].item() / total,
+            "multi_turn/abandoned_tool_calls": hi[2].item(),
         }
         for j, k in enumerate(_SUMS):
             out[f"multi_turn/{k}_per_episode"] = stats[3 + j].item() / total
