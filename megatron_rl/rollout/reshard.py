@@ -353,6 +353,10 @@ def iter_hf_buckets(
     params = {n: p.detach() for n, p in named_global_params(model).items()}
     mine = [b for b in plan if b.stage == ps.pp_rank]
     experts = _ExpertGather(args, ps) if args.is_moe else None
+    # GroupedExperts: an expert's weights are slices of one [E_local, rows, cols] tensor per projection
+    grouped = any(
+        v._base is not None and v._base.dim() == 3 for n, v in params.items() if ".local_experts." in n
+    )
 
     def held(lay: ParamLayout) -> bool:  # an expert's parameters live on its EP rank only
         return lay.expert is None or experts.owner(lay) == ps.ep_rank
@@ -395,7 +399,9 @@ def iter_hf_buckets(
                         start = r * total + off
                         scatter_shard(s.layout, r, recv[start : start + p.numel()].view(p.shape), views)
                     off += p.numel()
-            if experts is not None:
+            if experts is not None and not (
+                grouped and _gather_expert_stacks(b, experts, params, send, recv, flat, ps)
+            ):
                 _gather_experts(b, experts, params, send, recv, views, ps)
             for s in b.params:
                 if s.layout.expert is None and not (tp > 1 and s.layout.dim is not None):
@@ -404,6 +410,67 @@ def iter_hf_buckets(
             dist.broadcast(flat[: b.numel], src=dist.get_global_rank(ps.pp_group, b.stage), group=ps.pp_group)
         yield make_bucket(b, flat)
     del send, recv, flat
+
+
+def _gather_expert_stacks(
+    b: BucketPlan,
+    experts: _ExpertGather,
+    params: dict[str, torch.Tensor],
+    send: torch.Tensor,
+    recv: torch.Tensor,
+    flat: torch.Tensor,
+    ps: ParallelState,
+) -> bool:
+    """Step 2b by stacked runs, where each expert is whole on its EP rank (expert TP 1) and held by
+    GroupedExperts: a run of an EP rank's experts is then a slice of its stacked weight, in the HF
+    layout of the bucket's :class:`ExpertStack` (fc1 = [gate; up] rows, fc2 = down). Each rank packs
+    one slice per stack, one all-gather, and one copy per stack and EP rank lands the runs in the
+    bucket: no per-expert copy. False (nothing done) at expert TP > 1 or for a bucket without experts;
+    the same on every rank of the expert group."""
+    if ps.etp_size != 1 or not b.stacks:
+        return False
+    fc = {"w13": "linear_fc1", "w2": "linear_fc2"}
+    # per stack: the stacked weight's slice of each EP rank's run, [(ep_rank, first, count)] in EP order
+    runs = []
+    for st in b.stacks:
+        owners: dict[int, list[int]] = {}
+        for e in range(st.first, st.first + st.shape[0]):
+            owners.setdefault(e // experts.per_ep, []).append(e)
+        runs.append([(r, es[0], len(es)) for r, es in sorted(owners.items())])
+
+    def mine(st: ExpertStack, first: int, n: int) -> torch.Tensor:
+        base = params[
+            f"decoder.layers.{st.layer}.mlp.experts.local_experts.{first}.{fc[st.proj]}.weight"
+        ]._base
+        j = first - experts.ep_rank * experts.per_ep
+        return base[j : j + n]
+
+    slices = [
+        mine(st, first, n)
+        for st, run in zip(b.stacks, runs, strict=True)
+        for r, first, n in run
+        if r == experts.ep_rank
+    ]
+    per_expert = [math.prod(st.shape[1:]) for st in b.stacks]
+    # every rank sends the same number of elements (the largest rank's share): recv[g] is rank g's
+    sizes = {
+        r: sum(n * k for run, k in zip(runs, per_expert, strict=True) for rr, _, n in run if rr == r)
+        for r in range(ps.ep_size)
+    }
+    per_rank = max(sizes.values())
+    total = sizes[experts.ep_rank]
+    if slices:
+        torch.cat([x.reshape(-1) for x in slices], out=send[:total])
+    _all_gather_flat(recv[: experts.size * per_rank], send[:per_rank], ps, experts.group)
+    for g, (ep_rank, _) in enumerate(experts.coords):
+        off = g * per_rank
+        for st, run, k in zip(b.stacks, runs, per_expert, strict=True):
+            for r, first, n in run:
+                if r == ep_rank:
+                    start = st.offset + (first - st.first) * k
+                    flat[start : start + n * k].copy_(recv[off : off + n * k])
+                    off += n * k
+    return True
 
 
 def _gather_experts(

@@ -99,3 +99,28 @@ def test_stacks_view_every_expert_in_an_engines_fused_layout(arch, bucket_bytes)
     assert sorted(covered) == sorted(experts)
     if bucket_bytes < 1 << 30:
         assert any(len(st.names) < 2 * args.num_experts for b in plan for st in b.stacks)  # a split layer
+
+
+@pytest.mark.parametrize("bucket_bytes", [40_000, 1 << 30])
+def test_grouped_and_sequential_experts_stream_the_same_buckets(ps, tmp_path, bucket_bytes):
+    """The stream of GroupedExperts (a stack's run copied from the stacked weight at once) and of
+    SequentialMLP (expert by expert) hold the checkpoint's tensors, bit for bit."""
+    from safetensors.torch import load_file
+
+    from megatron_rl.model_args import load_model_args
+    from megatron_rl.models.builder import TrainingOptions, build_model, load_hf_weights
+    from megatron_rl.models.random_hf import save_random_hf_model
+    from megatron_rl.rollout.reshard import iter_hf_buckets
+
+    path = save_random_hf_model(str(tmp_path / "m"), "qwen3_moe", seed=2, num_hidden_layers=2)
+    files = load_file(f"{path}/model.safetensors")
+    args = load_model_args(path)
+    for grouped in (True, False):
+        model = build_model(args, ps, options=TrainingOptions(moe_grouped_gemm=grouped))
+        load_hf_weights(model, path, ps)
+        seen = 0
+        for bucket in iter_hf_buckets(model, ps, bucket_bytes, torch.float32):
+            for name, t in bucket:
+                assert torch.equal(t, files[name]), f"{name} (grouped={grouped})"
+                seen += 1
+        assert seen == len(files) - args.tie_embeddings
