@@ -99,14 +99,17 @@ def _layout_args(root, name: str, pairs: dict[str, tuple[str, str]], extra_args:
     return args + [*layout_args, *extra_args] + (["--hf-oracle"] if name in HF_ORACLE else [])
 
 
-def run_layouts(root, names: list[str], pairs: dict[str, tuple[str, str]], extra_args: list[str]) -> dict:
+def run_layouts(
+    root, names: list[str], pairs: dict[str, tuple[str, str]], extra_args: list[str], more=()
+) -> dict:
     """One torchrun launch running the worker for each of ``names`` (layouts of one process count), one
-    after another: {layout: {pair: result and weights}}. Sharing the launch saves a process start and a
-    torch.distributed world per layout; each run still builds its parallel groups and models afresh."""
+    after another, then for each argument list of ``more``: {layout: {pair: result and weights}}.
+    Sharing the launch saves a process start and a torch.distributed world per layout; each run still
+    builds its parallel groups and models afresh."""
     from tests.conftest import run_torchrun
 
     assert len({LAYOUTS[n][2] for n in names}) == 1, names
-    runs = [_layout_args(root, name, pairs, extra_args) for name in names]
+    runs = [_layout_args(root, name, pairs, extra_args) for name in names] + list(more)
     argv = [arg for i, args in enumerate(runs) for arg in ([] if i == 0 else ["--then"]) + args]
     run_torchrun("ppo_update_runs.py", LAYOUTS[names[0]][2], argv)
     out = {}
@@ -129,18 +132,26 @@ def read_pair(d) -> dict:
     return {"result": read_json(str(d / "result.json")), "weights": weights, "plans": plans}
 
 
-def run_all_layouts(root, extra_args: list[str], max_procs: int = 4) -> dict:
+def run_all_layouts(root, extra_args: list[str], max_procs: int = 4, qk_norm_control: bool = False) -> dict:
     """{layout: {pair: run}} for the layouts of at most ``max_procs`` processes (one launch per process
     count: tp2, pp2, dp2 and their dyn_* runs share one), {"initial": {pair: {"actor": weights,
-    "critic": weights}}} and {"models": {pair: (actor dir, critic dir)}}."""
+    "critic": weights}}} and {"models": {pair: (actor dir, critic dir)}}. ``qk_norm_control``: the
+    2-process launch also runs the qwen3 pair at TP2 without the TP sum of its q/k-norm gradients,
+    {"broken": run}."""
     pairs = save_models(root)
     launches: dict[int, list[str]] = {}
     for name, v in LAYOUTS.items():
         if v[2] <= max_procs:
             launches.setdefault(v[2], []).append(name)
+    actor, critic = pairs["qwen3"]
+    broken = ["--models", f"qwen3={actor},{critic}", "--tp", "2", "--micro", "2", *extra_args]
+    broken += ["--out", str(root / "broken"), "--break-qk-norm-reduction"]
     out = {}
-    for names in launches.values():
-        out.update(run_layouts(root, names, pairs, extra_args))
+    for nproc, names in launches.items():
+        more = [broken] if qk_norm_control and nproc == 2 else []
+        out.update(run_layouts(root, names, pairs, extra_args, more))
+    if qk_norm_control:
+        out["broken"] = read_pair(root / "broken" / "qwen3")
     out["initial"] = {p: {"actor": _load_hf(a), "critic": _load_hf(c)} for p, (a, c) in pairs.items()}
     out["models"] = pairs
     return out
@@ -148,7 +159,7 @@ def run_all_layouts(root, extra_args: list[str], max_procs: int = 4) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return run_all_layouts(tmp_path_factory.mktemp("ppo"), ["--device", "cpu"])
+    return run_all_layouts(tmp_path_factory.mktemp("ppo"), ["--device", "cpu"], qk_norm_control=True)
 
 
 def _load_hf(path: str) -> dict[str, torch.Tensor]:
@@ -282,16 +293,11 @@ def test_tensor_parallel_padding_and_replicas(runs, layout, pair):
         assert w["replica_diff"] == 0.0, "TP-replicated parameters diverged between TP ranks"
 
 
-def test_replica_check_catches_a_missing_qk_norm_reduction(runs, tmp_path):
+def test_replica_check_catches_a_missing_qk_norm_reduction(runs):
     """Negative control: without the TP sum of Qwen3's q/k-norm gradients the TP copies drift apart
     and the update no longer matches TP1's (the fixture's TP1 run of the same qwen3 pair; the healthy
     TP2 run of it passes both checks in the tests above)."""
-    from tests.conftest import run_torchrun
-
-    actor, critic = runs["models"]["qwen3"]
-    args = ["--models", f"qwen3={actor},{critic}", "--tp", "2", "--micro", "2", "--device", "cpu"]
-    run_torchrun("ppo_update.py", 2, [*args, "--out", str(tmp_path / "broken"), "--break-qk-norm-reduction"])
-    broken = read_pair(tmp_path / "broken" / "qwen3")
+    broken = runs["broken"]
     assert max(w["replica_diff"] for w in broken["weights"].values()) > 0
     with pytest.raises(AssertionError):
         assert_metrics_match(runs["tp1"]["qwen3"]["result"], broken["result"], "broken")
