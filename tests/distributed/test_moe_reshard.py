@@ -1,10 +1,11 @@
 """Mixture-of-experts actor -> reshard stream -> transformers engine at EP2, TP2 x EP2 and TP2 x EP2 with
 expert TP 1 (torchrun/gloo).
 
-One launch per layout runs every check (tests/distributed/workers/moe_reshard.py) for Qwen3-MoE (with a
-dense layer) and Mixtral: engine logits == Megatron logits at O(1) random weights, the engine's fused
-experts == the checkpoint's per-expert tensors bit for bit, one-tensor buckets == default buckets, two
-swapped experts change the logits, and a dropped expert bucket fails the integrity check, naming it.
+One run per layout (tests/distributed/workers/moe_reshard.py; the layouts of one process count share a
+launch) makes every check for Qwen3-MoE (with a dense layer) and Mixtral: engine logits == Megatron
+logits at O(1) random weights, the engine's fused experts == the checkpoint's per-expert tensors bit
+for bit, one-tensor buckets == default buckets, two swapped experts change the logits, and a dropped
+expert bucket fails the integrity check, naming it.
 """
 
 import pytest
@@ -27,22 +28,40 @@ def hf_models(tmp_path_factory):
     return str(root)
 
 
-@pytest.mark.parametrize(
-    "tp,ep,etp,nproc,experts",
-    [
-        (1, 2, 1, 2, [[0, 1], [2, 3]]),
-        (2, 2, 2, 4, [[0, 1], [0, 1], [2, 3], [2, 3]]),  # each expert split over its two expert-TP ranks
-        (2, 2, 1, 4, [[0, 1], [2, 3], [0, 1], [2, 3]]),  # whole experts: EP ranks are TP peers
-    ],
-    ids=["ep2", "tp2ep2", "tp2ep2etp1"],
-)
-def test_moe_reshard_into_hf_engine(hf_models, tmp_path, torchrun, tp, ep, etp, nproc, experts):
+# id: (tp, ep, etp, nproc, the global experts each rank holds, in expert rank order etp-ep-dp)
+LAYOUTS = {
+    "ep2": (1, 2, 1, 2, [[0, 1], [2, 3]]),
+    # each expert split over its two expert-TP ranks
+    "tp2ep2": (2, 2, 2, 4, [[0, 1], [0, 1], [2, 3], [2, 3]]),
+    # whole experts: EP ranks are TP peers
+    "tp2ep2etp1": (2, 2, 1, 4, [[0, 1], [2, 3], [0, 1], [2, 3]]),
+}
+
+
+@pytest.fixture(scope="module")
+def results(hf_models, tmp_path_factory) -> dict[str, list[dict]]:
+    """{layout id: every rank's record}: one launch per process count."""
+    from tests.conftest import run_torchrun_runs
+
+    root = tmp_path_factory.mktemp("moe_reshard")
+    launches: dict[int, list[list[str]]] = {}
+    for name, (tp, ep, etp, nproc, _) in LAYOUTS.items():
+        layout = ["--tp", str(tp), "--ep", str(ep), "--etp", str(etp)]
+        out = str(root / f"{name}.json")
+        launches.setdefault(nproc, []).append(
+            ["--models", hf_models, "--archs", *ARCHS, *layout, "--out", out]
+        )
+    for nproc, runs in launches.items():
+        run_torchrun_runs("moe_reshard", nproc, runs)
+    return {name: read_json(str(root / f"{name}.json")) for name in LAYOUTS}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_moe_reshard_into_hf_engine(results, layout):
     """``experts``: the global experts each rank holds (expert rank order etp-ep-dp): every rank sends
     its own."""
-    out = str(tmp_path / "r.json")
-    layout = ["--tp", str(tp), "--ep", str(ep), "--etp", str(etp)]
-    torchrun("moe_reshard.py", nproc, ["--models", hf_models, "--archs", *ARCHS, *layout, "--out", out])
-    ranks = read_json(out)
+    tp, ep, etp, nproc, experts = LAYOUTS[layout]
+    ranks = results[layout]
     assert len(ranks) == nproc
     leaders = [r for r in ranks if r["leader"]]
     assert len(leaders) == nproc // tp  # one engine per DP replica; EP ranks are DP replicas
