@@ -27,19 +27,22 @@ WEIGHT_TOL = 5e-5  # fp32 summation order; the update moves weights by ~1e-3
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     from megatron_rl.models.random_hf import save_random_hf_model
-    from tests.conftest import run_torchrun
+    from tests.conftest import run_torchrun_runs
 
     root = tmp_path_factory.mktemp("moe_ppo")
     model = save_random_hf_model(str(root / "qwen3_moe"), "qwen3_moe", seed=3, mlp_only_layers=[1])
-    out = {}
+    launches: dict[int, list[list[str]]] = {}  # one per process count
     for name, (nproc, tp, ep, aux, _) in LAYOUTS.items():
         d = root / name
         d.mkdir()
         flags = ["--model", model, "--tp", str(tp), "--ep", str(ep), "--aux", str(aux), "--out", str(d)]
         flags += ["--sequential-experts"] if name.endswith("_sequential") else []
-        run_torchrun("moe_ppo.py", nproc, flags)
-        out[name] = [torch.load(d / f"rank{r}.pt") for r in range(nproc)]
-    return out
+        launches.setdefault(nproc, []).append(flags)
+    for nproc, runs in launches.items():
+        run_torchrun_runs("moe_ppo", nproc, runs)
+    return {
+        name: [torch.load(root / name / f"rank{r}.pt") for r in range(v[0])] for name, v in LAYOUTS.items()
+    }
 
 
 def merged(ranks: list[dict], key: str = "weights") -> tuple[dict[str, torch.Tensor], list[str]]:
