@@ -18,7 +18,8 @@ agent_function.run_agent_episodes, or :meth:`OpenAIServer.start`'s thread) takes
 ``max_batch`` requests, gathered for ``batch_window_s`` after the first, and answers them with one
 ``engine.generate`` call. ``engine.generate`` is only ever called from that thread.
 
-Bounds: the server binds a loopback address only; a body larger than ``max_body_bytes`` gets 413;
+Bounds: the server binds a loopback address only; a body larger than ``max_body_bytes`` gets 413 (a
+request without a ``Content-Length`` 411, one whose ``Content-Length`` is not a byte count 400);
 a request unanswered after ``request_timeout_s`` gets 504 and leaves its session as it was (a late
 result is dropped); at most ``max_sessions`` sessions are open at once; a session's response (model +
 appended tokens) stops at ``params.max_new_tokens`` (= data.max_response_length), after which every
@@ -34,9 +35,11 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import logging
 import math
 import queue
 import re
+import sys
 import threading
 import time
 import uuid
@@ -51,6 +54,8 @@ from megatron_rl.rollout.tool_formats import TOOL_CALL, parse_hermes
 
 if TYPE_CHECKING:
     pass
+
+log = logging.getLogger(__name__)
 
 _TURN_SEED_STRIDE = 7919  # each engine call samples from its own stream (as agent_loop's turns do)
 _SESSION_ID = re.compile(r"^/s/([A-Za-z0-9._-]{1,128})(/v1/.*)$")
@@ -203,7 +208,7 @@ class OpenAIServer:
         self._calls = 0
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._httpd = ThreadingHTTPServer((self.cfg.host, self.cfg.port), _handler(self), False)
+        self._httpd = _HTTPServer((self.cfg.host, self.cfg.port), _handler(self), False)
         self._httpd.daemon_threads = True
         # the listen backlog holds every session's connection at once (the default 5 resets the rest)
         self._httpd.request_queue_size = max(self.cfg.max_sessions, 5)
@@ -494,6 +499,17 @@ class OpenAIServer:
         }
 
 
+class _HTTPServer(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that hung up (a harness's timeout, a killed harness) is routine: one debug line, not
+        socketserver's traceback on stderr. Anything else keeps the traceback."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, ConnectionError):  # BrokenPipeError, ConnectionResetError, ...
+            log.debug("openai endpoint: client %s hung up (%s: %s)", client_address, type(exc).__name__, exc)
+            return
+        super().handle_error(request, client_address)
+
+
 def _handler(server: OpenAIServer) -> type[BaseHTTPRequestHandler]:
     cfg = server.cfg
 
@@ -534,8 +550,11 @@ def _handler(server: OpenAIServer) -> type[BaseHTTPRequestHandler]:
         def do_POST(self) -> None:
             episode, rest = self._route()
             length = self.headers.get("Content-Length")
-            if length is None or not length.isdigit():
+            if length is None:
                 self._error(411, "a request needs a Content-Length header (chunked bodies are refused)", True)
+                return
+            if not (length.isascii() and length.isdigit()):  # str.isdigit alone takes "²" and "١"
+                self._error(400, f"Content-Length {length[:40]!r} is not a byte count", True)
                 return
             n = int(length)
             if n > cfg.max_body_bytes:
@@ -560,6 +579,8 @@ def _handler(server: OpenAIServer) -> type[BaseHTTPRequestHandler]:
                 self._error(400, f"the request body is not JSON ({exc.msg})")
             except HTTPError as exc:
                 self._error(exc.status, str(exc))
+            except ConnectionError:  # the client hung up: no one to answer (the server logs one line)
+                raise
             except Exception as exc:  # a bug must not kill the handler thread silently
                 self._error(500, f"{type(exc).__name__}: {exc}")
 

@@ -6,7 +6,10 @@ model), the masks mark the engine's tokens, requests of concurrent sessions are 
 from __future__ import annotations
 
 import json
+import logging
 import math
+import socket
+import struct
 import threading
 import time
 import urllib.error
@@ -254,3 +257,52 @@ def test_a_failing_harness_is_named_as_such_not_as_a_dead_rank(setup):
     assert "prompt row 4" in line and "ConnectionResetError" in line and "another rank" not in line
     # negative control: the same text in a plain RuntimeError reads as a rank that died
     assert "lost its connection to another rank" in (explain(RuntimeError(str(err.value))) or "")
+
+
+def raw_post(port: int, path: str, headers: str, body: bytes = b"") -> bytes:
+    """One request written byte for byte (header values as latin-1, as http.server reads them); the
+    reply's status line."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\n{headers}\r\n".encode("latin-1") + body)
+        return sock.makefile("rb").readline()
+
+
+def test_a_malformed_content_length_gets_400(setup, capfd):
+    tok, _, engine, params, _ = setup
+    with OpenAIServer(engine, tok, params).start(engine_thread=True) as srv:
+        path = f"/s/{srv.open_session('cl')}/v1/chat/completions"
+        # "\xb2" is "²": str.isdigit() takes it, int() does not
+        for value in ("abc", "-1", "1 2", "\xb2"):
+            assert b" 400 " in raw_post(srv.port, path, f"Content-Length: {value}\r\n"), value
+        assert b" 411 " in raw_post(srv.port, path, "")
+        assert post(srv.base_url("cl"), {"messages": FIRST})["choices"][0]["token_ids"]  # the server goes on
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_client_that_hangs_up_is_one_debug_line(setup, capfd, caplog):
+    """The harness's socket is reset while its request is with the engine: the reply has nowhere to go."""
+    tok, _, engine, params, _ = setup
+    gate = threading.Event()
+    gated = CountingEngine(engine, gate)
+    name = "megatron_rl.rollout.openai_server"
+    with (
+        caplog.at_level(logging.DEBUG, logger=name),
+        OpenAIServer(gated, tok, params).start(engine_thread=True) as srv,
+    ):
+        path = f"/s/{srv.open_session('gone')}/v1/chat/completions"
+        body = json.dumps({"messages": FIRST}).encode()
+        sock = socket.create_connection(("127.0.0.1", srv.port), timeout=30)
+        head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n"
+        sock.sendall(head.encode() + body)
+        deadline = time.monotonic() + 30
+        while not gated.sizes and time.monotonic() < deadline:  # the request is with the engine
+            time.sleep(0.01)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()  # a reset, as a killed harness leaves it
+        gate.set()
+        while time.monotonic() < deadline and not any("hung up" in r.getMessage() for r in caplog.records):
+            time.sleep(0.01)
+        assert post(srv.base_url(srv.open_session("next")), {"messages": FIRST})["choices"][0]["token_ids"]
+    lines = [r for r in caplog.records if r.name == name]
+    assert len(lines) == 1 and lines[0].levelno == logging.DEBUG and "hung up" in lines[0].getMessage()
+    assert "Traceback" not in capfd.readouterr().err
