@@ -62,6 +62,20 @@ _SESSION_ID = re.compile(r"^/s/([A-Za-z0-9._-]{1,128})(/v1/.*)$")
 
 
 _KEY = "actor_rollout_ref.rollout.multi_turn.endpoint"
+_HTTP_CLIENT_LOGGERS = ("httpx", "httpcore")
+"""The loggers of the HTTP client under the ``openai`` package: httpx logs every request at INFO."""
+
+
+def quiet_http_client_logs() -> None:
+    """Keep the HTTP client's loggers (:data:`_HTTP_CLIENT_LOGGERS`) at WARNING: an ``openai`` harness
+    makes a request per turn, and the trainer's INFO console would print a line for each. Left as they
+    are when the user asked for more: the root logger at DEBUG, or a level of their own set on them."""
+    if logging.getLogger().getEffectiveLevel() <= logging.DEBUG:
+        return
+    for name in _HTTP_CLIENT_LOGGERS:
+        logger = logging.getLogger(name)
+        if logger.level == logging.NOTSET:
+            logger.setLevel(logging.WARNING)
 
 
 def check_endpoint(cfg: OpenAIServerConfig) -> None:
@@ -208,6 +222,7 @@ class OpenAIServer:
         self._calls = 0
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        quiet_http_client_logs()  # the harnesses' client, in this process
         self._httpd = _HTTPServer((self.cfg.host, self.cfg.port), _handler(self), False)
         self._httpd.daemon_threads = True
         # the listen backlog holds every session's connection at once (the default 5 resets the rest)

@@ -23,7 +23,7 @@ from megatron_rl.data import PromptItem
 from megatron_rl.demo import tools_task
 from megatron_rl.rollout.agent_function import run_agent_episodes
 from megatron_rl.rollout.base import SamplingParams
-from megatron_rl.rollout.openai_server import OpenAIServer
+from megatron_rl.rollout.openai_server import OpenAIServer, quiet_http_client_logs
 from tests.conftest import single_ps
 
 TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "d", "parameters": {}}}]
@@ -306,3 +306,35 @@ def test_a_client_that_hangs_up_is_one_debug_line(setup, capfd, caplog):
     lines = [r for r in caplog.records if r.name == name]
     assert len(lines) == 1 and lines[0].levelno == logging.DEBUG and "hung up" in lines[0].getMessage()
     assert "Traceback" not in capfd.readouterr().err
+
+
+@pytest.fixture
+def http_client_loggers():
+    """httpx/httpcore and the root logger as a fresh process has them, restored after."""
+    loggers = [logging.getLogger(n) for n in ("httpx", "httpcore", "")]
+    saved = [lg.level for lg in loggers]
+    loggers[0].setLevel(logging.NOTSET)
+    loggers[1].setLevel(logging.NOTSET)
+    loggers[2].setLevel(logging.INFO)  # the trainer's rank 0
+    yield loggers
+    for lg, level in zip(loggers, saved, strict=True):
+        lg.setLevel(level)
+
+
+def test_http_client_info_lines_are_kept_off_the_console(setup, http_client_loggers):
+    tok, _, engine, params, _ = setup
+    httpx, httpcore, _ = http_client_loggers
+    OpenAIServer(engine, tok, params).start().shutdown()
+    assert httpx.level == httpcore.level == logging.WARNING
+    assert not httpx.isEnabledFor(logging.INFO)
+
+
+def test_http_client_logs_stay_when_debug_was_asked_for(http_client_loggers):
+    httpx, httpcore, root = http_client_loggers
+    httpx.setLevel(logging.INFO)  # the user's own choice
+    quiet_http_client_logs()
+    assert (httpx.level, httpcore.level) == (logging.INFO, logging.WARNING)
+    httpcore.setLevel(logging.NOTSET)
+    root.setLevel(logging.DEBUG)
+    quiet_http_client_logs()
+    assert (httpx.level, httpcore.level) == (logging.INFO, logging.NOTSET)
