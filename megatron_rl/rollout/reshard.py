@@ -350,7 +350,7 @@ def iter_hf_buckets(
     plan = plan_buckets(args, tp, pp, bucket_bytes, itemsize, ps.etp_size if args.is_moe else None)
     from megatron_rl.models.builder import named_global_params
 
-    params = {n: p.detach() for n, p in named_global_params(model).items()}
+    params = named_global_params(model)  # iter_hf_buckets runs under no_grad: no detach needed
     mine = [b for b in plan if b.stage == ps.pp_rank]
     experts = _ExpertGather(args, ps) if args.is_moe else None
     # GroupedExperts: an expert's weights are slices of one [E_local, rows, cols] tensor per projection
@@ -399,10 +399,9 @@ def iter_hf_buckets(
                         start = r * total + off
                         scatter_shard(s.layout, r, recv[start : start + p.numel()].view(p.shape), views)
                     off += p.numel()
-            if experts is not None and not (
-                grouped and _gather_expert_stacks(b, experts, params, send, recv, flat, ps)
-            ):
-                _gather_experts(b, experts, params, send, recv, views, ps)
+            if experts is not None and any(s.layout.expert is not None for s in b.params):
+                if not (grouped and _gather_expert_stacks(b, experts, params, send, recv, flat, ps)):
+                    _gather_experts(b, experts, params, send, recv, views, ps)
             for s in b.params:
                 if s.layout.expert is None and not (tp > 1 and s.layout.dim is not None):
                     scatter_shard(s.layout, 0, params[s.layout.name], views)  # replicated or TP=1
@@ -425,9 +424,10 @@ def _gather_expert_stacks(
     GroupedExperts: a run of an EP rank's experts is then a slice of its stacked weight, in the HF
     layout of the bucket's :class:`ExpertStack` (fc1 = [gate; up] rows, fc2 = down). Each rank packs
     one slice per stack, one all-gather, and one copy per stack and EP rank lands the runs in the
-    bucket: no per-expert copy. False (nothing done) at expert TP > 1 or for a bucket without experts;
-    the same on every rank of the expert group."""
-    if ps.etp_size != 1 or not b.stacks:
+    bucket: no per-expert copy. False (nothing done) at expert TP > 1, or where the bucket's stacks do
+    not hold all its experts; the same on every rank of the expert group."""
+    in_stacks = sum(len(st.names) for st in b.stacks)
+    if ps.etp_size != 1 or in_stacks != sum(len(s.tensors) for s in b.params if s.layout.expert is not None):
         return False
     fc = {"w13": "linear_fc1", "w2": "linear_fc2"}
     # per stack: the stacked weight's slice of each EP rank's run, [(ep_rank, first, count)] in EP order
@@ -452,6 +452,10 @@ def _gather_expert_stacks(
         if r == experts.ep_rank
     ]
     per_expert = [math.prod(st.shape[1:]) for st in b.stacks]
+    if experts.size == 1:  # every expert is here (EP 1): straight from the stacked weights
+        for st, x in zip(b.stacks, slices, strict=True):
+            flat[st.offset : st.offset + st.numel].copy_(x.reshape(-1))
+        return True
     # every rank sends the same number of elements (the largest rank's share): recv[g] is rank g's
     sizes = {
         r: sum(n * k for run, k in zip(runs, per_expert, strict=True) for rr, _, n in run if rr == r)

@@ -102,7 +102,7 @@ def test_stacks_view_every_expert_in_an_engines_fused_layout(arch, bucket_bytes)
 
 
 @pytest.mark.parametrize("bucket_bytes", [40_000, 1 << 30])
-def test_grouped_and_sequential_experts_stream_the_same_buckets(ps, tmp_path, bucket_bytes):
+def test_grouped_and_sequential_experts_stream_the_same_buckets(ps, tmp_path, monkeypatch, bucket_bytes):
     """The stream of GroupedExperts (a stack's run copied from the stacked weight at once) and of
     SequentialMLP (expert by expert) hold the checkpoint's tensors, bit for bit."""
     from safetensors.torch import load_file
@@ -110,12 +110,19 @@ def test_grouped_and_sequential_experts_stream_the_same_buckets(ps, tmp_path, bu
     from megatron_rl.model_args import load_model_args
     from megatron_rl.models.builder import TrainingOptions, build_model, load_hf_weights
     from megatron_rl.models.random_hf import save_random_hf_model
+    from megatron_rl.rollout import reshard
     from megatron_rl.rollout.reshard import iter_hf_buckets
 
     path = save_random_hf_model(str(tmp_path / "m"), "qwen3_moe", seed=2, num_hidden_layers=2)
     files = load_file(f"{path}/model.safetensors")
     args = load_model_args(path)
+    per_expert = reshard._gather_experts
+
+    def not_grouped(*a, **kw):  # GroupedExperts at expert TP 1 must take the stacked path
+        raise AssertionError("grouped experts streamed expert by expert")
+
     for grouped in (True, False):
+        monkeypatch.setattr(reshard, "_gather_experts", not_grouped if grouped else per_expert)
         model = build_model(args, ps, options=TrainingOptions(moe_grouped_gemm=grouped))
         load_hf_weights(model, path, ps)
         seen = 0
