@@ -528,7 +528,8 @@ def update_critic(
         "critic.ppo_max_token_len_per_gpu",
     )
     rows = _mini_batch_rows(batch, cfg.ppo_mini_batch_size, micro, rollout_n, ps.dp_size, "critic")
-    width = float(batch.response_length)  # seq-mean-token-sum-norm's constant (the batch's response width)
+    # seq-mean-token-sum-norm divides by a constant (data.max_response_length), never a batch's own width
+    width = cfg.loss_scale_factor or float(batch.response_length)
 
     def make_loss_fn(counts: torch.Tensor):
         denom = _denominator(counts, cfg.loss_agg_mode)

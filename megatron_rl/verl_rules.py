@@ -183,9 +183,6 @@ RULES: tuple[Rule, ...] = (
     _ignored("data.function_tool_path", "set actor_rollout_ref.rollout.multi_turn.tool_config_path"),
     _ignored("data.audio_key", NO_MULTIMODAL),
     _ignored("data.mm_processor_kwargs", NO_MULTIMODAL),
-    _ignored(
-        "critic.loss_scale_factor", "the critic's seq-mean-token-sum-norm divides by the response width"
-    ),
     _ignored("algorithm.filter_groups.max_inflight_gen_batches", "generation batches run one at a time"),
     # -- aliases: verl's name for a key this project has under another name
     _alias("*.megatron.dtype", "*.megatron.params_dtype"),

@@ -82,6 +82,7 @@ RANGES: dict[str, str] = {
     "actor_rollout_ref.actor.clip_ratio_high": ">=0",
     "actor_rollout_ref.actor.clip_ratio_c": ">1",
     "actor_rollout_ref.actor.loss_scale_factor": ">0",
+    "critic.loss_scale_factor": ">0",
     "actor_rollout_ref.actor.policy_loss.clip_cov_ratio": "[0,1]",
     "actor_rollout_ref.actor.policy_loss.clip_cov_lb": "any",
     "actor_rollout_ref.actor.policy_loss.clip_cov_ub": "any",

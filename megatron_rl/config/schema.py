@@ -331,7 +331,10 @@ class CriticConfig:
     cliprange_value: float = 0.5
     """Clip range of the value loss."""
     loss_agg_mode: str = "token-mean"
-    """token-mean | seq-mean-token-sum | seq-mean-token-mean."""
+    """token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm."""
+    loss_scale_factor: float | None = None
+    """seq-mean-token-sum-norm: the constant the per-sequence token sums are divided by; None means
+    data.max_response_length (as the actor's: every DP rank and placement scales alike)."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     """Optimizer and learning-rate schedule of the critic."""
     megatron: MegatronConfig = field(default_factory=MegatronConfig)

@@ -339,3 +339,4 @@ def test_rollout_correction_and_dapo_keys_are_checked():
     cfg = cfg_with("custom_reward_function.reward_kwargs.method=flexible")
     assert cfg.custom_reward_function.reward_kwargs == {"method": "flexible"}
     assert cfg.actor_rollout_ref.actor.loss_scale_factor == cfg.data.max_response_length
+    assert cfg.critic.loss_scale_factor == cfg.data.max_response_length

@@ -363,3 +363,47 @@ def test_checkpoint_without_sharded_optimizer_state_is_refused_in_one_line(tmp_p
     msg = str(e.value)
     assert "\n" not in msg and "actor_optim/" in msg
     assert f"actor_rollout_ref.model.path={ckpt / 'actor'}" in msg and "trainer.resume_mode=disable" in msg
+
+
+def test_critic_seq_norm_loss_does_not_depend_on_the_batch_width(ps, hf_dir):
+    """critic.loss_agg_mode=seq-mean-token-sum-norm divides by critic.loss_scale_factor (resolved to
+    data.max_response_length), not by the batch's padded response width: a DP rank whose longest
+    response is shorter, or a critic on ranks of its own holding the whole batch, scales alike."""
+    from megatron_rl.config import MegatronConfig
+    from megatron_rl.model_args import load_model_args
+    from megatron_rl.models.builder import build_model, load_hf_weights
+
+    g = torch.Generator().manual_seed(3)
+    n, p, r = 4, 3, 3
+    prompts = torch.randint(3, 99, (n, p), generator=g)
+    resp_mask = torch.arange(r)[None] < torch.tensor([3, 1, 2, 3])[:, None]
+    responses = torch.where(resp_mask, torch.randint(3, 99, (n, r), generator=g), 0)
+    values, returns = torch.randn(n, r, generator=g), torch.randn(n, r, generator=g)
+
+    def vf_loss(width: int, scale: float | None) -> float:
+        pad = width - r  # the same rows, right-padded to another response width
+        resp = torch.nn.functional.pad(responses, (0, pad))
+        b = RolloutBatch.from_tokens(
+            prompts,
+            torch.ones(n, p),
+            resp,
+            torch.nn.functional.pad(resp_mask, (0, pad)),
+            [SeqMeta(str(i)) for i in range(n)],
+        )
+        b.values, b.returns = (
+            torch.nn.functional.pad(x, (0, pad)) * b.response_mask for x in (values, returns)
+        )
+        critic = build_model(load_model_args(hf_dir), ps, "critic")
+        load_hf_weights(critic, hf_dir, ps)
+        cfg = CriticConfig(
+            ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=2, ppo_epochs=1,
+            loss_agg_mode="seq-mean-token-sum-norm", loss_scale_factor=scale,
+        )  # fmt: skip
+        opt = ModelOptimizer(
+            critic, OptimConfig(lr=0.0, lr_warmup_steps=0), MegatronConfig(), ps, total_steps=1
+        )
+        return update_critic(critic, opt, ps, b, cfg, 1)["critic/vf_loss"]
+
+    assert vf_loss(3, 8.0) == pytest.approx(vf_loss(6, 8.0), rel=1e-6)
+    # negative control: the batch's own width (the unresolved default) scales with the padding
+    assert vf_loss(3, None) == pytest.approx(2 * vf_loss(6, None), rel=1e-6)
