@@ -16,6 +16,7 @@ Each check raises a one-line :class:`~megatron_rl.errors.LaunchError` or ``Confi
 from __future__ import annotations
 
 import copy
+import math
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -355,8 +356,10 @@ def main(argv: list[str] | None = None) -> int:
         mp = cfg.actor_rollout_ref.actor.megatron
         nnodes = opts["--nnodes"] or cfg.trainer.nnodes or 1
         nproc = opts["--nproc"] or cfg.trainer.n_gpus_per_node
-        if nproc is None:  # the smallest launch of the layout (or of trainer.placement's ranks)
-            nproc = max(1, (mp.tensor_model_parallel_size or 1) * (mp.pipeline_model_parallel_size or 1))
+        if nproc is None:  # the smallest launch of the layout: its TP x PP grid and its expert grid
+            tp, pp = mp.tensor_model_parallel_size or 1, mp.pipeline_model_parallel_size or 1
+            experts = (mp.expert_tensor_parallel_size or tp) * (mp.expert_model_parallel_size or 1) * pp
+            nproc = math.lcm(tp * pp, experts)
         problems = dry_run(cfg, nproc, nnodes, typed, device=not opts["--no-device"])
     for line in notices:
         print(f"megatron-rl: {line}", file=sys.stderr)

@@ -75,6 +75,23 @@ def test_a_good_config_passes_and_says_for_which_launch(demo, capsys):
     assert captured.err.splitlines()[-1] == "megatron-rl: dry run: OK for 1 node(s) x 2 process(es)"
 
 
+def test_the_default_launch_counts_expert_parallelism(tmp_path, capsys):
+    """Without --nproc the dry run takes the smallest launch of the layout, its expert grid included:
+    the shipped MoE demo (TP 1, EP 2) is checked for 2 processes, as its command launches it."""
+    from megatron_rl.demo import prepare
+
+    moe = prepare(str(tmp_path), moe=True)
+    args = [
+        os.path.join(ROOT, "yaml", "cpu_demo_moe.yaml"),
+        f"actor_rollout_ref.model.path={moe['model_moe']}",
+    ]
+    args += [f"data.train_files={moe['train']}", f"data.val_files={moe['test']}", "--check"]
+    rc = main(args)
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert captured.err.splitlines()[-1] == "megatron-rl: dry run: OK for 1 node(s) x 2 process(es)"
+
+
 def test_world_size_comes_from_nproc_and_nnodes(demo, capsys):
     rc, errors = problems_of(capsys, [DEMO, *demo_overrides(demo), "--check", "--nproc", "3"])
     assert rc == 1 and len(errors) == 1
