@@ -39,7 +39,9 @@ class RouterStats:
         from megatron.core.transformer.moe import moe_utils
         from megatron.core.transformer.moe.router import TopKRouter
 
-        moe_utils.clear_aux_losses_tracker()
+        # megatron's tracker is process-global and clear_aux_losses_tracker keeps the names: a model
+        # trained before with a router loss on would make this one report it (at 0) without one
+        moe_utils.get_moe_layer_wise_logging_tracker().clear()
         for mod in self.model.modules():
             if isinstance(mod, TopKRouter):
                 self._hooks.append(mod.register_forward_hook(self._count))

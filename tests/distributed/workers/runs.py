@@ -29,19 +29,9 @@ def main() -> None:
     parallel.destroy_parallel = lambda: None
     worker = importlib.import_module(name)
     for argv in runs:
-        forget_process_state()
         sys.argv = [worker.__file__, *argv]
         worker.main()
     stop()
-
-
-def forget_process_state() -> None:
-    """What a fresh process would not have: megatron's MoE loss tracker is process-global, and the names
-    a router with its loss on adds to it outlive that model (a later run without the loss would still
-    report it)."""
-    moe_utils = sys.modules.get("megatron.core.transformer.moe.moe_utils")
-    if moe_utils is not None:
-        moe_utils.get_moe_layer_wise_logging_tracker().clear()
 
 
 if __name__ == "__main__":
