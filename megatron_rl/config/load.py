@@ -286,9 +286,9 @@ def _fill_derived(cfg: Config) -> None:
             setattr(owner, key, os.path.expanduser(getattr(owner, key)))
     if arr.rollout.dtype is None:
         arr.rollout.dtype = arr.actor.megatron.params_dtype
-    for owner in (arr.actor, cfg.critic):  # seq-mean-token-sum-norm's constant, never a batch's width
-        if owner.loss_scale_factor is None:
-            owner.loss_scale_factor = cfg.data.max_response_length
+    for trained in (arr.actor, cfg.critic):  # seq-mean-token-sum-norm's constant, never a batch's width
+        if trained.loss_scale_factor is None:
+            trained.loss_scale_factor = cfg.data.max_response_length
     if arr.actor.clip_ratio_low is None:
         arr.actor.clip_ratio_low = arr.actor.clip_ratio
     if arr.actor.clip_ratio_high is None:
