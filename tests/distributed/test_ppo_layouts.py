@@ -106,12 +106,11 @@ def run_layouts(
     after another, then for each argument list of ``more``: {layout: {pair: result and weights}}.
     Sharing the launch saves a process start and a torch.distributed world per layout; each run still
     builds its parallel groups and models afresh."""
-    from tests.conftest import run_torchrun
+    from tests.conftest import run_torchrun_runs
 
     assert len({LAYOUTS[n][2] for n in names}) == 1, names
     runs = [_layout_args(root, name, pairs, extra_args) for name in names] + list(more)
-    argv = [arg for i, args in enumerate(runs) for arg in ([] if i == 0 else ["--then"]) + args]
-    run_torchrun("ppo_update_runs.py", LAYOUTS[names[0]][2], argv)
+    run_torchrun_runs("ppo_update", LAYOUTS[names[0]][2], runs)
     out = {}
     for name in names:
         ran = DYNAMIC_PAIRS if name in DYNAMIC else pairs
