@@ -106,6 +106,24 @@ def _layout(ps: ParallelState) -> dict[str, int]:
     return {"tp": ps.tp_size, "pp": ps.pp_size, "dp": ps.dp_size, "world_size": ps.world_size}
 
 
+def experts_modules(models: dict[str, torch.nn.Module]) -> dict[str, str]:
+    """{name: "grouped" | "sequential"} of the mixture-of-experts models: GroupedExperts holds one
+    parameter per projection, SequentialMLP one per expert, so their optimizer states are laid out
+    differently (their weights are not: either loads the other's)."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from megatron_rl.models.experts import GroupedExperts
+
+    out = {}
+    for name, model in models.items():
+        kinds = {type(m) for m in model.modules()}
+        if GroupedExperts in kinds:
+            out[name] = "grouped"
+        elif SequentialMLP in kinds:
+            out[name] = "sequential"
+    return out
+
+
 def _shard_file(path: str, ps: ParallelState) -> str:
     return os.path.join(path, f"mp_rank_{ps.tp_rank:02d}_{ps.pp_rank:03d}.pt")
 
@@ -311,7 +329,8 @@ class CheckpointManager:
                     torch.save(shared, f)
             if ps.rank == 0:
                 with open_private(os.path.join(partial, "trainer_state.json"), self.file_mode, False) as f:
-                    json.dump({**trainer_state, "global_step": step, "layout": _layout(ps)}, f, indent=1)
+                    layout = {**_layout(ps), "experts": experts_modules(models)}
+                    json.dump({**trainer_state, "global_step": step, "layout": layout}, f, indent=1)
         except _SAVE_ERRORS as e:  # any rank's failure must reach every rank, or they wait at the barrier
             error = e
         if before_publish is not None and not _any_rank(error is not None):
@@ -437,6 +456,17 @@ class CheckpointManager:
                     f"{path} holds no {name}_optim/ (written before optimizer states were sharded): resume "
                     f"its weights only with actor_rollout_ref.model.path={os.path.join(path, 'actor')} and "
                     "critic.model.path=.../critic (Adam restarts), and trainer.resume_mode=disable."
+                )
+        # checkpoints from before grouped experts held SequentialMLP experts
+        saved_experts = saved.get("experts", dict.fromkeys(experts_modules(models), "sequential"))
+        for name, kind in experts_modules(models).items():
+            if name in optimizers and saved_experts.get(name, kind) != kind:
+                raise RuntimeError(
+                    f"Checkpoint {path} holds the {name}'s optimizer state of {saved_experts[name]} experts, "
+                    f"this job builds {kind} ones (laid out differently): resume with "
+                    "*.megatron.override_transformer_config.moe_grouped_gemm="
+                    f"{str(saved_experts[name] == 'grouped').lower()}, or start from its weights (the "
+                    f"{name}'s model.path={os.path.join(path, name)}, trainer.resume_mode=disable)."
                 )
         for name, model in models.items():
             if not os.path.isdir(os.path.join(path, name)):

@@ -407,3 +407,38 @@ def test_critic_seq_norm_loss_does_not_depend_on_the_batch_width(ps, hf_dir):
     assert vf_loss(3, 8.0) == pytest.approx(vf_loss(6, 8.0), rel=1e-6)
     # negative control: the batch's own width (the unresolved default) scales with the padding
     assert vf_loss(3, None) == pytest.approx(2 * vf_loss(6, None), rel=1e-6)
+
+
+def test_resuming_optimizer_state_of_the_other_experts_module_is_refused_in_one_line(ps, tmp_path):
+    """GroupedExperts and SequentialMLP write the same weights but lay their optimizer states out
+    differently: a checkpoint records which one it holds (one written before grouped experts existed
+    held SequentialMLP's), and resuming with the other module is refused naming the key."""
+    import json
+
+    from megatron_rl.model_args import load_model_args
+    from megatron_rl.models.builder import TrainingOptions, build_model
+    from megatron_rl.models.random_hf import save_random_hf_model
+    from megatron_rl.run.checkpoint import CheckpointManager, experts_modules
+
+    args = load_model_args(
+        save_random_hf_model(str(tmp_path / "hf"), "qwen3_moe", seed=1, num_hidden_layers=2)
+    )
+    grouped = build_model(args, ps)
+    assert experts_modules({"actor": grouped}) == {"actor": "grouped"}
+    sequential = build_model(args, ps, options=TrainingOptions(moe_grouped_gemm=False))
+    assert experts_modules({"actor": sequential}) == {"actor": "sequential"}
+    ckpt = tmp_path / "run" / "global_step_4"
+    for d in ("actor", "actor_optim"):
+        (ckpt / d).mkdir(parents=True)
+    layout = {"tp": 1, "pp": 1, "dp": 1, "world_size": 1}
+    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": 4, "layout": layout}))
+    manager = CheckpointManager(str(tmp_path / "run"), ps)
+    with pytest.raises(RuntimeError) as e:
+        manager.load(str(ckpt), {"actor": grouped}, {"actor": None})
+    msg = str(e.value)
+    assert "\n" not in msg and "sequential experts" in msg and "moe_grouped_gemm=false" in msg
+    layout["experts"] = {"actor": "grouped"}
+    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": 4, "layout": layout}))
+    with pytest.raises(Exception) as e:  # past the check: the (empty) checkpoint itself fails to load
+        manager.load(str(ckpt), {"actor": grouped}, {"actor": None})
+    assert "moe_grouped_gemm" not in str(e.value)
