@@ -1,6 +1,7 @@
 """One PPO update of a Qwen3-MoE actor (router aux loss and z-loss on) is invariant to the expert
 layout: EP1 on one rank, EP2 on two ranks (dense parameters data-parallel, experts split), EP1 on two
-ranks (experts data-parallel) and TP2 x EP2 on four, with the same rollouts. After the update, every
+ranks (experts data-parallel) and TP2 x EP2 on four, with the same rollouts; and the same with
+megatron's SequentialMLP experts in place of the grouped ones (EP1, EP2, TP2 x EP2). After the update, every
 copy of a parameter (router and dense weights over the EP ranks, experts over their DP ranks,
 replicated weights over the TP ranks at TP2 x EP2) is bit-identical. Weights are compared as whole
 HF tensors."""
@@ -18,7 +19,10 @@ LAYOUTS = {
     "dp2": (2, 1, 1, 0.01, "ep1"),
     "ep1_no_router_loss": (1, 1, 1, 0.0, None),
     "tp2ep2": (4, 2, 2, 0.0, "ep1_no_router_loss"),
-    "ep2_sequential": (2, 1, 2, 0.01, "ep1"),  # megatron's SequentialMLP experts, not grouped ones
+    # megatron's SequentialMLP experts instead of the grouped ones, at the same layouts
+    "ep1_sequential": (1, 1, 1, 0.01, "ep1"),
+    "ep2_sequential": (2, 1, 2, 0.01, "ep1"),
+    "tp2ep2_sequential": (4, 2, 2, 0.0, "ep1_no_router_loss"),
 }
 METRIC_RTOL = 1e-4
 WEIGHT_TOL = 5e-5  # fp32 summation order; the update moves weights by ~1e-3
@@ -56,7 +60,9 @@ def merged(ranks: list[dict], key: str = "weights") -> tuple[dict[str, torch.Ten
     return weights, differ
 
 
-@pytest.mark.parametrize("layout", ["ep2", "dp2", "tp2ep2", "ep2_sequential"])
+@pytest.mark.parametrize(
+    "layout", ["ep2", "dp2", "tp2ep2", "ep1_sequential", "ep2_sequential", "tp2ep2_sequential"]
+)
 def test_update_is_invariant_to_the_expert_layout(runs, layout):
     (ref,) = runs[LAYOUTS[layout][4]]
     for r in runs[layout]:
