@@ -383,9 +383,8 @@ def iter_hf_buckets(
     flat = torch.empty(max(b.numel for b in plan), dtype=dtype, device=ps.device)  # one bucket
 
     for b in plan:
-        views = {
-            t.name: flat[t.offset : t.offset + t.numel].view(t.shape) for s in b.params for t in s.tensors
-        }
+        bucket = make_bucket(b, flat)
+        views = dict(bucket)
         if b.stage == ps.pp_rank:
             split = gathered(b)
             if split:
@@ -407,7 +406,7 @@ def iter_hf_buckets(
                     scatter_shard(s.layout, 0, params[s.layout.name], views)  # replicated or TP=1
         if pp > 1:
             dist.broadcast(flat[: b.numel], src=dist.get_global_rank(ps.pp_group, b.stage), group=ps.pp_group)
-        yield make_bucket(b, flat)
+        yield bucket
     del send, recv, flat
 
 
