@@ -329,7 +329,8 @@ class CheckpointManager:
                     torch.save(shared, f)
             if ps.rank == 0:
                 with open_private(os.path.join(partial, "trainer_state.json"), self.file_mode, False) as f:
-                    layout = {**_layout(ps), "experts": experts_modules(models)}
+                    experts = experts_modules(models)  # mixture-of-experts models only
+                    layout = {**_layout(ps), **({"experts": experts} if experts else {})}
                     json.dump({**trainer_state, "global_step": step, "layout": layout}, f, indent=1)
         except _SAVE_ERRORS as e:  # any rank's failure must reach every rank, or they wait at the barrier
             error = e
