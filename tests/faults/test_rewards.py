@@ -11,13 +11,31 @@ import pytest
 
 from tests.faults import jobs
 
+# The fault is read once per batch, at its first call: a new batch is one scored after another metrics
+# row was written (rows are written at the end of each step, before the next step's rollout). A mark
+# written while a batch is being scored takes effect from the next batch, so every step is scored either
+# wholly before the fault or wholly under it (a batch scored half before, half after would finish with
+# errors and differ from the straight run).
 REWARD = """
 import os, time
 from megatron_rl.reward.rules import default_compute_score
 
+_state = {{"rows": -1, "fault": None}}
+
+def _rows():
+    try:
+        with open({metrics!r}) as f:
+            return sum(1 for _ in f)
+    except FileNotFoundError:
+        return 0
+
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    if os.path.exists({mark!r}):
-        fault = open({mark!r}).read()
+    rows = _rows()
+    if rows != _state["rows"]:
+        _state["rows"] = rows
+        _state["fault"] = open({mark!r}).read() if os.path.exists({mark!r}) else None
+    fault = _state["fault"]
+    if fault is not None:
         if fault == "raise":
             raise ValueError("the scoring service is down")
         if fault == "nan":
@@ -36,7 +54,8 @@ WHY = {
 @pytest.mark.parametrize("fault", ["raise", "nan", "hang"])
 def test_a_reward_function_failing_mid_run_ends_the_job_cleanly(demo, straight, tmp_path, fault):
     mark, reward, run_dir = tmp_path / "fault", tmp_path / "reward.py", str(tmp_path / "run")
-    reward.write_text(REWARD.format(mark=str(mark)))
+    metrics = f"{run_dir}/logs/metrics.jsonl"
+    reward.write_text(REWARD.format(mark=str(mark), metrics=metrics))
     kw = {
         "trainer.save_freq": 1,
         "custom_reward_function.path": str(reward),
