@@ -220,14 +220,26 @@ for line in iter(sys.stdin.buffer.readline, b""):
 flush()
 '
 
+# torchrun lives in a session of its own (above), so a launcher killed by SIGKILL (which it cannot
+# trap and forward) would leave it and its ranks training, holding the run directory's lock. The kernel
+# sends torchrun SIGTERM when this script dies (PR_SET_PDEATHSIG, kept across exec): the ranks save and
+# exit as for a forwarded stop. Exits at once if the launcher ($1) is already gone.
+tied_to_launcher='
+import ctypes, os, signal, sys
+ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+if os.getppid() != int(sys.argv[1]):
+    sys.exit("megatron-rl: the launcher died before torchrun started")
+os.execv(sys.executable, [sys.executable, *sys.argv[2:]])
+'
+
 run_torchrun() {  # one torchrun; sets rc
     (trap '' TERM INT USR2 USR1 HUP; tee -a "$LOG" < "$fifo_dir/out" | "$PYTHON" -u -c "$quiet_signal_traceback") &
     local tee_pid=$!
     set +e
     # A background command of a script is not a process-group leader, so setsid execs in place: $! is
-    # torchrun itself.
-    PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" setsid "$PYTHON" -m torch.distributed.run "${args[@]}" \
-        "${entry[@]}" "$@" > "$fifo_dir/out" 2>&1 &
+    # torchrun itself, started through $tied_to_launcher.
+    PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" setsid "$PYTHON" -c "$tied_to_launcher" $$ \
+        -m torch.distributed.run "${args[@]}" "${entry[@]}" "$@" > "$fifo_dir/out" 2>&1 &
     pid=$!
     while :; do
         wait "$pid"

@@ -1,8 +1,10 @@
 """How a rank ends: never outliving its launcher, and stopping cleanly when asked to.
 
 * :func:`die_with_parent` (called first thing in every rank): the kernel sends the rank SIGKILL when
-  its parent (torchrun's agent) dies, so ``kill -9`` of torchrun, or of a node's launcher, leaves no
-  rank behind holding GPU memory or the checkpoint directory's lock; what the rank forks dies with it.
+  its parent (torchrun's agent) dies, so ``kill -9`` of torchrun leaves no rank behind holding GPU
+  memory or the checkpoint directory's lock; what the rank forks dies with it. ``launch/torchrun.sh``
+  ties torchrun to itself the same way, with SIGTERM: a launcher killed by SIGKILL stops the job as a
+  forwarded SIGTERM would (the ranks save their step and exit).
 * :class:`PreemptionWatch` (installed by ``Trainer.fit`` for the training loop): SIGTERM, SIGINT,
   SIGUSR2 and SIGUSR1 (re-placement: the same save, then the launcher restarts the job) only set a
   flag (a rank keeps the first stop it got; a re-placement yields to a later stop); after each step

@@ -45,26 +45,46 @@ def test_kill_9_at_a_random_moment_loses_no_checkpoint(demo, straight, tmp_path,
 SLOW = pytest.mark.slow
 
 
-VICTIMS = ["torchrun", pytest.param("rank0", marks=SLOW), pytest.param("rank1", marks=SLOW)]
+VICTIMS = [
+    "torchrun",
+    pytest.param("rank0", marks=SLOW),
+    pytest.param("rank1", marks=SLOW),
+    pytest.param("launcher", marks=SLOW),
+]
 
 
 @pytest.mark.parametrize("victim", VICTIMS)
 def test_kill_9_after_saves_leaves_no_process(demo, straight, tmp_path, victim):
-    """kill -9 of torchrun or of one rank once the run has saved: every process of the ranks' sessions
-    (the ranks and whatever they started) is gone, and the checkpoints are consistent (resumed exactly:
-    slow cases)."""
+    """kill -9 of torchrun, of one rank, or of launch/torchrun.sh alone, once the run has saved: every
+    process of the job (torchrun, the ranks and whatever they started, the launcher's log pipe) is gone,
+    and the checkpoints are consistent (resumed exactly, so the run directory's lock was released:
+    slow cases). A killed launcher stops the job as a SIGTERM would: the ranks save the step they are
+    in and exit."""
     run_dir = str(tmp_path / "run")
     proc = jobs.launch(demo, tmp_path, run_dir, 40, "kill9", **EVERY_STEP)
     try:
         jobs.wait_for_step(proc, run_dir, 2)
         torchrun, ranks = jobs.job(proc.pid)
-        sids = jobs.sessions(ranks)
-        os.kill({"torchrun": torchrun, "rank0": ranks[0], "rank1": ranks[1]}[victim], signal.SIGKILL)
+        sids = jobs.sessions([torchrun, *ranks])
+        helpers = [p for p in jobs.children().get(proc.pid, []) if p != torchrun]  # tee, output filter
+        victim_pid = {"torchrun": torchrun, "rank0": ranks[0], "rank1": ranks[1], "launcher": proc.pid}
+        os.kill(victim_pid[victim], signal.SIGKILL)
         assert proc.wait(timeout=300) != 0
+        # the launcher's death reaches the ranks through torchrun, which waits for them to save
+        assert jobs.left_behind(sids, timeout=300 if victim == "launcher" else 20) == [], (
+            "a process outlived its rank"
+        )
     finally:
         jobs.kill_launch(proc)
-    assert jobs.left_behind(sids) == [], "a process outlived its rank"
-    assert jobs.assert_consistent(run_dir) >= 2
+    deadline = time.monotonic() + 60  # they end at their pipe's end-of-file, once torchrun is gone
+    while [p for p in helpers if jobs.alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert [jobs.cmdline(p)[:120] for p in helpers if jobs.alive(p)] == []
+    last = jobs.assert_consistent(run_dir)
+    assert last >= 2
+    if victim == "launcher":
+        out = (tmp_path / "kill9.out").read_text()
+        assert f"megatron-rl: received SIGTERM at step {last}; saved" in out, out[-4000:]
     if victim != "torchrun":
         jobs.assert_resumes_exactly(demo, run_dir, straight)
 
