@@ -82,13 +82,20 @@ def _reduced_stats(named: list[tuple[str, torch.Tensor]], group) -> dict[str, fl
     return out
 
 
+def _num_turns(batch: RolloutBatch) -> torch.Tensor:
+    """[B] turns per sequence: extra_info["num_turns"] of a multi-turn episode, else 1."""
+    turns = [(m.extra_info or {}).get("num_turns", 1) for m in batch.meta]
+    return torch.tensor(turns, dtype=torch.float64)
+
+
 def data_metrics(
     batch: RolloutBatch, max_prompt_length: int, max_response_length: int, dp_group
 ) -> dict[str, float]:
     """critic/score, critic/rewards, critic/advantages, critic/returns, critic/values, response_length,
     prompt_length (each /mean, /max, /min, lengths with /clip_ratio: the share at the data.max_*_length
     limit), response/aborted_ratio (empty responses), response_length_non_aborted/* (the lengths of the
-    others), training/num_turns/* (1: single-turn), critic/vf_explained_var.
+    others), training/num_turns/* (the episode's turns, as multi_turn/num_turns/*; 1 for a single-turn
+    rollout), critic/vf_explained_var.
 
     ``critic/vf_explained_var`` is 1 - Var[returns - values] / Var[returns] over the response tokens
     of all data-parallel ranks (its moments ride along as five more "mean" statistics).
@@ -110,7 +117,7 @@ def data_metrics(
         # verl's response_length_non_aborted/*: the lengths without the empty (aborted) responses
         ("response_length_non_aborted", resp_len[resp_len > 0]),
         ("response_length_non_aborted/clip", (resp_len[resp_len > 0] >= max_response_length).double()),
-        ("training/num_turns", torch.ones_like(resp_len)),  # single-turn rollouts: one turn each
+        ("training/num_turns", _num_turns(batch).to(resp_len)),
     ]
     if batch.values is not None:
         ret, res = batch.returns[keep].double(), (batch.returns - batch.values)[keep].double()

@@ -128,3 +128,8 @@ def test_data_metrics_carry_verl_dashboard_names():
     assert m["response_length_non_aborted/min"] == 1.0
     assert m["response_length_non_aborted/clip_ratio"] == pytest.approx(1 / 2)
     assert m["training/num_turns/mean"] == m["training/num_turns/max"] == 1.0
+    # multi-turn episodes: the turns their extra_info carries (as multi_turn/num_turns/*), 1 for the others
+    b.meta[0].extra_info, b.meta[1].extra_info = {"num_turns": 4}, {"num_turns": 3}
+    m = data_metrics(b, max_prompt_length=2, max_response_length=2, dp_group=None)
+    assert m["training/num_turns/mean"] == pytest.approx(8 / 3)
+    assert (m["training/num_turns/max"], m["training/num_turns/min"]) == (4.0, 1.0)
