@@ -59,8 +59,12 @@ REPLAY_FROM_ENGINE = (
     "or the old-log-prob pass (R2), not from files"
 )
 REPLAY_ELSEWHERE = (
-    "routing replay applies to the actor's training passes (actor_rollout_ref.actor.router_replay.mode); "
-    "the reference and critic route with their own routers"
+    "routing replay covers the actor's passes only (its old log-probs and updates, "
+    "actor_rollout_ref.actor.router_replay.mode); the reference model routes with its own router"
+)
+REPLAY_FROM_R3 = (
+    "the engine returns each token's routed experts whenever actor_rollout_ref.actor.router_replay.mode=R3, "
+    "the one key that turns R3 on here"
 )
 MEGATRON_ONLY = "this trainer runs Megatron only"
 NO_FUSIONS = "megatron-core's local layer spec runs here, without Transformer Engine / Apex fused kernels"
@@ -262,6 +266,12 @@ RULES: tuple[Rule, ...] = (
     _ignored("*.load_weight", "models always load their weights"),
     _ignored("*.rollout_n", "derived from actor_rollout_ref.rollout.n"),
     _ignored("*.optim.*", OWN_SCHEDULE),
+    _refused(
+        "*.megatron.use_megatron_fsdp",
+        "megatron-core's FSDP is not offered: parameters are sharded by tensor/pipeline/expert parallelism "
+        "and the optimizer state over data-parallel ranks by *.megatron.use_distributed_optimizer",
+        False,
+    ),
     _ignored("*.megatron.*", OWN_LOADING),
     _ignored("*.checkpoint.*", "checkpoints always hold model, optimizer and RNG/sampler state"),
     _ignored("*.router_replay.*", REPLAY_ELSEWHERE),
@@ -321,6 +331,7 @@ RULES: tuple[Rule, ...] = (
     _ignored(
         "actor_rollout_ref.rollout.quantization_config_file", "the engine holds the weights unquantized"
     ),
+    _ignored("actor_rollout_ref.rollout.enable_rollout_routing_replay", REPLAY_FROM_R3),
     _ignored("actor_rollout_ref.rollout.engine_kwargs.*", ENGINE_OWN),
     _ignored("actor_rollout_ref.rollout.*", ENGINE_OWN),
     _ignored("data.image_*", NO_MULTIMODAL),

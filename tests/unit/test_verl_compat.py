@@ -90,10 +90,25 @@ def test_aliases_ignored_keys_and_refusals():
         ),
         ("critic.megatron.context_parallel_size=2", r"context parallelism is not implemented \(accepted: 1"),
         ("actor_rollout_ref.model.lora_rank=8", r"LoRA is not implemented"),
+        ("actor_rollout_ref.actor.megatron.use_megatron_fsdp=True", r"megatron-core's FSDP is not offered"),
     ):
         with pytest.raises(ConfigError, match=match) as e:
             load_config(None, [bad])
         assert "\n" not in str(e.value)
+    # Ignored keys give their own reason, not their section's.
+    notices = []
+    load_config(
+        None,
+        [
+            "actor_rollout_ref.rollout.enable_rollout_routing_replay=True",
+            "actor_rollout_ref.ref.router_replay.mode=R3",
+            "actor_rollout_ref.actor.megatron.use_megatron_fsdp=False",
+        ],
+        notices,
+    )
+    assert len(notices) == 2, notices
+    assert "whenever actor_rollout_ref.actor.router_replay.mode=R3" in notices[0]
+    assert "the reference model routes with its own router" in notices[1]
     # Neither verl's nor ours: still a did-you-mean.
     with pytest.raises(ConfigError, match=r"Did you mean 'trainer.save_freq'"):
         load_config(None, ["trainer.save_frequency=3"])
