@@ -468,6 +468,30 @@ def count_nonfinite(values: torch.Tensor, mask: torch.Tensor, group) -> int:
     return int(bad.item())
 
 
+def precision_notices(cfg) -> list[str]:
+    """One line per dtype key set to half precision where the job runs on CPU: the models and the
+    engine run in float32 there (CPU kernels have no half-precision speed-up), and summary.json records
+    float32; the line says so rather than let config.yaml's value stand unexplained. A key left at its
+    (GPU) default is not named."""
+    record = precision_record(cfg)
+    default = MegatronConfig().params_dtype
+    arr = cfg.actor_rollout_ref
+    asked = {"actor_rollout_ref.actor.megatron.params_dtype": (arr.actor.megatron.params_dtype, "actor")}
+    if cfg.critic.enable:
+        asked["critic.megatron.params_dtype"] = (cfg.critic.megatron.params_dtype, "critic")
+    out = []
+    for key, (value, role) in asked.items():
+        if value not in (record[role]["params_dtype"], default):
+            out.append(f"{key}={value} is for the GPU: on CPU the {role} trains in float32.")
+    # rollout.dtype follows the actor's params_dtype unless set: one line for the two
+    if arr.rollout.dtype not in (None, record["rollout"]["dtype"], arr.actor.megatron.params_dtype):
+        out.append(
+            f"actor_rollout_ref.rollout.dtype={arr.rollout.dtype} is for the GPU: "
+            "on CPU the engine runs in float32."
+        )
+    return out
+
+
 def precision_record(cfg) -> dict[str, dict[str, object]]:
     """What precision each trained model and the engine ran at (summary.json): the dtypes as built
     (fp32 on CPU, whatever params_dtype says), the rounding of the fp32 masters into them and fp16's

@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> None:
         die_with_parent()
 
     from megatron_rl.config import load_config
+    from megatron_rl.optim import precision_notices
     from megatron_rl.run.explain import explain_failures
     from megatron_rl.run.preflight import preflight
 
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None) -> None:
         notices: list[str] = hydra_notices
         typed: dict = {}  # values as the user wrote them, where verl_compat rewrote them
         cfg = load_config(a.config, a.overrides, notices, typed)
+        notices += precision_notices(cfg)
         if rank == 0:
             for line in notices:  # verl keys this trainer accepts without acting on them
                 print(f"megatron-rl: {line}", flush=True)
@@ -149,7 +151,7 @@ def serve_rollout(cfg, placement) -> None:
     args = load_model_args_any(arr.model.path)
     graph_bs = cuda_graph_max_bs(cfg, ps.world_size // arr.rollout.tensor_model_parallel_size)
     engine = create_engine(
-        arr.rollout, arr.model.path, args, ps, seed=cfg.data.seed, cuda_graph_max_bs=graph_bs
+        arr.rollout, arr.model.path, args, ps, seed=arr.rollout.seed, cuda_graph_max_bs=graph_bs
     )
     try:
         with PreemptionWatch():

@@ -349,6 +349,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         problems = [f"config error: {e}"]
     else:
+        if not opts["--no-device"]:  # the device this machine would run it on
+            from megatron_rl.optim import precision_notices
+
+            notices += precision_notices(cfg)
         if not opts["--check"]:
             from omegaconf import OmegaConf
 

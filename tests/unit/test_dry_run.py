@@ -279,3 +279,14 @@ def test_plot_says_how_to_get_matplotlib(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     with pytest.raises(SystemExit, match="pip install matplotlib"):
         plot.plot(str(tmp_path))
+
+
+def test_half_precision_asked_on_cpu_is_named_in_one_line(demo, capsys):
+    """CPU runs train in float32 (summary.json says so): a half-precision dtype key the user set is
+    named with what runs instead; the defaults (bf16, for the GPU) and float32 are not."""
+    assert main(["--check", DEMO, *demo_overrides(demo)]) == 0
+    assert "is for the GPU" not in capsys.readouterr().err
+    half = "actor_rollout_ref.actor.megatron.params_dtype=float16"
+    assert main(["--check", DEMO, *demo_overrides(demo), half, "trainer.device=cpu"]) == 0
+    said = [ln for ln in capsys.readouterr().err.splitlines() if "is for the GPU" in ln]
+    assert said == [f"megatron-rl: {half} is for the GPU: on CPU the actor trains in float32."]
