@@ -154,8 +154,10 @@ class MegatronConfig(FrozenMegatronConfig):
 @dataclass
 class ActorMegatronConfig(MegatronConfig):
     seed: int = 42
-    """Seed of the job's RNG streams (model-parallel streams, dropout, sampling order): the other models
-    load their weights and draw nothing."""
+    """Seed of megatron's RNG streams (the model-parallel and data-parallel streams: weight init, dropout)
+    and of bf16 stochastic rounding; the other models load their weights and draw nothing. A model
+    loaded from its weights, without dropout, in fp32 draws nothing from it. The rollout's sampling is
+    seeded by actor_rollout_ref.rollout.seed, the prompt order by data.seed."""
 
 
 TRAINED_ONLY_KEYS: frozenset[str] = frozenset(

@@ -54,7 +54,8 @@ class DataConfig:
     shuffle: bool = True
     """Shuffle the training prompts each epoch."""
     seed: int = 1
-    """Seed of the prompt sampler."""
+    """Seed of the prompt sampler (the order of the training prompts); the responses' sampling is
+    seeded by actor_rollout_ref.rollout.seed."""
     filter_overlong_prompts: bool = False
     """Drop prompts longer than max_prompt_length (the count is logged) instead of truncating."""
     truncation: str = "error"
@@ -257,6 +258,11 @@ class RolloutConfig:
     """Top-k sampling (-1 = off)."""
     do_sample: bool = True
     """Sample (False = greedy)."""
+    seed: int = 0
+    """Seed of the rollout's sampling (verl's engine seed; any integer). Each response is sampled from
+    its own seed, a hash of (seed, step, data-parallel rank, row, validation or not), so a run
+    regenerates the same responses given the same seed and prompts. data.seed (the prompt order) and
+    actor.megatron.seed (megatron's RNG streams) seed other things."""
     dtype: str | None = None
     """Engine weight dtype: float32 | bfloat16 | float16; None = the actor's megatron.params_dtype
     (an fp16 policy samples from fp16 weights: the smallest training-inference mismatch)."""

@@ -82,7 +82,7 @@ def start_engine(cfg: Config, ps: ParallelState, model_args):
     path = cfg.actor_rollout_ref.model.path
     r3 = cfg.actor_rollout_ref.actor.router_replay.mode == "R3"
     engine = create_engine(
-        rollout, path, model_args, ps, seed=cfg.data.seed, cuda_graph_max_bs=graph_bs, routed_experts=r3
+        rollout, path, model_args, ps, seed=rollout.seed, cuda_graph_max_bs=graph_bs, routed_experts=r3
     )
     if ps.rank == 0:
         sglang_graphs = rollout.enable_cuda_graph and rollout.name == "sglang"
@@ -100,7 +100,7 @@ def start_engine(cfg: Config, ps: ParallelState, model_args):
 def sampling_params(
     cfg: Config, stop_ids: list[int], step: int, validate: bool, logprobs: bool
 ) -> SamplingParams:
-    """Sampling of step ``step``'s rollout (or of validation), seeded by (data.seed, step, validate); the
+    """Sampling of step ``step``'s rollout (or of validation), seeded by (rollout.seed, step, validate); the
     engines derive each row's seed from these, its DP rank (colocated) or slice (separate) and its row
     (rollout.base.sample_seed)."""
     rollout = cfg.actor_rollout_ref.rollout
@@ -118,7 +118,7 @@ def sampling_params(
         greedy=greedy or temperature == 0,
         max_new_tokens=cfg.data.max_response_length,
         stop_token_ids=stop_ids,
-        seed=cfg.data.seed,
+        seed=rollout.seed,
         step=step,
         validate=validate,
         return_logprobs=logprobs and not validate,

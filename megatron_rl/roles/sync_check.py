@@ -55,7 +55,7 @@ class SyncProbe:
             max_new_tokens=max(1, min(PROBE_TOKENS, cfg.data.max_response_length)),
             stop_token_ids=list(stop_ids),
             return_logprobs=True,
-            seed=cfg.data.seed,
+            seed=rollout.seed,
         )
 
     def due(self, step: int) -> bool:

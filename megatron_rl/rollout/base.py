@@ -61,8 +61,9 @@ class SamplingParams:
     return_logprobs: bool = False
     """Also return the engine's log-probability of each generated token."""
     seed: int | None = None
-    """Run seed (data.seed); None: the engine draws fresh randomness. Each response's sampling seed is
-    :func:`sample_seed` of (seed, step, dp_rank, row, validate); the HF engine is reproducible given it."""
+    """Run seed (actor_rollout_ref.rollout.seed); None: the engine draws fresh randomness. Each response's
+    sampling seed is :func:`sample_seed` of (seed, step, dp_rank, row, validate); the HF engine is
+    reproducible given it."""
     step: int = 0
     """Training step of this rollout (part of every row's sampling seed)."""
     validate: bool = False

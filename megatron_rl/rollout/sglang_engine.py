@@ -196,7 +196,7 @@ def engine_arguments(
         grammar_backend="none",
         enable_memory_saver=True,
         disable_cuda_graph=not cfg.enable_cuda_graph,
-        random_seed=seed,
+        random_seed=seed % 2**31,  # SGLang seeds numpy with it, which takes [0, 2**32) only
         log_level="error",
         custom_weight_loader=[LOADER],  # MoE buckets: experts copied into the fused weights (sglang_loader)
     )

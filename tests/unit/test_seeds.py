@@ -107,3 +107,20 @@ def test_same_seed_same_rollouts_and_every_key_changes_them(tiny):
     assert tokens(engine_for(tiny, dp_rank=1).generate(PROMPTS, PARAMS)) != first
     # the n samples of one prompt come from distinct streams
     assert len({tuple(t) for t in first[:3]}) > 1
+
+
+def test_rollout_seed_seeds_the_sampling_and_data_seed_does_not():
+    from megatron_rl.config import load_config
+    from megatron_rl.roles.rollout import sampling_params
+
+    def seed_of(*overrides: str, validate: bool = False) -> int | None:
+        cfg = load_config("yaml/cpu_demo.yaml", list(overrides))
+        return sampling_params(cfg, [2], step=3, validate=validate, logprobs=True).seed
+
+    assert seed_of() == 0  # verl's default
+    assert (
+        seed_of("actor_rollout_ref.rollout.seed=5")
+        == seed_of("actor_rollout_ref.rollout.seed=5", validate=True)
+        == 5
+    )
+    assert seed_of("data.seed=5") == seed_of("actor_rollout_ref.actor.megatron.seed=5") == 0
