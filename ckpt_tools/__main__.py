@@ -139,9 +139,16 @@ def main(argv: list[str] | None = None) -> int:
     from ckpt_tools import verbs
     from ckpt_tools.launch import report
     from ckpt_tools.staging import run_with_staging
+    from megatron_rl.config import ConfigError, DataError
+    from megatron_rl.errors import LaunchError
 
     verb = getattr(verbs, a.verb.replace("-", "_"))
-    return report(run_with_staging(a, verb) if hasattr(a, "out") else verb(a))
+    try:
+        return report(run_with_staging(a, verb) if hasattr(a, "out") else verb(a))
+    except (LaunchError, ConfigError, DataError, FileNotFoundError) as e:
+        # a model or checkpoint refused, a path that is not there: one line, as the trainer says it
+        print(f"ckpt_tools: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

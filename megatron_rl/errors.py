@@ -36,3 +36,12 @@ class NonFiniteRewardError(LaunchError):
     """A reward that is NaN or infinite, stopped where it entered (a reward function, a tool, an agent
     harness, a reward server or model): one line naming the source, the row and the key to look at. One
     such reward would void a whole step's update, so it is never trained on."""
+
+
+class ModelRefused(LaunchError, ValueError):
+    """A model or checkpoint this project does not load (an architecture or a layout it does not build):
+    one line naming the path, what it holds and what to do, printed without a traceback by the trainer
+    and by ``ckpt_tools``. A ValueError too, for callers that treat any bad model value alike."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, same_on_all_ranks=True)

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_rl.errors import ModelRefused
+
 # Parameter / rollout dtype names in the config -> torch dtypes.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -142,21 +144,21 @@ def _rope_scaling(hf: dict, where: str) -> tuple[bool, float]:
     if rope_type == "default":
         return False, 8.0
     if rope_type != "llama3":
-        raise ValueError(
+        raise ModelRefused(
             f"{where}: {key}.rope_type={rope_type!r} is not supported (supported: default, llama3); "
             "the model's positions would be encoded differently than it was trained with."
         )
     for name, fixed in LLAMA3_FIXED.items():
         if name not in rope:
-            raise ValueError(f"{where}: {key}.{name} is missing (llama3 RoPE scaling needs it).")
+            raise ModelRefused(f"{where}: {key}.{name} is missing (llama3 RoPE scaling needs it).")
         if float(rope[name]) != fixed:
-            raise ValueError(
+            raise ModelRefused(
                 f"{where}: {key}.{name}={rope[name]} is not supported; megatron-core's llama3 RoPE "
                 f"scaling fixes it at {fixed:g}."
             )
     factor = float(rope.get("factor", 0.0))
     if factor <= 0:
-        raise ValueError(f"{where}: {key}.factor={rope.get('factor')!r} must be a positive number.")
+        raise ModelRefused(f"{where}: {key}.factor={rope.get('factor')!r} must be a positive number.")
     return True, factor
 
 
@@ -182,11 +184,11 @@ def model_args_from_hf_config(hf: dict, source: str | None = None) -> ModelArgs:
     archs = hf.get("architectures") or []
     for a in archs:
         if a in REFUSED_ARCHITECTURES:
-            raise ValueError(f"{source or a}: {a} is not supported: {REFUSED_ARCHITECTURES[a]}.")
+            raise ModelRefused(f"{source or a}: {a} is not supported: {REFUSED_ARCHITECTURES[a]}.")
     known = {**HF_ARCHITECTURES, **HF_SEQ_CLS_ARCHITECTURES}
     arch = next((known[a] for a in archs if a in known), None)
     if arch is None:
-        raise ValueError(
+        raise ModelRefused(
             f"Unsupported HF architecture {archs}; supported: {sorted(known)}. "
             "Check 'architectures' in the model's config.json."
         )
@@ -196,7 +198,7 @@ def model_args_from_hf_config(hf: dict, source: str | None = None) -> ModelArgs:
         # score head has exactly one output.
         labels = hf.get("num_labels", len(hf.get("id2label") or {0: None, 1: None}))
         if labels != 1:
-            raise ValueError(
+            raise ModelRefused(
                 f"{where}: a sequence classifier with num_labels={labels}; a reward model needs a scalar "
                 "score head (num_labels=1, score.weight [1, hidden])."
             )
@@ -204,9 +206,11 @@ def model_args_from_hf_config(hf: dict, source: str | None = None) -> ModelArgs:
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     rope_scaling, rope_scaling_factor = _rope_scaling(hf, where)
     if rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ValueError(f"{where}: partial_rotary_factor != 1 is not supported (config.json of the model).")
+        raise ModelRefused(
+            f"{where}: partial_rotary_factor != 1 is not supported (config.json of the model)."
+        )
     if arch != "qwen2" and (hf.get("attention_bias") or hf.get("mlp_bias")):
-        raise ValueError(f"{where}: attention_bias/mlp_bias are not supported (config.json of the model).")
+        raise ModelRefused(f"{where}: attention_bias/mlp_bias are not supported (config.json of the model).")
     heads = hf["num_attention_heads"]
     hidden = hf["hidden_size"]
     rope_theta = hf.get("rope_theta") or rope.get("rope_theta", 10000.0)
@@ -241,7 +245,9 @@ def _moe_fields(hf: dict, arch: str, where: str) -> dict:
     experts = hf.get("num_local_experts", hf.get("num_experts"))
     top_k = hf.get("num_experts_per_tok", 2)
     if not experts or not 0 < top_k <= experts:
-        raise ValueError(f"{where}: num_experts={experts}, num_experts_per_tok={top_k} is not an MoE layout.")
+        raise ModelRefused(
+            f"{where}: num_experts={experts}, num_experts_per_tok={top_k} is not an MoE layout."
+        )
     if arch == "mixtral":
         return dict(
             num_experts=experts,
@@ -251,7 +257,7 @@ def _moe_fields(hf: dict, arch: str, where: str) -> dict:
             moe_layers=(True,) * n,
         )
     if hf.get("shared_expert_intermediate_size"):
-        raise ValueError(f"{where}: shared experts (shared_expert_intermediate_size) are not supported.")
+        raise ModelRefused(f"{where}: shared experts (shared_expert_intermediate_size) are not supported.")
     dense = set(hf.get("mlp_only_layers") or [])
     step = hf.get("decoder_sparse_step", 1)
     layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(n))
@@ -277,7 +283,7 @@ def check_sliding_window(args: ModelArgs, max_seq_len: int | None = None, source
         return
     where = source or "/".join(args.hf_config.get("architectures") or [args.arch])
     seen = f"max_position_embeddings={limit}" if max_seq_len is None else f"sequences of up to {limit} tokens"
-    raise ValueError(
+    raise ModelRefused(
         f"{where}: sliding_window={n} (attention limited to the last {n} tokens) is not implemented; "
         f"this trainer's attention is full causal, which differs from the model's past {n} tokens "
         f"({seen}). Keep data.max_prompt_length + data.max_response_length <= {n}, and set "

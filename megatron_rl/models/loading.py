@@ -24,6 +24,7 @@ import os
 
 import torch
 
+from megatron_rl.errors import ModelRefused
 from megatron_rl.model_args import ModelArgs, load_model_args, model_args_from_hf_config
 from megatron_rl.parallel import ParallelState
 from megatron_rl.weights.ckpt_format import (
@@ -61,7 +62,7 @@ def detect_format(path: str) -> str:
     if os.path.isfile(os.path.join(path, "config.json")) and any(
         f.endswith(".bin") for f in os.listdir(path)
     ):
-        raise ValueError(
+        raise ModelRefused(
             f"{path} is an HF model saved as pickled *.bin files, which megatron-rl does not load (unsafe). "
             "Re-save it with safetensors: AutoModelForCausalLM.from_pretrained(path).save_pretrained(out)."
         )
@@ -144,7 +145,7 @@ def load_weights(model: torch.nn.Module, path: str, ps: ParallelState, progress:
         # Both heads are saved as output_layer.weight ([V, H] vs [1, H]): refuse the mix-up by role.
         saved = (read_our_metadata(locate_megatron_checkpoint(path)) or {}).get("role", "actor")
         if (saved == "reward") != (model.role == "reward"):
-            raise ValueError(
+            raise ModelRefused(
                 f"{path} is a {saved} checkpoint, whose output_layer is not a {model.role} model's head; "
                 "a reward model loads a reward model's checkpoint or HF ...ForSequenceClassification "
                 "directory, an actor an actor's."

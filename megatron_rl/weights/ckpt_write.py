@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from megatron_rl.errors import ModelRefused
 from megatron_rl.model_args import ModelArgs
 from megatron_rl.parallel import ParallelState
 from megatron_rl.weights.ckpt_format import LEGACY_FILE, METADATA_FILE, TRACKER_FILE
@@ -45,11 +46,11 @@ def save_legacy(
     if args.is_moe:
         from megatron_rl.weights.legacy import MOE_LEGACY
 
-        raise ValueError(MOE_LEGACY)
+        raise ModelRefused(MOE_LEGACY)
     from tqdm import tqdm
 
     if args.num_layers % pp:
-        raise ValueError(f"{args.num_layers} layers do not split into {pp} pipeline stages")
+        raise ModelRefused(f"{args.num_layers} layers do not split into {pp} pipeline stages")
     import numpy as np
 
     per_stage = args.num_layers // pp

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from megatron_rl.errors import ModelRefused
 from megatron_rl.model_args import ModelArgs
 from megatron_rl.weights.ckpt_format import LEGACY_FILE, RANK_DIR, TE_NORM_NAMES
 from megatron_rl.weights.hf_io import hf_names, scatter_shard
@@ -45,7 +46,7 @@ def _normalize_legacy_name(name: str, file: str) -> str | None:
     if name.endswith("_extra_state"):
         return None  # TE/FP8 metadata, no weights
     if name.startswith("language_model."):
-        raise ValueError(
+        raise ModelRefused(
             f"{file}: pre-mcore Megatron-LM checkpoint (language_model.* names). Convert it to the mcore "
             "layout with Megatron-LM's tools/checkpoint/convert.py (--saver mcore) first."
         )
@@ -73,7 +74,7 @@ class LegacyCheckpoint:
             if not m:
                 continue
             if m.group(3) is not None:
-                raise ValueError(f"{ckpt_dir}/{d}: expert-parallel legacy checkpoints are not supported")
+                raise ModelRefused(f"{ckpt_dir}/{d}: expert-parallel legacy checkpoints are not supported")
             has_pp |= m.group(2) is not None
             ranks[(int(m.group(1)), int(m.group(2) or 0))] = os.path.join(ckpt_dir, d, LEGACY_FILE)
         if not ranks:
@@ -102,7 +103,7 @@ class LegacyCheckpoint:
         if key not in self._loaded:
             obj = safe_torch_load(self.file(*key), mmap=True)
             if not isinstance(obj, dict):
-                raise ValueError(f"{self.file(*key)}: expected a dict, found {type(obj).__name__}")
+                raise ModelRefused(f"{self.file(*key)}: expected a dict, found {type(obj).__name__}")
             self._loaded[key] = obj
         return self._loaded[key]
 
@@ -114,8 +115,8 @@ class LegacyCheckpoint:
             if "model" not in raw:
                 chunks = sorted(k for k in raw if re.match(r"^model\d+$", k))
                 if chunks:
-                    raise ValueError(f"{file}: virtual-pipeline checkpoints ({chunks}) are not supported")
-                raise ValueError(f"{file}: no 'model' entry (keys: {sorted(raw)})")
+                    raise ModelRefused(f"{file}: virtual-pipeline checkpoints ({chunks}) are not supported")
+                raise ModelRefused(f"{file}: no 'model' entry (keys: {sorted(raw)})")
             out = {}
             for name, value in _flatten(raw["model"]):
                 local = _normalize_legacy_name(name, file)
@@ -135,7 +136,7 @@ class LegacyCheckpoint:
         for p in range(self.pp):
             idx = {layer_index(n) for n in self.model(0, p)} - {None}
             if idx and idx != set(range(len(idx))):
-                raise ValueError(f"{self.file(0, p)}: layer indices {sorted(idx)} are not local (0..n-1)")
+                raise ModelRefused(f"{self.file(0, p)}: layer indices {sorted(idx)} are not local (0..n-1)")
             counts.append(len(idx))
         return counts
 
@@ -150,12 +151,12 @@ class LegacyReader(LayerCachedReader):
 
     def __init__(self, ckpt: LegacyCheckpoint, args: ModelArgs) -> None:
         if args.is_moe:
-            raise ValueError(MOE_LEGACY)
+            raise ModelRefused(MOE_LEGACY)
         self.ckpt, self.args, self.path = ckpt, args, ckpt.ckpt_dir
         self.shapes = hf_shapes(args)
         self.offsets = stage_offsets(ckpt.layers_per_stage())
         if self.offsets[-1] != args.num_layers:
-            raise ValueError(
+            raise ModelRefused(
                 f"{ckpt.ckpt_dir}: the stages hold {self.offsets[-1]} layers, the model config says "
                 f"{args.num_layers}; the config does not belong to this checkpoint"
             )
@@ -172,7 +173,7 @@ class LegacyReader(LayerCachedReader):
             for t in range(ckpt.tp):
                 found = set(ckpt.model(t, p))
                 if found != names:
-                    raise ValueError(
+                    raise ModelRefused(
                         f"{ckpt.file(t, p)} does not match a {args.arch} model with "
                         f"{args.num_layers} layers: "
                         f"missing {sorted(names - found)[:8]}, unexpected {sorted(found - names)[:8]}"
@@ -198,7 +199,7 @@ class LegacyReader(LayerCachedReader):
         for t, shard in enumerate(shards):
             want = shard_shape(lay, self.shapes)
             if tuple(shard.shape) != want:
-                raise ValueError(
+                raise ModelRefused(
                     f"{self.ckpt.file(t, stage)}: {local} has shape {tuple(shard.shape)}, expected {want}"
                 )
             scatter_shard(lay, t, shard, out)

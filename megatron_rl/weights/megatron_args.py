@@ -11,6 +11,7 @@ import argparse
 
 import torch
 
+from megatron_rl.errors import ModelRefused
 from megatron_rl.model_args import HF_ARCHITECTURES, LLAMA3_FIXED, ModelArgs, model_args_from_hf_config
 
 _ARCH_CLASS = {arch: cls for cls, arch in HF_ARCHITECTURES.items()}
@@ -70,8 +71,8 @@ def model_args_from_megatron_args(ns: argparse.Namespace, source: str) -> ModelA
                 return v
         return default
 
-    def refuse(what: str) -> ValueError:
-        return ValueError(
+    def refuse(what: str) -> ModelRefused:
+        return ModelRefused(
             f"{source}: the saved Megatron-LM args describe {what}, which megatron-rl cannot map to an HF "
             "architecture. Put the model's HF config.json beside the checkpoint if it is a Llama/Qwen model."
         )

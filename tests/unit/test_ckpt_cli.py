@@ -107,12 +107,14 @@ def test_out_is_refused_when_not_empty_and_replaced_whole_with_overwrite(tmp_pat
         assert torch.equal(reader.get(name), ref.get(name)), name
 
 
-def test_failed_verb_leaves_out_untouched(tmp_path):
-    """A conversion that fails midway (here: no such checkpoint) changes nothing at --out."""
+def test_failed_verb_leaves_out_untouched(tmp_path, capsys):
+    """A conversion that fails midway (here: no such checkpoint) changes nothing at --out, and says why
+    in one line (exit 1)."""
     out = tmp_path / "hf_out"
     out.mkdir()
     (out / "config.json").write_text("{}")
-    with pytest.raises(Exception):  # noqa: B017 - whatever the verb raises, --out must survive it
-        main(["mcore-to-hf", "--ckpt", str(tmp_path / "missing"), "--out", str(out), "--overwrite"])
+    assert main(["mcore-to-hf", "--ckpt", str(tmp_path / "missing"), "--out", str(out), "--overwrite"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("ckpt_tools: ") and "missing" in err and "\n" not in err, err
     assert sorted(os.listdir(out)) == ["config.json"]
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
