@@ -11,6 +11,7 @@ import math
 import os
 from typing import Any
 
+from megatron_rl.config.batch_sizes import check_batch_sizes
 from megatron_rl.config.layout import (
     _read_model_dims,
     check_expert_layout,
@@ -339,59 +340,7 @@ def validate(cfg: Config, world_size: int, model_dims: dict[str, int] | None = N
             f"{rollout_ranks} rollout ranks."
         )
 
-    def divisible(key: str, value: int, by: int, why: str) -> None:
-        if value <= 0 or value % by:
-            raise ConfigError(f"{key}={value} must be a positive multiple of {by} ({why}).")
-
-    divisible("data.train_batch_size", cfg.data.train_batch_size, dp, f"data-parallel size {dp}")
-    divisible(
-        "actor_rollout_ref.actor.ppo_mini_batch_size",
-        actor.ppo_mini_batch_size,
-        dp,
-        f"data-parallel size {dp}",
-    )
-    if cfg.data.train_batch_size % actor.ppo_mini_batch_size:
-        raise ConfigError(
-            f"data.train_batch_size={cfg.data.train_batch_size} is not a multiple of "
-            f"actor_rollout_ref.actor.ppo_mini_batch_size={actor.ppo_mini_batch_size}."
-        )
-    seqs_per_rank = actor.ppo_mini_batch_size * rollout.n // dp
-    micro = actor.ppo_micro_batch_size_per_gpu
-    if not actor.use_dynamic_bsz and (micro <= 0 or seqs_per_rank % micro):
-        fits = [d for d in range(1, seqs_per_rank + 1) if seqs_per_rank % d == 0]
-        raise ConfigError(
-            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro} must be positive and divide "
-            f"the {seqs_per_rank} sequences per rank of a mini-batch (ppo_mini_batch_size x rollout.n / "
-            f"data-parallel size); choose one of {fits}."
-        )
-    if cfg.critic.enable:
-        crit_mb, crit_dp, where = cfg.critic.ppo_mini_batch_size, dp, ""
-        if crit_mb is None:  # load_config sets it to the actor's
-            raise ConfigError(
-                "critic.ppo_mini_batch_size is None: load the config with load_config, which sets it to "
-                "actor_rollout_ref.actor.ppo_mini_batch_size."
-            )
-        if placement.separate_critic:  # the critic's own ranks: its own data-parallel size
-            where = f" of the critic's ranks trainer.placement.critic={list(placement.critic)}"
-            if len(placement.critic) % (tp * pp):
-                raise ConfigError(
-                    f"trainer.placement.critic={list(placement.critic)}: {len(placement.critic)} ranks are "
-                    f"not a multiple of tensor x pipeline parallel size {tp} x {pp} (critic.megatron.*)."
-                )
-            crit_dp = len(placement.critic) // (tp * pp)
-        divisible("critic.ppo_mini_batch_size", crit_mb, crit_dp, f"data-parallel size {crit_dp}{where}")
-        if cfg.data.train_batch_size % crit_mb:
-            raise ConfigError(
-                f"data.train_batch_size={cfg.data.train_batch_size} is not a multiple of "
-                f"critic.ppo_mini_batch_size={crit_mb}."
-            )
-        crit_seqs = crit_mb * rollout.n // crit_dp
-        crit_micro = cfg.critic.ppo_micro_batch_size_per_gpu
-        if not cfg.critic.use_dynamic_bsz and (crit_micro <= 0 or crit_seqs % crit_micro):
-            raise ConfigError(
-                f"critic.ppo_micro_batch_size_per_gpu={crit_micro} must be positive and divide "
-                f"critic.ppo_mini_batch_size x rollout.n / data-parallel size = {crit_seqs}."
-            )
+    check_batch_sizes(cfg, dp, tp, pp, placement)
     _validate_token_budgets(cfg)
     if cfg.algorithm.adv_estimator in ("grpo", "rloo") and rollout.n < 2:
         raise ConfigError(

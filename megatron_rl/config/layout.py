@@ -110,9 +110,22 @@ def check_expert_layout(cfg, world_size: int) -> None:
 REPLAY_KEY = "actor_rollout_ref.actor.router_replay.mode"
 
 
+def check_replay_model(cfg, is_moe: bool) -> None:
+    """Routing replay needs routers: refused on a dense actor (``is_moe``: its model args say so). The
+    dry run and the trainer's pre-flight read the model's config for it; roles.models checks again on
+    the model it builds."""
+    arr = cfg.actor_rollout_ref
+    mode = arr.actor.router_replay.mode
+    if mode in ("R2", "R3") and not is_moe:
+        raise ConfigError(
+            f"{REPLAY_KEY}={mode} replays expert routing, but {arr.model.path} is a dense model: set it "
+            "to disabled."
+        )
+
+
 def check_router_replay(cfg, separate_rollout: bool) -> None:
     """Routing replay's mode, and the runs it is built for (models/routing.py); whether the actor is an
-    MoE model is checked where the model is read (roles.models)."""
+    MoE model: :func:`check_replay_model`, where the model's config is read."""
     arr = cfg.actor_rollout_ref
     mode = arr.actor.router_replay.mode
     if mode not in ("disabled", "R2", "R3"):

@@ -157,6 +157,7 @@ def load_config(
     overrides: list[str] | None = None,
     notices: list[str] | None = None,
     typed: dict[str, Any] | None = None,
+    dropped: list[str] | None = None,
 ) -> Config:
     """Defaults <- YAML file <- dotted overrides; returns a typed, resolved :class:`Config`.
 
@@ -164,7 +165,9 @@ def load_config(
     (aliased, refused in one line, or ignored with a line appended to ``notices``). Every bad key of
     every layer is reported at once: :class:`ConfigErrors`, one line per key. ``typed``, when given,
     receives the value as written of each key whose value verl_compat rewrote (``rollout.name=vllm``),
-    so that later messages can name what the user typed.
+    so that later messages can name what the user typed. ``dropped``, when given, receives those
+    problems instead, and the config is built from the keys that are left (the dry run checks the rest
+    of the config beside the bad keys).
     """
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
@@ -216,7 +219,9 @@ def load_config(
                 if key == "?" or not _has(raw, key):
                     break
                 _drop(raw, key)
-    if problems:
+    if problems and dropped is not None:
+        dropped += problems
+    elif problems:
         raise ConfigErrors(problems) if len(problems) > 1 else ConfigError(problems[0])
     try:
         # merged is OmegaConf.structured(Config) merged with plain layers: to_object builds a Config

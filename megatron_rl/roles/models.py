@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_rl.config import Config, ConfigError, FrozenMegatronConfig
+from megatron_rl.config import Config, FrozenMegatronConfig
+from megatron_rl.config.layout import check_replay_model
 from megatron_rl.parallel import ParallelState
 
 if TYPE_CHECKING:
@@ -123,13 +124,8 @@ def build_models(
     from megatron_rl.optim import ModelOptimizer
 
     arr = cfg.actor_rollout_ref
-    mode = arr.actor.router_replay.mode
-    replay = mode in ("R2", "R3")
-    if replay and not model_args.is_moe:
-        raise ConfigError(
-            f"actor_rollout_ref.actor.router_replay.mode={mode} replays expert routing, but "
-            f"{arr.model.path} is a dense model: set it to disabled."
-        )
+    check_replay_model(cfg, model_args.is_moe)
+    replay = arr.actor.router_replay.mode in ("R2", "R3")
     actor = _model(
         ps, model_args, "actor", arr.model.path, arr.actor.megatron, arr.model.enable_gradient_checkpointing
     )

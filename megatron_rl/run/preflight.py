@@ -65,6 +65,7 @@ def checks(
     out += [
         ("rollout engine", lambda: _check_rollout_engine(cfg, typed, device)),
         ("model paths", lambda: _check_model_paths(cfg)),
+        ("models", lambda: _check_models(cfg)),
         ("logger", lambda: check_logger_packages(cfg.trainer.logger)),
         ("config", lambda: validate(cfg, world_size=world_size)),
     ]
@@ -154,23 +155,50 @@ def _check_rollout_engine(cfg: Any, typed: Mapping[str, Any], device: bool) -> N
 
 def _check_model_paths(cfg: Any) -> None:
     """Model and tokenizer paths are local directories (nothing is downloaded): one line if not."""
-    for key, path in (
-        ("actor_rollout_ref.model.path", cfg.actor_rollout_ref.model.path),
-        ("critic.model.path", cfg.critic.model.path if cfg.critic.enable else None),
-        ("data.tokenizer", cfg.data.tokenizer),
-    ):
-        if path and not os.path.isdir(path):
+    for key, path in _model_paths(cfg):
+        if not os.path.isdir(path):
             raise ConfigError(
                 f"{key}={path}: no such directory. Point it at a local HF model directory or Megatron "
                 "checkpoint (models are not downloaded from a hub)."
             )
-        if path and key != "data.tokenizer":
+        if key != "data.tokenizer":
             from megatron_rl.models.loading import detect_format
 
             try:
                 detect_format(path)
             except (FileNotFoundError, ValueError) as e:
                 raise ConfigError(f"{key}={path}: {e}") from None
+
+
+def _check_models(cfg: Any) -> None:
+    """The models the run loads are ones this project builds, read from their config (no weights): an
+    architecture it does not build, or routing replay on a dense actor, is one line here rather than
+    after the process groups start. A legacy Megatron-LM checkpoint (its args sit in a weights file) is
+    read when it loads."""
+    from megatron_rl.config.layout import check_replay_model
+    from megatron_rl.models.loading import detect_format, load_model_args_any
+
+    for key, path in _model_paths(cfg):
+        try:
+            if key == "data.tokenizer" or detect_format(path) == "legacy":
+                continue
+        except (FileNotFoundError, ValueError):
+            continue  # the model paths check says why
+        args = load_model_args_any(path)
+        if key == "actor_rollout_ref.model.path":
+            check_replay_model(cfg, args.is_moe)
+
+
+def _model_paths(cfg: Any) -> list[tuple[str, str]]:
+    """(key, path) of every model directory and tokenizer the run reads."""
+    rm = cfg.reward_model
+    out = [
+        ("actor_rollout_ref.model.path", cfg.actor_rollout_ref.model.path),
+        ("critic.model.path", cfg.critic.model.path if cfg.critic.enable else None),
+        ("reward_model.model.path", rm.model.path if rm.enable else None),
+        ("data.tokenizer", cfg.data.tokenizer),
+    ]
+    return [(k, p) for k, p in out if p]
 
 
 def _check_device(device: str, env: Mapping[str, str]) -> None:
@@ -215,7 +243,7 @@ def _validate_all(cfg: Any, world_size: int) -> list[str]:
             validate(cfg, world_size=world_size)
             return problems
         except ConfigError as e:
-            problems.append(f"config error: {e}")
+            problems += [f"config error: {p}" for p in getattr(e, "problems", None) or [e]]
             m = _ONE_KEY_FAILURE.match(str(e))
             if m is None or m["key"] in seen:
                 return problems
@@ -342,13 +370,15 @@ def main(argv: list[str] | None = None) -> int:
             overrides.append(arg)
 
     typed: dict[str, Any] = {}
+    dropped: list[str] = []  # bad keys: reported, and the rest of the config checked without them
     try:
-        cfg = load_config(yaml_path, overrides, notices, typed)
+        cfg = load_config(yaml_path, overrides, notices, typed, dropped)
     except ConfigErrors as e:
-        problems = [f"config error: {p}" for p in e.problems]
+        problems = [f"config error: {p}" for p in [*dropped, *e.problems]]
     except ConfigError as e:
-        problems = [f"config error: {e}"]
+        problems = [f"config error: {p}" for p in [*dropped, e]]
     else:
+        problems = [f"config error: {p}" for p in dropped]
         if not opts["--no-device"]:  # the device this machine would run it on
             from megatron_rl.optim import precision_notices
 
@@ -364,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
             tp, pp = mp.tensor_model_parallel_size or 1, mp.pipeline_model_parallel_size or 1
             experts = (mp.expert_tensor_parallel_size or tp) * (mp.expert_model_parallel_size or 1) * pp
             nproc = math.lcm(tp * pp, experts)
-        problems = dry_run(cfg, nproc, nnodes, typed, device=not opts["--no-device"])
+        problems += dry_run(cfg, nproc, nnodes, typed, device=not opts["--no-device"])
     for line in notices:
         print(f"megatron-rl: {line}", file=sys.stderr)
     for line in problems:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import warnings
@@ -290,3 +291,57 @@ def test_half_precision_asked_on_cpu_is_named_in_one_line(demo, capsys):
     assert main(["--check", DEMO, *demo_overrides(demo), half, "trainer.device=cpu"]) == 0
     said = [ln for ln in capsys.readouterr().err.splitlines() if "is for the GPU" in ln]
     assert said == [f"megatron-rl: {half} is for the GPU: on CPU the actor trains in float32."]
+
+
+def test_a_config_with_several_kinds_of_problem_lists_them_all(demo, capsys):
+    """An unknown key, a bad value, every batch-size relation that fails and routing replay on a dense
+    model: one dry run lists each in one line (the keys left beside the unknown one are still checked)."""
+    argv = [DEMO, *demo_overrides(demo), "--check", "trainer.save_frequency=3", "data.truncation=cut"]
+    argv += ["data.train_batch_size=10", "actor_rollout_ref.actor.ppo_mini_batch_size=3"]
+    argv += [
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=5",
+        "critic.ppo_micro_batch_size_per_gpu=7",
+    ]
+    argv += ["actor_rollout_ref.actor.router_replay.mode=R3"]
+    rc, errors = problems_of(capsys, argv)
+    said = [
+        "Unknown config key 'trainer.save_frequency'",
+        "data.truncation='cut' is not one of",
+        "data.train_batch_size=10 is not a multiple of actor_rollout_ref.actor.ppo_mini_batch_size=3",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=5 must be positive and divide the 12 sequences",
+        "critic.ppo_micro_batch_size_per_gpu=7 must be positive and divide",
+        "router_replay.mode=R3 replays expert routing, but",
+    ]
+    assert rc == 1 and len(errors) == len(said), errors
+    for words in said:
+        assert sum(words in e for e in errors) == 1, (words, errors)
+    # the trainer's check says every batch-size problem at once too
+    cfg = load_config(DEMO, [*demo_overrides(demo), *argv[7:11]])
+    with pytest.raises(ConfigErrors) as e:
+        from megatron_rl.config import validate
+
+        validate(cfg, world_size=2)
+    assert len(e.value.problems) == 3, e.value.problems
+
+
+def test_an_architecture_the_trainer_refuses_is_refused_by_the_dry_run_in_one_line(tmp_path, demo, capsys):
+    """DeepSeek-V3 (not built): the dry run, ckpt_tools and the model loader all say so in one line."""
+    model = tmp_path / "dsv3"
+    shutil.copytree(demo["model"], model)
+    hf = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**hf, "architectures": ["DeepseekV3ForCausalLM"]}))
+    rc, errors = problems_of(capsys, [DEMO, *demo_overrides(demo), f"actor_rollout_ref.model.path={model}"])
+    assert rc == 1 and len(errors) == 1 and "DeepseekV3ForCausalLM is not supported" in errors[0], errors
+    from ckpt_tools.__main__ import main as ckpt_tools
+
+    assert ckpt_tools(["hf-to-mcore", "--hf", str(model), "--out", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "DeepseekV3ForCausalLM is not supported" in err[0], err
+    from megatron_rl.errors import ModelRefused
+    from megatron_rl.run.explain import explain
+
+    with pytest.raises(ModelRefused) as e:
+        from megatron_rl.models.loading import load_model_args_any
+
+        load_model_args_any(str(model))
+    assert "\n" not in explain(e.value)  # the trainer's line: no traceback

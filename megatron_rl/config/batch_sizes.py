@@ -1,0 +1,85 @@
+"""The batch-size relations of a config for a job's data-parallel sizes (config.checks.validate calls
+it), every one of them reported at once."""
+
+from __future__ import annotations
+
+from megatron_rl.config.load import ConfigErrors
+from megatron_rl.config.placement import Placement
+from megatron_rl.config.schema import Config, ConfigError
+
+
+def check_batch_sizes(cfg: Config, dp: int, tp: int, pp: int, placement: Placement) -> None:
+    """Every batch-size relation at once (a user fixing one should not meet the next on the next
+    launch): train and mini-batches against the data-parallel sizes and each other, micro-batches
+    against the sequences per rank, for the actor and the critic. One problem: ConfigError; several:
+    ConfigErrors, one line each."""
+    actor, rollout = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+    train = cfg.data.train_batch_size
+    problems: list[str] = []
+
+    def divisible(key: str, value: int, by: int, why: str) -> bool:
+        if value <= 0 or value % by:
+            problems.append(f"{key}={value} must be a positive multiple of {by} ({why}).")
+            return False
+        return True
+
+    divisible("data.train_batch_size", train, dp, f"data-parallel size {dp}")
+    mini_ok = divisible(
+        "actor_rollout_ref.actor.ppo_mini_batch_size",
+        actor.ppo_mini_batch_size,
+        dp,
+        f"data-parallel size {dp}",
+    )
+    if actor.ppo_mini_batch_size > 0 and train % actor.ppo_mini_batch_size:
+        problems.append(
+            f"data.train_batch_size={train} is not a multiple of "
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={actor.ppo_mini_batch_size}."
+        )
+    seqs_per_rank = actor.ppo_mini_batch_size * rollout.n // dp
+    micro = actor.ppo_micro_batch_size_per_gpu
+    if mini_ok and not actor.use_dynamic_bsz and (micro <= 0 or seqs_per_rank % micro):
+        fits = [d for d in range(1, seqs_per_rank + 1) if seqs_per_rank % d == 0]
+        problems.append(
+            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro} must be positive and divide "
+            f"the {seqs_per_rank} sequences per rank of a mini-batch (ppo_mini_batch_size x rollout.n / "
+            f"data-parallel size); choose one of {fits}."
+        )
+    if cfg.critic.enable:
+        crit_mb, crit_dp, where = cfg.critic.ppo_mini_batch_size, dp, ""
+        if crit_mb is None:  # load_config sets it to the actor's
+            raise ConfigError(
+                "critic.ppo_mini_batch_size is None: load the config with load_config, which sets it to "
+                "actor_rollout_ref.actor.ppo_mini_batch_size."
+            )
+        if placement.separate_critic:  # the critic's own ranks: its own data-parallel size
+            where = f" of the critic's ranks trainer.placement.critic={list(placement.critic)}"
+            if len(placement.critic) % (tp * pp):
+                raise ConfigError(
+                    f"trainer.placement.critic={list(placement.critic)}: {len(placement.critic)} ranks are "
+                    f"not a multiple of tensor x pipeline parallel size {tp} x {pp} (critic.megatron.*)."
+                )
+            crit_dp = len(placement.critic) // (tp * pp)
+        # the critic's mini-batch is the actor's unless set: a relation of the same numbers is said once
+        same = crit_mb == actor.ppo_mini_batch_size and crit_dp == dp
+        crit_ok = (
+            mini_ok
+            if same
+            else divisible(
+                "critic.ppo_mini_batch_size", crit_mb, crit_dp, f"data-parallel size {crit_dp}{where}"
+            )
+        )
+        if crit_mb > 0 and train % crit_mb and crit_mb != actor.ppo_mini_batch_size:
+            problems.append(
+                f"data.train_batch_size={train} is not a multiple of critic.ppo_mini_batch_size={crit_mb}."
+            )
+        crit_seqs = crit_mb * rollout.n // crit_dp
+        crit_micro = cfg.critic.ppo_micro_batch_size_per_gpu
+        if crit_ok and not cfg.critic.use_dynamic_bsz and (crit_micro <= 0 or crit_seqs % crit_micro):
+            problems.append(
+                f"critic.ppo_micro_batch_size_per_gpu={crit_micro} must be positive and divide "
+                f"critic.ppo_mini_batch_size x rollout.n / data-parallel size = {crit_seqs}."
+            )
+    if len(problems) > 1:
+        raise ConfigErrors(problems)
+    if problems:
+        raise ConfigError(problems[0])
