@@ -246,6 +246,17 @@ class Trainer:
     def _maybe_resume(self) -> None:
         t = self.cfg.trainer
         if t.resume_mode == "disable":
+            earlier = self.ckpt.latest()  # a fresh run in a used directory: say what becomes of the old
+            if earlier is not None and self.ps.rank == 0:
+                log.info(
+                    "trainer.resume_mode=disable: training from step 0 in %s, which holds an earlier run "
+                    "(newest %s); its metrics and config are set aside (metrics.1.jsonl, config.1.yaml, "
+                    "...), its checkpoints count with this run's for trainer.max_ckpt_to_keep (oldest "
+                    "saved first pruned). "
+                    "trainer.resume_mode=auto would resume it.",
+                    t.default_local_dir,
+                    os.path.basename(earlier),
+                )
             return
         # auto: the tracker's checkpoint; an unusable tracker stops the run in one line (never step 0)
         path = t.resume_from_path if t.resume_mode == "resume_path" else self.ckpt.resume_path()
