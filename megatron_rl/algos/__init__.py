@@ -16,6 +16,7 @@ Names and semantics follow verl. Importing this package needs only torch.
 from megatron_rl.algos.advantages import (
     ADV_ESTIMATORS,
     compute_gae,
+    compute_gpg_outcome_advantage,
     compute_grpo_outcome_advantage,
     compute_reinforce_plus_plus_baseline_outcome_advantage,
     compute_reinforce_plus_plus_outcome_advantage,
@@ -54,6 +55,7 @@ __all__ = [
     "agg_loss",
     "apply_kl_penalty",
     "compute_gae",
+    "compute_gpg_outcome_advantage",
     "compute_grpo_outcome_advantage",
     "compute_policy_loss",
     "compute_reinforce_plus_plus_baseline_outcome_advantage",

@@ -9,8 +9,8 @@ Whitening can be made global across data-parallel ranks by passing a ``torch.dis
 the mean and variance are then reduced over the group, so every rank gets exactly the result of
 whitening the concatenation of all ranks' data. All ranks of the group must call the function together.
 
-Outcome estimators that compare samples of one prompt (GRPO, RLOO, REINFORCE++-baseline) group rows by
-``index`` locally; all samples of a prompt must therefore live on the same rank.
+Outcome estimators that compare samples of one prompt (GRPO, RLOO, REINFORCE++-baseline, GPG) group rows
+by ``index`` locally; all samples of a prompt must therefore live on the same rank.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ADV_ESTIMATORS",
     "compute_gae",
+    "compute_gpg_outcome_advantage",
     "compute_grpo_outcome_advantage",
     "compute_reinforce_plus_plus_baseline_outcome_advantage",
     "compute_reinforce_plus_plus_outcome_advantage",
@@ -307,12 +308,51 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
     return adv, adv
 
 
+@torch.no_grad()
+def compute_gpg_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Sequence[Hashable],
+    group: ProcessGroup | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPG outcome advantage (``algorithm.adv_estimator=gpg``), as verl's ``compute_gpg_outcome_advantage``.
+
+    ``alpha * (score - group_mean)`` with ``alpha = B / (number of sequences whose score is nonzero)``
+    (at least 1 in the denominator), taken over the whole batch: with ``group``, B and the nonzero count
+    are summed over every rank, as verl counts them on the driver's full batch. No division by the group
+    std (verl computes it for GPG but leaves it unused, and its ``f_norm`` divisor is fixed at 1). A
+    group of size 1 keeps ``alpha * score``. Pairs with ``policy_loss.loss_mode=gpg``.
+
+    Args:
+        token_level_rewards: [B, T].
+        response_mask: [B, T].
+        index: B prompt uids (any hashables); rows with equal uids form a group.
+        group: process group over which B and the nonzero count are summed (None: this rank only).
+
+    Returns:
+        (advantages, returns), both [B, T] and identical, 0 on padding.
+    """
+    scores = _sequence_scores(token_level_rewards, response_mask)  # [B]
+    gid, num_groups = _group_ids(index, scores.shape[0], scores.device)
+    mean, _, _ = _group_mean_std(scores, gid, num_groups)
+    # counts: [sequences, sequences with a nonzero score]. verl counts nonzero scores, not nonzero
+    # advantages: a group whose samples all score 1 still counts, one whose samples all score 0 does not.
+    counts = torch.stack([scores.new_tensor(float(scores.shape[0])), (scores != 0).sum().to(scores.dtype)])
+    if group is not None:
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
+    alpha = counts[0] / counts[1].clamp_min(1.0)
+    adv = alpha * (scores - mean)
+    adv = (adv.unsqueeze(-1) * response_mask.to(adv.dtype)).to(token_level_rewards.dtype)
+    return adv, adv
+
+
 ADV_ESTIMATORS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
     "gae": compute_gae,
     "grpo": compute_grpo_outcome_advantage,
     "rloo": compute_rloo_outcome_advantage,
     "reinforce_plus_plus": compute_reinforce_plus_plus_outcome_advantage,
     "reinforce_plus_plus_baseline": compute_reinforce_plus_plus_baseline_outcome_advantage,
+    "gpg": compute_gpg_outcome_advantage,
 }
 """``algorithm.adv_estimator`` value -> estimator. Signatures differ (gae needs values, the outcome
 estimators need ``index``); the trainer passes the arguments each one takes."""

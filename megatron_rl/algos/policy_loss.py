@@ -21,6 +21,11 @@ the clip ratios, sg() a stop-gradient):
               (clip_cov_lb, clip_cov_ub) get no gradient (Clip-Cov)
     kl_cov    -A r, plus ppo_kl_coef |delta| on the kl_cov_ratio share of tokens with the largest
               covariance (KL-Cov)
+    dppo_tv   -A sg(min(r, c)) log_prob * keep (DPPO-Binary-TV), c = clip_ratio_c truncating the
+              importance weight; keep = 1 unless the token's probability moved past the trust region on
+              the side A pushes: p - p_old > eps_h for A > 0, p - p_old < -eps_l for A <= 0 (eps_l/eps_h
+              are clip_ratio_low/high, read as bounds on the probability difference). pg_clipfrac is
+              the share of tokens with keep = 0, pg_clipfrac_lower the share of kept tokens with r > c
     geo_mean  per sequence -mean_t(A) exp(mean_t clip_A(delta)), where clip_A clips delta in log space
               to eps_h from above for A > 0 and to -eps_l from below for A < 0 (GMPO); mean over sequences.
               Its pg_clipfrac / pg_clipfrac_lower count the tokens whose delta lies outside
@@ -137,6 +142,21 @@ def _cispo(x: _Inputs):
     return losses, clipfrac, masked_mean(-log_ratio.detach(), x.mask), _zero(ratio)
 
 
+def _dppo_tv(x: _Inputs):
+    log_ratio = torch.clamp(x.log_prob - x.old_log_prob, -20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+    # Truncated importance weight in place of dual-clip: detached, capped at clip_ratio_c.
+    weight = torch.clamp(ratio, max=x.clip_ratio_c).detach()
+    # Total variation between the old and new binary (this token / any other) distributions is
+    # |p - p_old|; a token leaves the trust region only on the side its advantage pushes it.
+    moved = (torch.exp(x.log_prob) - torch.exp(x.old_log_prob)).detach()
+    keep = torch.where(x.advantages > 0, moved <= x.high, moved >= -x.low).to(x.log_prob.dtype)
+    losses = -x.advantages * weight * x.log_prob * keep
+    clipfrac = masked_mean(1.0 - keep, x.mask)
+    clipfrac_lower = masked_mean((ratio > x.clip_ratio_c).to(keep.dtype).detach() * keep, x.mask)
+    return losses, clipfrac, masked_mean(-log_ratio.detach(), x.mask), clipfrac_lower
+
+
 def _centred_covariance(x: _Inputs) -> torch.Tensor:
     """(A - mean A) * (log_prob - mean log_prob) per token, means over the masked tokens; detached."""
     adv, logp = x.advantages.detach(), x.log_prob.detach()
@@ -206,6 +226,7 @@ POLICY_LOSSES: dict[str, _LossFn] = {
     "clip_cov": _clip_cov,
     "kl_cov": _kl_cov,
     "geo_mean": _geo_mean,
+    "dppo_tv": _dppo_tv,
 }
 """``actor_rollout_ref.actor.policy_loss.loss_mode`` value -> per-token (geo_mean: per-sequence) loss."""
 
@@ -233,8 +254,9 @@ def compute_policy_loss(
     Args:
         old_log_prob, log_prob: [B, T] log-probs of the sampled tokens under the behaviour and current policy.
         advantages, response_mask: [B, T].
-        clip_ratio: default for both sides; ``clip_ratio_low`` / ``clip_ratio_high`` override one side.
-        clip_ratio_c: dual-clip bound of ``vanilla``, must be > 1.
+        clip_ratio: default for both sides; ``clip_ratio_low`` / ``clip_ratio_high`` override one side
+            (for dppo_tv: bounds on the probability difference p - p_old, not on the ratio).
+        clip_ratio_c: dual-clip bound of ``vanilla``, the importance-weight cap of ``dppo_tv``; must be > 1.
         loss_agg_mode, global_denominator, loss_scale_factor: see ``agg_loss``; for sapo and
             geo_mean the denominator must count sequences (``effective_agg_mode``).
         rollout_is_weights: [B, T] detached importance weights, or None.

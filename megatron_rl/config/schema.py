@@ -66,7 +66,7 @@ class DataConfig:
 class PolicyLossConfig:
     loss_mode: str = "vanilla"
     """Policy loss: vanilla (PPO clip + dual-clip) | gspo | sapo | gpg | cispo | clip_cov | kl_cov | geo_mean
-    (formulas in megatron_rl/algos/policy_loss.py)."""
+    | dppo_tv (formulas in megatron_rl/algos/policy_loss.py)."""
     clip_cov_ratio: float = 0.0002
     """clip_cov: share of the response tokens whose gradient is cut."""
     clip_cov_lb: float = 1.0
@@ -105,13 +105,15 @@ class ActorConfig:
     shuffle: bool = False
     """Shuffle sequences between mini-batches."""
     clip_ratio: float = 0.2
-    """PPO clip range (both sides unless clip_ratio_low/high are set)."""
+    """PPO clip range (both sides unless clip_ratio_low/high are set); for policy_loss.loss_mode=dppo_tv
+    the bound on the probability change |p - p_old| (verl's DPPO example uses 0.15)."""
     clip_ratio_low: float | None = None
     """Lower clip range; defaults to clip_ratio."""
     clip_ratio_high: float | None = None
     """Upper clip range (clip-higher); defaults to clip_ratio."""
     clip_ratio_c: float = 3.0
-    """Dual-clip bound for negative advantages; must be > 1."""
+    """Dual-clip bound for negative advantages; for policy_loss.loss_mode=dppo_tv the cap on the
+    detached importance weight (verl's DPPO example sets 10000: in effect no cap); must be > 1."""
     loss_agg_mode: str = "token-mean"
     """token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm."""
     loss_scale_factor: float | None = None
@@ -388,7 +390,7 @@ class FilterGroupsConfig:
 @dataclass
 class AlgorithmConfig:
     adv_estimator: str = "gae"
-    """gae | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline."""
+    """gae | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | gpg."""
     gamma: float = 1.0
     """Discount factor."""
     lam: float = 1.0

@@ -14,6 +14,7 @@ from megatron_rl.algos import (
     agg_loss,
     apply_kl_penalty,
     compute_gae,
+    compute_gpg_outcome_advantage,
     compute_grpo_outcome_advantage,
     compute_policy_loss,
     compute_reinforce_plus_plus_baseline_outcome_advantage,
@@ -182,6 +183,7 @@ def test_adv_estimator_registry():
         get_adv_estimator("reinforce_plus_plus_baseline")
         is compute_reinforce_plus_plus_baseline_outcome_advantage
     )
+    assert get_adv_estimator("gpg") is compute_gpg_outcome_advantage
     with pytest.raises(ValueError, match=r"algorithm\.adv_estimator.*gae.*grpo"):
         get_adv_estimator("remax_typo")
 

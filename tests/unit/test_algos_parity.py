@@ -1,6 +1,6 @@
 """verl's algorithm variants against numbers worked out by hand in each test: REINFORCE++ across mask
-zeros, straight-through KL, the policy-loss modes, rollout importance weights and rejection, the
-mismatch metrics, DAPO's group filter and overlong shaping."""
+zeros, GPG's advantage, straight-through KL, the policy-loss modes (DPPO-TV among them), rollout
+importance weights and rejection, the mismatch metrics, DAPO's group filter and overlong shaping."""
 
 from __future__ import annotations
 
@@ -12,11 +12,13 @@ import torch
 from megatron_rl.algos import (
     POLICY_LOSSES,
     PolicyLossOptions,
+    compute_gpg_outcome_advantage,
     compute_policy_loss,
     compute_reinforce_plus_plus_outcome_advantage,
     effective_agg_mode,
     kl_penalty,
 )
+from megatron_rl.algos import advantages as advantages_module
 from megatron_rl.algos.dapo import informative_groups, overlong_penalty
 from megatron_rl.algos.rollout_corr import importance_weights, mismatch_metrics, parse_rs, rejection_mask
 
@@ -44,6 +46,83 @@ def test_reinforce_plus_plus_carries_the_return_across_a_zero_inside_the_mask():
     # a reward on a masked position is dropped
     _, ret = compute_reinforce_plus_plus_outcome_advantage(T([[0, 5, 0, 1]]), mask, gamma=1.0)
     close(ret, [[1, 0, 1, 1]])
+
+
+# ---------------------------------------------------------------- GPG advantage
+
+# Rewards at each row's last real token; the 9s sit on padding. Groups: a (3 rows), b (1), c (2), d (2).
+# scores: a -> 1, 0, 2; b -> 3; c -> 1, 4; d -> 1, 1 (all equal: advantage 0 but score nonzero)
+GPG_REWARDS = T([[0, 1, 9], [0, 0, 0], [2, 9, 9], [0, 0, 3], [0, 1, 9], [4, 9, 9], [0, 1, 9], [1, 9, 9]])
+GPG_MASK = T([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 0], [1, 0, 0]])
+GPG_INDEX = ["a", "a", "a", "b", "c", "c", "d", "d"]
+
+
+def _gpg_reference(rewards: torch.Tensor, mask: torch.Tensor, index: list) -> torch.Tensor:
+    """verl's compute_gpg_outcome_advantage as plain loops: score = sum of the sequence's rewards,
+    alpha = B / max(1, #nonzero scores) over the batch, mean 0 for a lone sample, no std division.
+    verl sums the whole row; its rewards are 0 past the response, so the sum over real tokens is the
+    same there, and rewards left on padding (the 9s) are ignored here, as grpo/rloo ignore them."""
+    r, m = rewards.tolist(), mask.tolist()
+    scores = [sum(x * k for x, k in zip(row, keep, strict=True)) for row, keep in zip(r, m, strict=True)]
+    alpha = len(scores) / max(1, sum(1 for x in scores if x != 0))
+    members: dict = {}
+    for i, uid in enumerate(index):
+        members.setdefault(uid, []).append(scores[i])
+    out = []
+    for i, uid in enumerate(index):
+        group = members[uid]
+        mean = 0.0 if len(group) == 1 else sum(group) / len(group)
+        out.append([alpha * (scores[i] - mean) * k for k in m[i]])
+    return T(out)
+
+
+def test_gpg_advantage_scales_the_group_baseline_by_the_nonzero_score_share():
+    """verl's compute_gpg_outcome_advantage on groups of 3, 1, 2 and 2 samples, with padding."""
+    adv, ret = compute_gpg_outcome_advantage(GPG_REWARDS, GPG_MASK, GPG_INDEX)
+    # 8 sequences, 7 with a nonzero score (only a's second scores 0): alpha = 8/7.
+    # a: mean 1 -> 0, -1, 1; b alone keeps 3; c: mean 2.5 -> -1.5, 1.5; d: mean 1 -> 0, 0
+    alpha = 8 / 7
+    per_seq = [alpha * x for x in [0, -1, 1, 3, -1.5, 1.5, 0, 0]]
+    close(adv, T(per_seq).unsqueeze(-1) * GPG_MASK)
+    close(adv, _gpg_reference(GPG_REWARDS, GPG_MASK, GPG_INDEX))
+    assert torch.equal(adv, ret)
+    # negative controls: alpha counts nonzero scores, not nonzero advantages (5 of them: 8/5), and it is
+    # not 1 (that is GRPO without the std division)
+    for wrong_alpha in (8 / 5, 1.0):
+        assert not torch.allclose(adv, T([wrong_alpha * x / alpha for x in per_seq]).unsqueeze(-1) * GPG_MASK)
+
+
+def test_gpg_advantage_edge_cases():
+    """verl's compute_gpg_outcome_advantage: the all-zero batch and a group whose std would matter."""
+    # every score 0: alpha = B / 1, advantages 0, no division by zero
+    adv, _ = compute_gpg_outcome_advantage(torch.zeros(3, 2, dtype=torch.float64), T([[1, 1]] * 3), [0, 0, 1])
+    close(adv, [[0, 0]] * 3)
+    # one group, one zero score out of 4: alpha = 4/3; mean 1.5 -> -1.5, -.5, .5, 1.5 (std 1.29 not used)
+    adv, _ = compute_gpg_outcome_advantage(T([[0.0], [1.0], [2.0], [3.0]]), T([[1]] * 4), ["p"] * 4)
+    close(adv, [[-2.0], [-2 / 3], [2 / 3], [2.0]])
+
+
+def test_gpg_alpha_is_taken_over_every_rank(monkeypatch):
+    """verl's compute_gpg_outcome_advantage counts alpha on the driver's whole batch; split over
+    data-parallel ranks the counts are summed, so each rank gets the whole batch's alpha."""
+    # Rank 0 holds groups a, b (rows 0-3), rank 1 groups c, d (rows 4-7). The fake all-reduce adds
+    # rank 1's [sequences, nonzero scores] = [4, 4] to rank 0's [4, 3], as a two-rank SUM would.
+    full, _ = compute_gpg_outcome_advantage(GPG_REWARDS, GPG_MASK, GPG_INDEX)
+    other = T([4.0, 4.0])
+    calls = []
+
+    def fake_all_reduce(t, op=None, group=None):
+        calls.append(group)
+        t += other.to(t.dtype)
+
+    monkeypatch.setattr(advantages_module.dist, "all_reduce", fake_all_reduce)
+    rank0, _ = compute_gpg_outcome_advantage(GPG_REWARDS[:4], GPG_MASK[:4], GPG_INDEX[:4], group="dp")
+    assert calls == ["dp"]
+    close(rank0, full[:4])  # alpha 8/7, as on the whole batch
+    # negative control: on the rank's rows alone alpha would be 4/3
+    local, _ = compute_gpg_outcome_advantage(GPG_REWARDS[:4], GPG_MASK[:4], GPG_INDEX[:4])
+    close(local, full[:4] * (4 / 3) / (8 / 7))
+    assert not torch.allclose(local, full[:4])
 
 
 # ---------------------------------------------------------------- KL straight-through
@@ -185,8 +264,109 @@ def test_rollout_is_weights_multiply_the_token_loss():
     close(weighted, (-2.4 + 0.8 - 1.1 + 2.0 - 0.45) / 5)
 
 
+# ---------------------------------------------------------------- DPPO-Binary-TV
+
+# Probabilities of the sampled tokens (old -> new) and their advantages; row 0 has 4 real tokens,
+# row 1 has 3. With clip_ratio 0.2 and clip_ratio_c 3:
+#   row 0: A=+1 .5 -> .6 (p moves +.1: kept, r 1.2) | A=+1 .1 -> .6 (+.5 > .2: dropped, r 6)
+#          A=+2 .001 -> .01 (+.009: kept; r 10 > 3: weight 3) | A=+1 .9 -> .4 (-.5: only the upper side
+#          binds for A > 0, kept, r .444) | padding
+#   row 1: A=-1 .5 -> .25 (-.25 < -.2: dropped) | A=-.5 .2 -> .9 (+.7: kept, r 4.5 > 3: weight 3)
+#          A=0 .8 -> .5 (-.3: A = 0 takes the lower side, dropped) | padding | padding
+DPPO_P_OLD = [[0.5, 0.1, 0.001, 0.9, 0.7], [0.5, 0.2, 0.8, 0.6, 0.6]]
+DPPO_P_NEW = [[0.6, 0.6, 0.01, 0.4, 0.1], [0.25, 0.9, 0.5, 0.05, 0.9]]
+DPPO_ADV = T([[1.0, 1.0, 2.0, 1.0, 5.0], [-1.0, -0.5, 0.0, 3.0, -4.0]])
+DPPO_MASK = T([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0]])
+
+
+def _dppo_reference(low: float, high: float, c: float) -> dict:
+    """verl's compute_policy_loss_dppo_tv per token, as plain loops: weight min(r, c) (no gradient),
+    keep = (p - p_old <= high) if A > 0 else (p - p_old >= -low), loss -A weight log p keep;
+    pg_clipfrac = share of masked-in tokens with keep 0, pg_clipfrac_lower = share with keep 1 and r > c."""
+    loss, grad, dropped, truncated = [], [], 0, 0
+    n = int(DPPO_MASK.sum().item())
+    for i in range(2):
+        loss.append([])
+        grad.append([])
+        for j in range(5):
+            po, pn, a = DPPO_P_OLD[i][j], DPPO_P_NEW[i][j], DPPO_ADV[i][j].item()
+            m = DPPO_MASK[i][j].item()
+            r = pn / po
+            w = min(r, c)
+            keep = (pn - po <= high) if a > 0 else (pn - po >= -low)
+            loss[i].append(-a * w * math.log(pn) * keep * m)
+            grad[i].append(-a * w * keep * m)  # d/dlog p of the token's loss, before the 1/n
+            dropped += m * (not keep)
+            truncated += m * keep * (r > c)
+    return {"loss": loss, "grad": grad, "clipfrac": dropped / n, "lower": truncated / n, "n": n}
+
+
+def _dppo(**kw) -> tuple[torch.Tensor, ...]:
+    new = torch.log(T(DPPO_P_NEW)).requires_grad_(True)
+    out = compute_policy_loss(torch.log(T(DPPO_P_OLD)), new, DPPO_ADV, DPPO_MASK, loss_mode="dppo_tv", **kw)
+    out[0].backward()
+    return (*out, new.grad)
+
+
+def test_dppo_tv_by_hand():
+    """verl's compute_policy_loss_dppo_tv (DPPO-Binary-TV) at clip_ratio 0.2, clip_ratio_c 3: loss,
+    gradient, pg_clipfrac, pg_clipfrac_lower and ppo_kl, by hand and against the loop reference."""
+    pg, clipfrac, ppo_kl, lower, grad = _dppo(clip_ratio=0.2, clip_ratio_c=3.0)
+    lp = math.log
+    # kept tokens: row 0 -> 1.2 log .6, 3 * 2 log .01 (weight capped), .4/.9 log .4; row 1 -> A=-.5, weight 3
+    tokens = [-1.2 * lp(0.6), -2.0 * 3.0 * lp(0.01), -(0.4 / 0.9) * lp(0.4), 0.5 * 3.0 * lp(0.9)]
+    close(pg, sum(tokens) / 7)
+    # gradient -A min(r, 3) / 7 on kept tokens; dropped tokens, A = 0 and padding get none
+    close(grad, [[-1.2 / 7, 0, -6 / 7, -(0.4 / 0.9) / 7, 0], [0, 1.5 / 7, 0, 0, 0]])
+    close(clipfrac, 3 / 7)  # .1 -> .6 (A > 0), .5 -> .25 (A < 0), .8 -> .5 (A = 0)
+    close(lower, 2 / 7)  # r = 10 and r = 4.5, both kept; r = 6 is dropped and not counted
+    log_r = [[lp(1.2), lp(6.0), lp(10.0), lp(0.4 / 0.9)], [lp(0.5), lp(4.5), lp(0.5 / 0.8)]]
+    close(ppo_kl, -sum(sum(row) for row in log_r) / 7)
+    ref = _dppo_reference(0.2, 0.2, 3.0)
+    close(pg, sum(map(sum, ref["loss"])) / ref["n"])
+    close(grad, T(ref["grad"]) / ref["n"])
+    # negative control: PPO's ratio clip cuts the rare token's gradient (r = 10), the TV bound keeps it
+    new = torch.log(T(DPPO_P_NEW)).requires_grad_(True)
+    compute_policy_loss(torch.log(T(DPPO_P_OLD)), new, DPPO_ADV, DPPO_MASK, clip_ratio=0.2)[0].backward()
+    assert new.grad[0, 2] == 0 and grad[0, 2] != 0
+    # the loss is -A w log p, not the surrogate -A w: their values differ
+    assert not torch.isclose(pg, T(-(1.2 + 6.0 + 0.4 / 0.9 - 1.5) / 7))
+
+
+def test_dppo_tv_asymmetric_bounds_and_no_truncation():
+    """verl's compute_policy_loss_dppo_tv with clip_ratio_low != clip_ratio_high and verl's example
+    clip_ratio_c=1e4 (no truncation)."""
+    # high .55 keeps .1 -> .6 (+.5); low .26 keeps .5 -> .25 (-.25) but not .8 -> .5 (-.3); c large
+    pg, clipfrac, _, lower, grad = _dppo(
+        clip_ratio=0.2, clip_ratio_low=0.26, clip_ratio_high=0.55, clip_ratio_c=1e4
+    )
+    ref = _dppo_reference(0.26, 0.55, 1e4)
+    close(pg, sum(map(sum, ref["loss"])) / 7)
+    close(grad, T(ref["grad"]) / 7)
+    close(grad[0, 1], -6.0 / 7)  # r = 6 with A = +1, now inside the bound
+    close(grad[0, 2], -20.0 / 7)  # r = 10 untruncated, A = 2
+    close(grad[1, 0], 0.5 / 7)  # r = .5 with A = -1, now inside the bound
+    close(clipfrac, 1 / 7)
+    close(lower, 0.0)
+
+
+def test_dppo_tv_aggregation_and_rollout_weights():
+    """verl's compute_policy_loss_dppo_tv aggregates by loss_agg_mode and multiplies the per-token loss
+    by the rollout importance weights before aggregating."""
+    ref = _dppo_reference(0.2, 0.2, 3.0)
+    seq_means = [sum(ref["loss"][0]) / 4, sum(ref["loss"][1]) / 3]
+    pg, *_ = _dppo(clip_ratio=0.2, loss_agg_mode="seq-mean-token-mean")
+    close(pg, sum(seq_means) / 2)
+    # negative control: the token mean differs on these rows of 4 and 3 tokens
+    assert not math.isclose(sum(seq_means) / 2, sum(map(sum, ref["loss"])) / 7, rel_tol=1e-6)
+    w = T([[2.0, 1.0, 0.5, 1.0, 1.0], [1.0, 0.25, 1.0, 1.0, 1.0]])
+    pg, *_ = _dppo(clip_ratio=0.2, rollout_is_weights=w)
+    close(pg, sum(ref["loss"][i][j] * w[i][j].item() for i in range(2) for j in range(5)) / 7)
+
+
 def test_every_registered_mode_runs_and_unknown_modes_name_the_key():
-    assert set(POLICY_LOSSES) >= {"vanilla", "gspo", "cispo", "gpg", "clip_cov", "kl_cov", "geo_mean", "sapo"}
+    expected = {"vanilla", "gspo", "cispo", "gpg", "clip_cov", "kl_cov", "geo_mean", "sapo", "dppo_tv"}
+    assert set(POLICY_LOSSES) >= expected
     for mode in POLICY_LOSSES:
         pg, *_ = _loss(mode)
         assert torch.isfinite(pg), mode
