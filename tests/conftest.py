@@ -15,18 +15,123 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_torchrun(script: str, nproc: int, args: list[str], timeout: int = 600, nnodes_args=None) -> str:
-    """Run ``tests/distributed/workers/<script>`` under ``torchrun --standalone``; fail with its output."""
+def run_torchrun(
+    script: str, nproc: int, args: list[str], timeout: int = 600, nnodes_args=None, real: bool = False
+) -> str:
+    """Run ``tests/distributed/workers/<script>`` as ``nproc`` ranks of one launch; fail with its output,
+    else return the ranks' stdout (rank by rank). The ranks are forked from the session's zygote
+    (tests/zygote.py: the environment torchrun gives, without its start-up); ``real`` (or
+    ``nnodes_args``) launches them under ``torchrun --standalone`` for what torchrun itself does
+    (MEGATRON_RL_TESTS_TORCHRUN=1: every launch, to compare)."""
     pythonpath = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    path = os.path.join(ROOT, "tests", "distributed", "workers", script)
+    if not (real or nnodes_args or os.environ.get("MEGATRON_RL_TESTS_TORCHRUN") == "1"):
+        return _zygote().run(path, nproc, args, env, timeout)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    cmd += [os.path.join(ROOT, "tests", "distributed", "workers", script), *args]
+    cmd += [path, *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         pytest.fail(
             f"torchrun {script} failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
         )
     return proc.stdout
+
+
+class _Zygote:
+    """The client of tests/zygote.py: one per test session, started at its first launch."""
+
+    def __init__(self) -> None:
+        import socket
+
+        pythonpath = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
+        env = {**os.environ, "PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        ours, theirs = socket.socketpair()
+        self.log = open(os.path.join(_scratch(), "zygote.log"), "w")  # noqa: SIM115 - the session's
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.zygote", str(theirs.fileno())],
+            pass_fds=[theirs.fileno()], env=env, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        theirs.close()
+        self.sock, self.buf = ours, b""
+        self._read(timeout=300)  # {"ready"}: the imports are done
+
+    def _read(self, timeout: float) -> dict:
+        import time
+
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            self.sock.settimeout(left)
+            chunk = self.sock.recv(1 << 16)
+            if not chunk:
+                raise RuntimeError(f"the test zygote died (exit {self.proc.poll()}); see {self.log.name}")
+            self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        return json.loads(line)
+
+    def run(self, script: str, nproc: int, args: list[str], env: dict, timeout: float) -> str:
+        import signal
+        import socket
+        import tempfile
+
+        with socket.socket() as s:  # a free port for the ranks' rendezvous (env://, rank 0 hosts it)
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        out = tempfile.mkdtemp(prefix="ranks-", dir=_scratch())
+        env = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        req = {
+            "script": script,
+            "argv": list(args),
+            "nproc": nproc,
+            "env": env,
+            "cwd": os.getcwd(),
+            "out": out,
+        }
+        self.sock.sendall((json.dumps(req) + "\n").encode())
+        pids = self._read(timeout=60)["pids"]
+        try:
+            codes = self._read(timeout=timeout)["codes"]
+        except TimeoutError:
+            for pid in pids:
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            codes = self._read(timeout=60)["codes"]
+            codes = [f"timed out after {timeout} s ({c})" for c in codes]
+
+        def read(rank: int, what: str) -> str:
+            with open(os.path.join(out, f"rank{rank}.{what}"), errors="replace") as f:
+                return f.read()
+
+        stdout = "".join(read(r, "out") for r in range(nproc))
+        if any(c != 0 for c in codes):
+            errs = "".join(
+                f"--- rank {r} (exit {c}) stderr:\n{read(r, 'err')[-6000:]}" for r, c in enumerate(codes)
+            )
+            pytest.fail(f"ranks of {os.path.basename(script)} failed {codes}:\n{stdout[-4000:]}\n{errs}")
+        return stdout
+
+
+_ZYGOTE: _Zygote | None = None
+
+
+def _zygote() -> _Zygote:
+    global _ZYGOTE
+    if _ZYGOTE is None or _ZYGOTE.proc.poll() is not None:
+        _ZYGOTE = _Zygote()
+    return _ZYGOTE
+
+
+def _scratch() -> str:
+    import tempfile
+
+    d = os.path.join(tempfile.gettempdir(), f"megatron-rl-tests-{os.getpid()}")
+    os.makedirs(d, exist_ok=True)
+    return d
 
 
 def run_torchrun_runs(worker: str, nproc: int, runs: list[list[str]], timeout: int = 600) -> str:

@@ -57,7 +57,7 @@ def real_failures(tmp_path_factory):
     # about one run in four here. Only that abort is retried, at most twice.
     for attempt in range(3):
         try:
-            run_torchrun("launch_failures.py", 2, ["--out", str(tmp / "c.json")], timeout=300)
+            run_torchrun("launch_failures.py", 2, ["--out", str(tmp / "c.json")], timeout=300, real=True)
             break
         except pytest.fail.Exception as e:
             if attempt == 2 or "terminate called without an active exception" not in str(e):
