@@ -72,10 +72,21 @@ def _as_file_list(files: str | os.PathLike[str] | Sequence[str | os.PathLike[str
 
 
 def check_files(files: Sequence[str], prompt_key: str) -> None:
-    """Each file exists, is parquet and has the columns a prompt file needs (no tokenizing): the dry
-    run's check of data.train_files / data.val_files. Raises :class:`DataError`."""
+    """Each file exists, is parquet, has the columns a prompt file needs and a ground truth in every
+    row (no tokenizing): the dry run's check of data.train_files / data.val_files. Raises
+    :class:`DataError`."""
     for path in _as_file_list(files):
-        _read_rows(path, prompt_key)
+        for i, row in enumerate(_read_rows(path, prompt_key)):
+            _check_ground_truth(row, path, i)
+
+
+def _check_ground_truth(row: dict[str, Any], source: str, i: int) -> None:
+    """A row's reward_model must carry the ground truth the reward compares against."""
+    reward_model = row["reward_model"]
+    if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
+        raise DataError(
+            f"{source}: row {i} has reward_model={reward_model!r} without a 'ground_truth'. {_FORMAT_HINT}"
+        )
 
 
 def _read_rows(path: str, prompt_key: str) -> list[dict[str, Any]]:
@@ -154,12 +165,8 @@ class PromptDataset(torch.utils.data.Dataset):
                     self.filtered_indices.append(i)
                     continue
                 ids = self._truncate(ids, i, sources[i])
+            _check_ground_truth(row, sources[i], i)
             reward_model = row["reward_model"]
-            if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
-                raise DataError(
-                    f"{sources[i]}: row {i} has reward_model={reward_model!r} without a 'ground_truth'. "
-                    f"{_FORMAT_HINT}"
-                )
             self._items.append(
                 PromptItem(
                     prompt_ids=ids,

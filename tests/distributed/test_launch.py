@@ -104,7 +104,7 @@ def test_trainer_failure_ends_in_one_line(tmp_path, nproc, overrides, expect):
     assert last in (tmp_path / "node0.log").read_text()  # the node log ends with the same line
 
 
-def test_bad_inputs_end_in_one_line_before_any_model_is_built(tmp_path, demo):
+def test_bad_inputs_end_in_one_line_before_any_model_is_built(tmp_path, demo, capsys):
     """A wrong model path, a missing data file, a file that is not parquet, a row without a ground
     truth: one line naming the key, file, row or column, from the launcher, before training starts."""
     import pyarrow as pa
@@ -128,8 +128,8 @@ def test_bad_inputs_end_in_one_line_before_any_model_is_built(tmp_path, demo):
     base = [f"actor_rollout_ref.model.path={demo['model']}", f"data.val_files=[{demo['test']}]"]
     cases = [
         (
-            ["actor_rollout_ref.model.path=/nonexistent/model"],
-            "actor_rollout_ref.model.path=/nonexistent/model: no such",
+            [f"data.train_files=[{demo['train']}]", *base[1:], "actor_rollout_ref.model.path=/nonexistent/x"],
+            "actor_rollout_ref.model.path=/nonexistent/x: no such",
         ),
         (
             [*base, "data.train_files=/nonexistent/train.parquet"],
@@ -141,11 +141,19 @@ def test_bad_inputs_end_in_one_line_before_any_model_is_built(tmp_path, demo):
             f"{no_truth}: row 0 has reward_model={{'style': 'rule'}} without a 'ground_truth'",
         ),
     ]
-    for overrides, expect in cases:
-        p = _launch(["--nproc", "2", "--log-dir", str(tmp_path), "--config", DEMO_CFG, *overrides])
-        last = _last_line(p)
-        assert p.returncode != 0 and expect in last, last
-        assert "Traceback" not in p.stderr, p.stderr[-3000:]
+    from megatron_rl.run.preflight import main as dry_run
+
+    for k, (overrides, expect) in enumerate(cases):
+        # every case through the dry run (the same checks, in process); a config error and a data
+        # error through a real launch too (the launcher's one line, no traceback)
+        assert dry_run(["--check", DEMO_CFG, *overrides]) == 1
+        said = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("megatron-rl error: ")]
+        assert len(said) == 1 and expect in said[0], said
+        if k in (0, 3):
+            p = _launch(["--nproc", "2", "--log-dir", str(tmp_path), "--config", DEMO_CFG, *overrides])
+            last = _last_line(p)
+            assert p.returncode != 0 and expect in last, last
+            assert "Traceback" not in p.stderr, p.stderr[-3000:]
 
 
 def test_a_launcher_that_cannot_trap_sigint_says_so(tmp_path):
