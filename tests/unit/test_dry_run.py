@@ -98,6 +98,11 @@ def test_world_size_comes_from_nproc_and_nnodes(demo, capsys):
     assert rc == 1 and len(errors) == 1
     assert "world size 3" in errors[0] and "TP=2 x PP=1" in errors[0]
     ok = [DEMO, *demo_overrides(demo), "--check", "--nproc=2", "--nnodes=2", "data.train_batch_size=64"]
+    # DP=2 halves a mini-batch's 64 sequences per rank: the demo's micro-batches (64) no longer divide them
+    ok += [
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32",
+        "critic.ppo_micro_batch_size_per_gpu=32",
+    ]
     assert problems_of(capsys, ok) == (0, [])
     rc, errors = problems_of(capsys, [*ok, "trainer.nnodes=1"])
     assert rc == 1 and errors == [
