@@ -212,7 +212,8 @@ JOB_ID="$(PYTHON="$PYTHON" LOG_DIR="$TMP/logs-preempt" sbatch --parsable --nodes
     trainer.test_freq=-1 "data.train_files=[$TMP/demo/data/train.parquet]" \
     "data.val_files=[$TMP/demo/data/test.parquet]" actor_rollout_ref.model.path="$TMP/demo/model" \
     trainer.default_local_dir="$PRE_DIR" trainer.resume_mode=auto "trainer.logger=[console,jsonl]" \
-    data.train_batch_size=16 actor_rollout_ref.actor.ppo_mini_batch_size=8)"
+    data.train_batch_size=16 actor_rollout_ref.actor.ppo_mini_batch_size=8 \
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32 critic.ppo_micro_batch_size_per_gpu=32)"
 JOB_ID="${JOB_ID%%;*}"
 pre_metrics="$PRE_DIR/logs/metrics.jsonl"
 deadline=$((SECONDS + TIMEOUT_S))

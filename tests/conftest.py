@@ -27,7 +27,7 @@ def run_torchrun(
     env = {**os.environ, "PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     path = os.path.join(ROOT, "tests", "distributed", "workers", script)
     if not (real or nnodes_args or os.environ.get("MEGATRON_RL_TESTS_TORCHRUN") == "1"):
-        return _zygote().run(path, nproc, args, env, timeout)
+        return zygote().run(path, nproc, args, env, timeout)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     cmd += [path, *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -72,7 +72,18 @@ class _Zygote:
         line, self.buf = self.buf.split(b"\n", 1)
         return json.loads(line)
 
-    def run(self, script: str, nproc: int, args: list[str], env: dict, timeout: float) -> str:
+    def launch(
+        self,
+        target: str,
+        nproc: int,
+        args: list[str],
+        env: dict,
+        timeout: float,
+        cwd: str,
+        module: bool = False,
+    ) -> tuple[list[int], str, str]:
+        """Run ``target`` (a script path, or a module with ``module``) as ``nproc`` ranks; returns the exit
+        statuses (-9 for ranks killed at ``timeout``) and the ranks' stdout and stderr, rank by rank."""
         import signal
         import socket
         import tempfile
@@ -82,14 +93,8 @@ class _Zygote:
             port = s.getsockname()[1]
         out = tempfile.mkdtemp(prefix="ranks-", dir=_scratch())
         env = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        req = {
-            "script": script,
-            "argv": list(args),
-            "nproc": nproc,
-            "env": env,
-            "cwd": os.getcwd(),
-            "out": out,
-        }
+        req = dict(argv=list(args), nproc=nproc, env=env, cwd=cwd, out=out)
+        req["module" if module else "script"] = target
         self.sock.sendall((json.dumps(req) + "\n").encode())
         pids = self._read(timeout=60)["pids"]
         try:
@@ -101,25 +106,28 @@ class _Zygote:
                 except ProcessLookupError:
                     pass
             codes = self._read(timeout=60)["codes"]
-            codes = [f"timed out after {timeout} s ({c})" for c in codes]
 
-        def read(rank: int, what: str) -> str:
-            with open(os.path.join(out, f"rank{rank}.{what}"), errors="replace") as f:
-                return f.read()
+        def read(what: str) -> str:
+            text = []
+            for r in range(nproc):
+                with open(os.path.join(out, f"rank{r}.{what}"), errors="replace") as f:
+                    text.append(f.read())
+            return "".join(text)
 
-        stdout = "".join(read(r, "out") for r in range(nproc))
+        return codes, read("out"), read("err")
+
+    def run(self, script: str, nproc: int, args: list[str], env: dict, timeout: float) -> str:
+        codes, stdout, stderr = self.launch(script, nproc, args, env, timeout, os.getcwd())
         if any(c != 0 for c in codes):
-            errs = "".join(
-                f"--- rank {r} (exit {c}) stderr:\n{read(r, 'err')[-6000:]}" for r, c in enumerate(codes)
-            )
-            pytest.fail(f"ranks of {os.path.basename(script)} failed {codes}:\n{stdout[-4000:]}\n{errs}")
+            name = os.path.basename(script)
+            pytest.fail(f"ranks of {name} failed (exit {codes}):\n{stdout[-4000:]}\n{stderr[-8000:]}")
         return stdout
 
 
 _ZYGOTE: _Zygote | None = None
 
 
-def _zygote() -> _Zygote:
+def zygote() -> _Zygote:
     global _ZYGOTE
     if _ZYGOTE is None or _ZYGOTE.proc.poll() is not None:
         _ZYGOTE = _Zygote()

@@ -13,8 +13,9 @@ What torchrun itself does (its agent, its signals, TORCHELASTIC_* variables, res
 real torchrun launches (``run_torchrun(..., real=True)`` and tests/faults), not here.
 
 Protocol (one JSON object per line on the socket given as fd): the client sends
-``{"script", "argv", "nproc", "env", "cwd", "out"}``; the zygote answers ``{"pids": [...]}`` once the
-ranks are forked and ``{"codes": [...]}`` once every rank has exited (the exit status, or -signal).
+``{"script" (or "module"), "argv", "nproc", "env", "cwd", "out"}``; the zygote answers
+``{"pids": [...]}`` once the ranks are forked and ``{"codes": [...]}`` once every rank has exited (the
+exit status, or -signal).
 """
 
 from __future__ import annotations
@@ -72,10 +73,15 @@ def _rank(req: dict, rank: int) -> None:
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=n, LOCAL_WORLD_SIZE=n)
         os.environ.update(GROUP_RANK="0", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=n)
         os.chdir(req["cwd"])
-        sys.argv = [req["script"], *req["argv"]]
-        sys.path[0] = os.path.dirname(req["script"])
         try:
-            runpy.run_path(req["script"], run_name="__main__")
+            if req.get("module"):  # python -m MODULE
+                sys.argv = [req["module"], *req["argv"]]
+                sys.path[0] = req["cwd"]
+                runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
+            else:
+                sys.argv = [req["script"], *req["argv"]]
+                sys.path[0] = os.path.dirname(req["script"])
+                runpy.run_path(req["script"], run_name="__main__")
             code = 0
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)

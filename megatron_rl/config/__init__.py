@@ -89,7 +89,3 @@ __all__ = [
     "to_dict",
     "validate",
 ]
-
-# The rollout's sampling seed takes any integer: sample_seed hashes it modulo 2**64 and SGLang's engine
-# seed is taken modulo 2**31.
-RANGES.setdefault("actor_rollout_ref.rollout.seed", "any")

@@ -72,6 +72,8 @@ RANGES: dict[str, str] = {
     "data.train_batch_size": ">=1",
     "data.val_batch_size": ">=1",
     "data.seed": "any",
+    # any integer: sample_seed hashes it modulo 2**64, SGLang's engine seed is taken modulo 2**31
+    "actor_rollout_ref.rollout.seed": "any",
     "*.ppo_mini_batch_size": ">=1",
     "*.ppo_micro_batch_size_per_gpu": ">=1",
     "*.log_prob_micro_batch_size_per_gpu": ">=1",

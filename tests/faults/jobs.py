@@ -29,6 +29,8 @@ def keys(demo, run_dir: str, steps: int, **extra) -> list[str]:
         "actor_rollout_ref.model.path": demo["model"],
         "data.train_batch_size": 16,
         "actor_rollout_ref.actor.ppo_mini_batch_size": 8,
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 32,  # a mini-batch's 32 sequences
+        "critic.ppo_micro_batch_size_per_gpu": 32,
         "trainer.total_training_steps": steps,
         "trainer.save_freq": 2,
         "trainer.test_freq": -1,
@@ -78,7 +80,17 @@ def torchrun_cmd(demo, run_dir: str, steps: int, entry: tuple[str, ...] = ENTRY,
 
 
 def run_torchrun(demo, run_dir: str, steps: int, entry=ENTRY, environ=None, **extra):
-    """One plain torchrun job to its end (or its death); returns the finished process."""
+    """One plain job of 2 ranks to its end (or its death); returns the finished process. The trainer's
+    runs (the straight runs and the resumes the faults are compared with) fork their ranks from the
+    test zygote (tests/zygote.py); another entry (a fault-injecting worker, whose deaths torchrun
+    handles) runs under real torchrun."""
+    if entry == ENTRY and os.environ.get("MEGATRON_RL_TESTS_TORCHRUN") != "1":
+        from tests.conftest import zygote
+
+        args = keys(demo, run_dir, steps, **extra)
+        codes, out, err = zygote().launch(entry[1], 2, args, env(**(environ or {})), 600, ROOT, module=True)
+        rc = next((c for c in codes if c != 0), 0)
+        return subprocess.CompletedProcess(["zygote", *entry, *args], rc, out, err)
     return subprocess.run(
         torchrun_cmd(demo, run_dir, steps, entry, **extra), env=env(**(environ or {})), cwd=ROOT,
         capture_output=True, text=True, timeout=600,
