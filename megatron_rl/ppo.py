@@ -491,6 +491,8 @@ def update_actor(
             rows_of=rows_of if first_forward else None,
         )
     metrics.update(router.metrics())
+    if not cfg.entropy_coeff:  # as verl: the entropy is measured (actor/entropy), not a loss term
+        metrics.pop("actor/entropy_loss", None)
     if first_forward:
         batch.old_log_probs = _assemble(first, batch, ps, 1)[0]
     return metrics

@@ -109,6 +109,15 @@ def test_negative_control_old_log_probs_off_by_a_rounding_step_change_the_update
     assert m_off["actor/ppo_kl"] != m_pass["actor/ppo_kl"]
 
 
+def test_entropy_loss_is_logged_only_when_it_is_a_loss_term(ps, hf_dir):
+    """verl's actor/entropy_loss names the entropy bonus; at entropy_coeff=0 only actor/entropy (the
+    measured entropy) is logged, and it is the same value either way."""
+    with_bonus, _ = update_once(ps, hf_dir, make_batch(99), actor_cfg())
+    without, _ = update_once(ps, hf_dir, make_batch(99), actor_cfg(entropy_coeff=0.0))
+    assert with_bonus["actor/entropy_loss"] == with_bonus["actor/entropy"]
+    assert "actor/entropy_loss" not in without and without["actor/entropy"] == with_bonus["actor/entropy"]
+
+
 def test_update_refuses_a_missing_old_log_prob_pass_with_several_mini_batches(ps, hf_dir):
     batch = make_batch(99)
     with pytest.raises(ValueError, match="2 mini-batches"):
