@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -151,26 +151,16 @@ def checksums_match(want: torch.Tensor, have: torch.Tensor, numel: torch.Tensor)
     return ((want - have).abs() <= tol).all(dim=1)
 
 
-SKIP_BUCKET_ENV = "MEGATRON_RL_TEST_SKIP_BUCKET"
-"""Fault injection for the integrity check's tests: ``"S:B"`` drops bucket B (0-based) of this process's
-S-th weight sync (1-based) before the engine sees it; the stream's checksums still cover it."""
-SCRAMBLE_BUCKET_ENV = "MEGATRON_RL_TEST_SCRAMBLE_BUCKET"
-"""Fault injection for the log-prob probe's tests (megatron_rl.roles.sync_check): ``"S:B"`` reverses the rows
-of the first tensor of bucket B in sync S and every later one, before it is checksummed and handed
-over, as a layout bug in the stream would: the checksums agree, the policy is another."""
+StreamFault = Callable[[int, int, "Bucket"], bool]
+"""A test's fault in the weight stream: called as ``(sync, index, bucket)`` for every bucket of this
+process's ``sync``-th weight sync (1-based) before its checksums are taken; it may change the bucket in
+place (a layout bug: the checksums then agree with the wrong weights) and returns True to drop it before
+the engine sees it (a lost bucket: the checksums still cover it)."""
 
+stream_fault: StreamFault | None = None
+"""Set by tests only (tests/distributed/workers); None on every production run."""
 
-def _fault_bucket(env: str, sync_number: int, onward: bool = False) -> int | None:
-    import os
-
-    spec = os.environ.get(env)
-    if not spec:
-        return None
-    s, _, b = spec.partition(":")
-    return int(b) if sync_number == int(s) or (onward and sync_number > int(s)) else None
-
-
-_syncs = 0  # weight syncs of this process (for SKIP_BUCKET_ENV)
+_syncs = 0  # weight syncs of this process (the ``sync`` a stream fault sees)
 
 
 class Bucket(list):
@@ -514,8 +504,7 @@ def sync_weights(
     dtype = dtype or engine.dtype
     stats = {"bytes": 0.0, "buckets": 0.0}
     finished = False
-    skip = _fault_bucket(SKIP_BUCKET_ENV, _syncs)
-    scramble = _fault_bucket(SCRAMBLE_BUCKET_ENV, _syncs, onward=True)
+    fault, sync_number = stream_fault, _syncs
     # (bucket index, name, numel, [2] checksum) of every tensor streamed; the checksum only where an
     # engine holds weights to compare with (engine.checks_weights)
     sent: list[tuple[int, str, int, torch.Tensor | None]] = []
@@ -527,12 +516,11 @@ def sync_weights(
         for i, bucket in enumerate(iter_hf_buckets(model, ps, int(bucket_megabytes * 2**20), dtype)):
             stats["buckets"] += 1
             stats["bytes"] += bucket.flat.numel() * bucket.flat.element_size()
-            if i == scramble:
-                bucket[0][1].copy_(bucket[0][1].flip(0).clone())
+            drop = fault is not None and fault(sync_number, i, bucket)
             t0 = time.perf_counter()
             sent.extend((i, name, t.numel(), tensor_checksum(t) if compare else None) for name, t in bucket)
             check_seconds += time.perf_counter() - t0
-            if i == skip:
+            if drop:
                 continue
             yield bucket
         finished = True

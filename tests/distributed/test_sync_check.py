@@ -12,7 +12,6 @@ import sys
 import pytest
 
 from megatron_rl.demo import prepare
-from megatron_rl.rollout.reshard import SCRAMBLE_BUCKET_ENV, SKIP_BUCKET_ENV
 from tests.distributed.test_trainer import metrics, overrides
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -23,21 +22,22 @@ def demo(tmp_path_factory):
     return prepare(str(tmp_path_factory.mktemp("demo")))
 
 
-def _run(demo, out: str, fault: dict[str, str], **kw) -> subprocess.CompletedProcess:
+WORKER = os.path.join(ROOT, "tests", "distributed", "workers", "stream_fault_train.py")
+
+
+def _run(demo, out: str, fault: str | None, **kw) -> subprocess.CompletedProcess:
+    """The demo job under torchrun; ``fault``: the weight stream's (workers/stream_fault_train.py)."""
     kw = {"trainer.test_freq": -1, "trainer.save_freq": -1, **kw}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    cmd += ["-m", "megatron_rl.train", *overrides(demo, out, **kw)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, **fault}
-    for var in (SKIP_BUCKET_ENV, SCRAMBLE_BUCKET_ENV):
-        if var not in fault:
-            env.pop(var, None)
+    cmd += [*([WORKER] if fault else ["-m", "megatron_rl.train"]), *overrides(demo, out, **kw)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "STREAM_FAULT": fault or ""}
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
 def test_a_dropped_bucket_stops_the_run_at_that_step(demo, tmp_path):
     out = str(tmp_path / "run")
     # the second sync (step 2's rollout) drops the demo model's one bucket before the engine sees it
-    proc = _run(demo, out, {SKIP_BUCKET_ENV: "2:0"}, **{"trainer.total_training_steps": 3})
+    proc = _run(demo, out, "drop:2:0", **{"trainer.total_training_steps": 3})
     text = proc.stdout + proc.stderr
     assert proc.returncode != 0, text[-3000:]
     lines = [ln for ln in text.splitlines() if "weight sync check failed" in ln]
@@ -52,7 +52,7 @@ def test_a_dropped_bucket_stops_the_run_at_that_step(demo, tmp_path):
 def test_the_log_prob_probe_passes_a_correct_run_and_stops_a_wrong_policy(demo, tmp_path):
     good, bad = str(tmp_path / "good"), str(tmp_path / "bad")
     kw = {"trainer.total_training_steps": 2, "trainer.sync_check_freq": 1}
-    proc = _run(demo, good, {}, **kw)
+    proc = _run(demo, good, None, **kw)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     rows = metrics(good)
     assert [r["step"] for r in rows] == [1, 2]
@@ -62,7 +62,7 @@ def test_the_log_prob_probe_passes_a_correct_run_and_stops_a_wrong_policy(demo, 
     # from step 2 on, the stream hands the engine embed_tokens with its rows reversed (the checksums agree
     # with it); on CPU the engine frees its weights after each generation (free_cache_engine), so the
     # probe syncs again: syncs 1 and 2 are step 1's, 3 is step 2's rollout
-    proc = _run(demo, bad, {SCRAMBLE_BUCKET_ENV: "3:0"}, **kw)
+    proc = _run(demo, bad, "reverse:3:0", **kw)
     text = proc.stdout + proc.stderr
     assert proc.returncode != 0, text[-3000:]
     assert "weight sync check failed" not in text  # the bytes arrived as sent
