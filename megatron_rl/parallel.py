@@ -21,6 +21,7 @@ import datetime
 import os
 import socket
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -199,19 +200,17 @@ def init_parallel(
     backend = "nccl" if dev.type == "cuda" else "gloo"
     job_rank, job_store = int(os.environ.get("RANK", 0)), None
     if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        kwargs = {}
+        kwargs: dict[str, Any] = {}
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
             # Binding the communicator to the device creates it eagerly, before any rollout engine
             # starts in this process (the engine's own NCCL setup breaks a lazily created one).
             kwargs["device_id"] = dev
         timeout = datetime.timedelta(minutes=timeout_minutes)
-        job_rank = int(os.environ["RANK"])
-        if ranks is None or len(ranks) == int(os.environ["WORLD_SIZE"]):
+        if "RANK" not in os.environ:  # one process without a launcher: a world of one, on a free port
+            kwargs.update(init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+            dist.init_process_group(backend, timeout=timeout, **kwargs)
+        elif ranks is None or len(ranks) == int(os.environ["WORLD_SIZE"]):
             dist.init_process_group(backend, timeout=timeout, **kwargs)
         else:
             store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
