@@ -69,7 +69,7 @@ if TYPE_CHECKING:
     import torch
 
     from megatron_rl.config import HttpRewardConfig
-    from megatron_rl.reward.rules import RewardOutput
+    from megatron_rl.reward.source import RewardOutput
 
 SAMPLE_KEYS = ("data_source", "prompt", "response", "ground_truth", "extra_info")
 """The keys of each sample in a request."""
@@ -425,7 +425,7 @@ class HttpRewardManager(RewardSource):
     ) -> RewardOutput:
         import torch
 
-        from megatron_rl.reward.rules import RewardOutput
+        from megatron_rl.reward.source import RewardOutput
 
         n = len(response_ids)
         if prompt_ids is None:

@@ -148,7 +148,7 @@ class ModelReward(RewardSource):
         return compute_rm_scores(self.model, self.ps, ids.to(dev), mask.to(dev), self.micro_batch_size)
 
     def score_batch(self, batch, response_lengths: torch.Tensor):
-        from megatron_rl.reward.rules import RewardOutput
+        from megatron_rl.reward.source import RewardOutput
 
         scores = self(batch).float().cpu()
         bad = (~torch.isfinite(scores)).nonzero().flatten().tolist()

@@ -31,7 +31,6 @@ import re
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +38,7 @@ import torch
 
 from megatron_rl.demo.toy import TOY_DATA_SOURCE, toy_compute_score
 from megatron_rl.errors import LaunchError, NonFiniteRewardError
-from megatron_rl.reward.source import RewardSource, response_token_lists
+from megatron_rl.reward.source import RewardOutput, RewardSource, response_token_lists
 
 logger = logging.getLogger(__name__)
 
@@ -374,25 +373,3 @@ class _Worker:
 
 class RewardFunctionError(LaunchError):
     """A reward function hung past its timeout or exited the process (one line, on the failing rank)."""
-
-
-@dataclass
-class RewardOutput:
-    """What a batch of rewards gives back."""
-
-    scores: torch.Tensor
-    """[B] float32 sequence scores (0.0 where the reward function failed)."""
-    extras: dict[str, torch.Tensor]
-    """Other numeric keys of dict-returning reward functions, [B] float32 each, NaN where a sample did
-    not return the key."""
-    num_errors: int
-    """Samples whose reward function raised or returned a non-number."""
-
-    @classmethod
-    def from_rows(cls, scores: torch.Tensor, rows: list[dict[str, float]], num_errors: int) -> RewardOutput:
-        """Per-sample extra keys (one dict per sample) -> one [B] column per key, NaN where absent."""
-        extras: dict[str, torch.Tensor] = {}
-        for i, row in enumerate(rows):
-            for k, v in row.items():
-                extras.setdefault(k, torch.full((len(rows),), math.nan))[i] = v
-        return cls(scores, extras, num_errors)

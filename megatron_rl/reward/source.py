@@ -15,14 +15,37 @@ new source subclasses RewardSource and gets a branch in make_reward_fn.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-if TYPE_CHECKING:
-    import torch
+import torch
 
+if TYPE_CHECKING:
     from megatron_rl.batch import RolloutBatch
-    from megatron_rl.reward.rules import RewardOutput
+
+
+@dataclass
+class RewardOutput:
+    """What a batch of rewards gives back."""
+
+    scores: torch.Tensor
+    """[B] float32 sequence scores (0.0 where the reward function failed)."""
+    extras: dict[str, torch.Tensor]
+    """Other numeric keys of dict-returning reward functions, [B] float32 each, NaN where a sample did
+    not return the key."""
+    num_errors: int
+    """Samples whose reward function raised or returned a non-number."""
+
+    @classmethod
+    def from_rows(cls, scores: torch.Tensor, rows: list[dict[str, float]], num_errors: int) -> RewardOutput:
+        """Per-sample extra keys (one dict per sample) -> one [B] column per key, NaN where absent."""
+        extras: dict[str, torch.Tensor] = {}
+        for i, row in enumerate(rows):
+            for k, v in row.items():
+                extras.setdefault(k, torch.full((len(rows),), math.nan))[i] = v
+        return cls(scores, extras, num_errors)
 
 
 class RewardSource(ABC):

@@ -10,7 +10,8 @@ Enforced:
 * the graph between units has no cycle (a strongly connected component of more than one unit fails,
   naming one cycle with the import lines that make it);
 * inside each subpackage, the graph between its modules has no cycle;
-* the leaves (:data:`LEAVES`) import nothing from the package;
+* the leaves (:data:`LEAVES`) import nothing from the package but ``errors`` (the bottom leaf, which
+  imports nothing);
 * the layering config -> parallel -> weights -> models -> rollout/ppo/reward -> run -> roles ->
   trainer -> train
   (:data:`LAYERS`, bottom first): no unit reaches, through any chain of imports, a unit of a
@@ -30,7 +31,8 @@ PACKAGE = "megatron_rl"
 ROOT = Path(__file__).resolve().parents[2] / PACKAGE
 
 LEAVES = ("model_args", "errors", "dotted")
-"""Units every layer may import: they import nothing from the package."""
+"""Units every layer may import: they import nothing from the package but ``errors`` (a model refused by
+``model_args`` raises its one-line error)."""
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("config",),
@@ -275,7 +277,11 @@ def test_no_cycle_inside_a_subpackage(edges):
 
 
 def test_leaves_import_nothing_from_the_package(edges):
-    found = [f"{src} imports {dst} ({where})" for src, dst, where in edges if unit_of(src) in LEAVES]
+    found = [
+        f"{src} imports {dst} ({where})"
+        for src, dst, where in edges
+        if unit_of(src) in LEAVES and (unit_of(dst) != "errors" or unit_of(src) == "errors")
+    ]
     assert not found, "\n".join(found)
 
 
