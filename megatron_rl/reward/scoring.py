@@ -11,9 +11,10 @@ place_scores(batch, s)      scores on each response's last real token -> batch.t
 reward_metrics(batch)       reward/num_errors, reward/<extra key>/mean over the data-parallel group
 filter_values(batch, m)     the per-sequence value algorithm.filter_groups.metric names
 validation_metrics(gen)     every validation prompt once, scored into ValidationScores
-ValidationScores            per data source and variable: val-core/<source>/<var>/mean@N (the core
-                            variable: "acc" when the reward function returns it, else "reward"),
-                            every other variable and std@N under val-aux/
+ValidationScores            per data source and variable, verl's validation metrics: mean@N, and for
+                            N > 1 std@N, best@k / worst@k / maj@k (bootstrap); the core variable's
+                            ("acc" when the reward function returns it, else "reward") mean@N,
+                            best@N and maj@N under val-core/, the rest under val-aux/
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -243,17 +245,73 @@ def filter_values(batch: RolloutBatch, metric: str | None) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float64)
 
 
+_N_BOOTSTRAP = 1000
+"""Bootstrap draws per subset size (verl: process_validation_metrics' n_bootstrap)."""
+_BOOTSTRAP_SEED = 42
+"""verl's seed for every bootstrap draw (process_validation_metrics' default, which _validate keeps)."""
+
+
+def bootstrap_sizes(n: int) -> list[int]:
+    """verl's subset sizes k for best@k / worst@k / maj@k with n samples per prompt: the powers of two
+    from 2 below n, then n itself (n=4: [2, 4]; n=5: [2, 4, 5]); none for n = 1."""
+    if n <= 1:
+        return []
+    ks, k = [], 2
+    while k < n:
+        ks.append(k)
+        k *= 2
+    return [*ks, n]
+
+
+def _metric_names(n: int) -> list[str]:
+    """The per-variable metric names for n samples per prompt, in verl's order."""
+    names = [f"mean@{n}"]
+    if n > 1:
+        names.append(f"std@{n}")
+    for k in bootstrap_sizes(n):
+        names += [f"{stat}@{k}/{part}" for stat in ("best", "worst", "maj") for part in ("mean", "std")]
+    return names
+
+
 class ValidationScores:
     """Accumulates validation samples; ``metrics()`` reduces over DP under verl's names.
 
-    For n samples per prompt: mean@n is the mean over prompts of each prompt's mean (equal to the
-    mean over samples), std@n (n > 1) the mean over prompts of each prompt's population std.
+    Each prompt's n samples give, per variable (``reward`` and every extra key of the reward), verl's
+    per-prompt statistics; a metric is the mean over prompts of its per-prompt values:
+
+    mean@n                  the mean of the n values
+    std@n                   (n > 1) their population std
+    best@k/mean, /std       (n > 1, k in bootstrap_sizes(n)) over 1000 bootstrap subsets of k of the n
+    worst@k/mean, /std      samples drawn with replacement: the mean and population std of the
+                            subsets' max (best) or min (worst)
+    maj@k/mean, /std        (when the prompt's samples all carry a "pred" key, a number: the reward's
+                            extra keys are numeric) the same over the value of the majority vote on
+                            "pred": the subset's most frequent pred, ties going to the pred drawn
+                            first; the vote's value is the variable's value at that pred's first draw
+
+    The draws reproduce verl's: before each bootstrap verl seeds numpy's global legacy RNG with 42 and
+    takes ``np.random.choice(n, size=(1000, k), replace=True)``; an own ``np.random.RandomState(42)``
+    makes the same draws (so the same subsets for every prompt and variable) without touching numpy's
+    global state. Per-prompt values equal verl's bit for bit; the mean over prompts sums them on each
+    data-parallel rank and all-reduces the sums, so it equals verl's np.mean to float64 rounding.
+
+    val-core holds the core variable's (``acc`` when the data source's reward returns it, else
+    ``reward``) mean@n, best@n/* and maj@n/*; everything else is under val-aux. A prompt whose samples
+    do not all carry a variable (an extra key missing on some) counts in that variable's mean@n / std@n
+    over the samples that have it, and in none of its bootstrap metrics.
     """
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, n_bootstrap: int = _N_BOOTSTRAP, seed: int = _BOOTSTRAP_SEED) -> None:
         self.n = n
-        # (source, var) -> [sum of per-prompt means, sum of per-prompt stds, prompts]
-        self.sums: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
+        self._order = {name: i for i, name in enumerate(_metric_names(n))}
+        # k -> [n_bootstrap, k] sample indices of each subset; verl re-seeds before each draw, so they
+        # are the same for every prompt and variable.
+        self.draws: dict[int, np.ndarray] = {
+            k: np.random.RandomState(seed).choice(n, size=(n_bootstrap, k), replace=True)
+            for k in bootstrap_sizes(n)
+        }
+        # (source, var, metric) -> [sum over prompts of the per-prompt value, prompts]
+        self.sums: dict[tuple[str, str, str], list[float]] = defaultdict(lambda: [0.0, 0.0])
 
     def add(self, batch: RolloutBatch, scores: torch.Tensor, real_rows: int) -> None:
         """Rows 0..real_rows-1 of ``batch`` (n adjacent samples per prompt) with their scores [B]."""
@@ -265,31 +323,80 @@ class ValidationScores:
             for i in rows:
                 for k, v in batch.meta[i].reward_extras.items():
                     variables.setdefault(k, []).append(v)
+            preds = variables.get("pred")
+            voted = preds is not None and len(preds) == self.n  # maj@k: every sample carries a pred
+            winners = self._majority(np.asarray(preds)) if voted else None
             for var, values in variables.items():
-                t = torch.tensor(values, dtype=torch.float64)
-                acc = self.sums[source, var]
-                acc[0] += t.mean().item()
-                acc[1] += t.std(correction=0).item() if len(values) > 1 else 0.0
-                acc[2] += 1
+                per_prompt = self._prompt_metrics(np.asarray(values, dtype=np.float64), winners)
+                for name, value in per_prompt.items():
+                    acc = self.sums[source, var, name]
+                    acc[0] += value
+                    acc[1] += 1
+
+    def _majority(self, preds: np.ndarray) -> dict[int, np.ndarray]:
+        """k -> [n_bootstrap] the sample whose value each subset's majority vote on ``preds`` [n] reports."""
+        same = preds[:, None] == preds[None, :]  # [n, n]
+        winners = {}
+        for k, idx in self.draws.items():
+            # [n_bootstrap, k]: how many draws of its subset share each draw's pred
+            votes = same[idx[:, :, None], idx[:, None, :]].sum(-1)
+            # The first draw with the most votes is the first draw of the pred that appeared first among
+            # the most voted ones: verl's tie-break (the first key of an insertion-ordered dict), and the
+            # draw whose value it reports.
+            first = votes.argmax(-1)  # [n_bootstrap]
+            winners[k] = idx[np.arange(len(idx)), first]
+        return winners
+
+    def _prompt_metrics(self, values: np.ndarray, winners: dict[int, np.ndarray] | None) -> dict[str, float]:
+        """verl's per-prompt statistics of one variable's values [m] (m = n unless some samples lack it)."""
+        out = {f"mean@{self.n}": float(np.mean(values))}
+        if self.n == 1:
+            return out
+        out[f"std@{self.n}"] = float(np.std(values))
+        if len(values) != self.n:
+            return out
+        for k, idx in self.draws.items():
+            drawn = values[idx]  # [n_bootstrap, k]
+            for stat, per_subset in (("best", drawn.max(-1)), ("worst", drawn.min(-1))):
+                out[f"{stat}@{k}/mean"] = float(np.mean(per_subset))
+                out[f"{stat}@{k}/std"] = float(np.std(per_subset))
+            if winners is not None:
+                maj = values[winners[k]]  # [n_bootstrap]
+                out[f"maj@{k}/mean"] = float(np.mean(maj))
+                out[f"maj@{k}/std"] = float(np.std(maj))
+        return out
+
+    def _stats(self, keys: list[str]) -> torch.Tensor:
+        """[K, 2] float64: this rank's (sum, prompts) for each "source\\tvar\\tmetric" key."""
+        return torch.tensor(
+            [self.sums.get(tuple(k.split("\t")), [0.0, 0.0]) for k in keys], dtype=torch.float64
+        ).reshape(len(keys), 2)
+
+    def _named(self, keys: list[str], stats: torch.Tensor) -> dict[str, float]:
+        """The DP-reduced ``stats`` [K, 2] of ``keys`` under verl's val-core / val-aux names."""
+        triples = [tuple(k.split("\t")) for k in keys]
+        has_acc = {s for s, v, _ in triples if v == "acc"}
+        rows = sorted(
+            zip(triples, stats.tolist(), strict=True),
+            key=lambda r: (r[0][0], r[0][1], self._order.get(r[0][2], len(self._order))),
+        )
+        out: dict[str, float] = {}
+        for (source, var, name), (total, prompts) in rows:
+            k = int(name.split("@")[1].split("/")[0])
+            core_var = "acc" if source in has_acc else "reward"
+            core = var == core_var and name.startswith(("mean", "best", "maj")) and k == self.n
+            section = "val-core" if core else "val-aux"
+            out[f"{section}/{source}/{var}/{name}"] = total / max(prompts, 1.0)
+        return out
 
     def metrics(self, ps: ParallelState) -> dict[str, float]:
-        keys = _union_keys({f"{s}\t{v}" for s, v in self.sums}, ps.dp_group)
+        keys = _union_keys({"\t".join(k) for k in self.sums}, ps.dp_group)
         if not keys:
             return {}
-        stats = torch.tensor(
-            [self.sums.get(tuple(k.split("\t")), [0.0, 0.0, 0.0]) for k in keys], dtype=torch.float64
-        ).to(ps.device)
-        dist.all_reduce(stats, group=ps.dp_group)
-        pairs = [tuple(k.split("\t")) for k in keys]
-        has_acc = {s for s, v in pairs if v == "acc"}
-        out: dict[str, float] = {}
-        for (source, var), (mean_sum, std_sum, prompts) in zip(pairs, stats.tolist(), strict=True):
-            core = var == ("acc" if source in has_acc else "reward")
-            prompts = max(prompts, 1.0)
-            out[f"{'val-core' if core else 'val-aux'}/{source}/{var}/mean@{self.n}"] = mean_sum / prompts
-            if self.n > 1:
-                out[f"val-aux/{source}/{var}/std@{self.n}"] = std_sum / prompts
-        return out
+        stats = self._stats(keys).to(ps.device)
+        if ps.dp_group is not None:  # None: a single process (nothing to reduce)
+            dist.all_reduce(stats, group=ps.dp_group)
+        return self._named(keys, stats.cpu())
 
 
 def validation_metrics(
@@ -301,8 +408,8 @@ def validation_metrics(
 ) -> dict[str, float]:
     """Generation with val_kwargs on every validation prompt once (``generate(indices)``: the rollout
     role's validation batch), scored under verl's names: val-core/<data_source>/reward/mean@<n>
-    (``acc`` instead of ``reward`` when the reward function returns it), its other keys and std@n under
-    val-aux/ (:class:`ValidationScores`).
+    (``acc`` instead of ``reward`` when the reward function returns it; for n > 1 also its best@n and
+    maj@n), its other keys, std@n and the other bootstrap metrics under val-aux/ (:class:`ValidationScores`).
 
     Rank r of the data-parallel group takes prompts r, r + dp, ...; every rank runs the same number
     of batches of the same size (the engine's generate is collective), a short last batch is filled
