@@ -214,8 +214,9 @@ class Trainer:
         metrics["timing_s/step"] = metrics["perf/time_per_step"] = time.perf_counter() - t_step
         metrics.update(
             perf_metrics(
-                cfg, ps, r.models, r.critic, self.model_args, batch, metrics, self.peak_flops, timer,
-                self.placement.world_size,
+                cfg, ps, self.model_args, r.critic.model.args if r.critic.model is not None else None,
+                [o for o in (r.models.actor_optim, r.critic.optim) if o is not None], batch, metrics,
+                self.peak_flops, timer, self.placement.world_size,
             )
         )  # fmt: skip
         metrics["training/global_step"] = step

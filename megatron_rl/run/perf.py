@@ -15,7 +15,8 @@ actor/perf/*_gb, critic/perf/*_gb           the same peaks under verl's per-role
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -24,16 +25,15 @@ if TYPE_CHECKING:
     from megatron_rl.batch import RolloutBatch
     from megatron_rl.config import Config
     from megatron_rl.parallel import ParallelState
-    from megatron_rl.roles.models import Models
     from megatron_rl.run.metrics import Timer
 
 
 def perf_metrics(
     cfg: Config,
     ps: ParallelState,
-    models: Models,
-    critic,
     actor_args,
+    critic_args,
+    optimizers: Sequence[Any],
     batch: RolloutBatch,
     metrics: dict[str, float],
     peak_flops: float | None,
@@ -41,7 +41,9 @@ def perf_metrics(
     job_size: int | None = None,
 ) -> dict[str, float]:
     """perf/* and timing_per_token_ms/* of a step whose ``metrics`` hold its timing_s/* (module docstring);
-    throughput is per GPU of the whole job (``job_size``: the rollout's own ranks count too)."""
+    throughput is per GPU of the whole job (``job_size``: the rollout's own ranks count too).
+    ``critic_args``: the critic's model args when it trains on these ranks, else None; ``optimizers``:
+    those held on this rank (their state's size is reported)."""
     seq_lens = batch.attention_mask.sum(-1).double()
     # generated tokens from the attention mask: rollout rejection may have taken some off the response
     # mask, but they were generated and went through every forward all the same
@@ -59,8 +61,8 @@ def perf_metrics(
             per = responses if phase == "gen" else total
             out[f"timing_per_token_ms/{phase}"] = metrics[f"timing_s/{phase}"] * 1000 / max(per, 1.0)
     trained = [("actor", actor_args, cfg.actor_rollout_ref.actor.ppo_epochs, True)]
-    if critic.model is not None:  # the critic role (roles.critic): trained on these ranks
-        trained.append(("critic", critic.model.args, cfg.critic.ppo_epochs, False))
+    if critic_args is not None:  # the critic trains on these ranks
+        trained.append(("critic", critic_args, cfg.critic.ppo_epochs, False))
     for role, args, epochs, lm_head in trained:
         upd = metrics.get(f"timing_s/update_{role}")
         if upd and peak_flops:
@@ -69,8 +71,7 @@ def perf_metrics(
             out[f"perf/mfu/{role}"] = flops / upd / peak_flops
     # fp32 main weights and Adam's moments held on this rank (sharded over DP by the distributed
     # optimizer), wherever they are parked
-    opts = [o for o in (models.actor_optim, critic.optim) if o is not None]
-    out["perf/optimizer_state_gb"] = sum(o.state_bytes() for o in opts) / 2**30
+    out["perf/optimizer_state_gb"] = sum(o.state_bytes() for o in optimizers) / 2**30
     if ps.device.type == "cuda":
         out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(ps.device) / 2**30
         out["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved(ps.device) / 2**30

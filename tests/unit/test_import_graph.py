@@ -1,8 +1,9 @@
 """The package reads bottom-up: no import circle between its units, none inside a subpackage.
 
 Every module under megatron_rl/ is parsed (nothing is imported): module-level AND function-level
-imports count (a lazy import hides a circle from Python, not from a reader), ``if TYPE_CHECKING:``
-blocks do not (they never run), and ``importlib.import_module("megatron_rl....")`` with a literal
+imports count (a lazy import hides a circle from Python, not from a reader), so do ``if
+TYPE_CHECKING:`` blocks (they never run, but a type a module names is part of what a reader must
+know), and ``importlib.import_module("megatron_rl....")`` with a literal
 name counts like an import. A unit is a top-level module (``config``, ``trainer``, ...) or a whole
 subpackage (``algos``, ``models``, ``weights``, ``rollout``, ``demo``).
 
@@ -67,14 +68,8 @@ def _modules(root: Path = ROOT) -> dict[str, Path]:
     return out
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def imports_of(source: str, module: str, is_package: bool, known: set[str], where: str = "?") -> list[Edge]:
-    """The package-internal imports of one module's source, at any depth, outside TYPE_CHECKING."""
+    """The package-internal imports of one module's source, at any depth, TYPE_CHECKING blocks too."""
     package = module if is_package else module.rpartition(".")[0]
     edges: list[Edge] = []
 
@@ -86,13 +81,6 @@ def imports_of(source: str, module: str, is_package: bool, known: set[str], wher
             edges.append((module, name, f"{where}:{line}"))
 
     class Visitor(ast.NodeVisitor):
-        def visit_If(self, node: ast.If) -> None:
-            if _is_type_checking(node.test):
-                for child in node.orelse:
-                    self.visit(child)
-                return
-            self.generic_visit(node)
-
         def visit_Import(self, node: ast.Import) -> None:
             for alias in node.names:
                 if alias.name == PACKAGE or alias.name.startswith(PACKAGE + "."):
@@ -299,7 +287,7 @@ def test_layering(edges):
 
 
 def test_every_kind_of_import_is_seen():
-    """The reader sees function-level, relative and importlib imports, and skips TYPE_CHECKING."""
+    """The reader sees function-level, relative, importlib and TYPE_CHECKING imports."""
     source = (
         "from __future__ import annotations\n"
         "import importlib\n"
@@ -316,7 +304,7 @@ def test_every_kind_of_import_is_seen():
     )
     known = {f"megatron_rl.{x}" for x in ("a", "b", "c", "d", "e", "h", "hidden", "x")}
     got = {dst for _, dst, _ in imports_of(source, "megatron_rl.x", False, known)}
-    assert got == {f"megatron_rl.{x}" for x in ("a", "b", "c", "d", "e", "h")}
+    assert got == {f"megatron_rl.{x}" for x in ("a", "b", "c", "d", "e", "h", "hidden")}
 
 
 def test_cycle_detector_finds_a_planted_cycle():
