@@ -38,11 +38,13 @@ test-gpu:
 test-slurm: install
 	bash launch/test_slurm.sh
 
-# ruff everywhere; mypy on the typed core ([tool.mypy] files in pyproject.toml).
+# ruff everywhere; mypy on the typed core ([tool.mypy] files in pyproject.toml), and on the whole
+# package against a baseline that may only shrink (tests/mypy_baseline.py).
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/python tests/mypy_baseline.py
 
 format: install
 	$(BIN)/ruff check --fix .
