@@ -10,7 +10,9 @@ first rank that fails takes the others down (SIGKILL), and ranks die with the zy
 the test session (PR_SET_PDEATHSIG).
 
 What torchrun itself does (its agent, its signals, TORCHELASTIC_* variables, restarts) is tested with
-real torchrun launches (``run_torchrun(..., real=True)`` and tests/faults), not here.
+real torchrun launches (``run_torchrun(..., real=True)`` and tests/faults), not here. The preloaded
+modules are those on disk when the session's first launch started the zygote: a module edited during
+a test session is seen as it was (MEGATRON_RL_TESTS_TORCHRUN=1 launches every rank fresh instead).
 
 Protocol (one JSON object per line on the socket given as fd): the client sends
 ``{"script" (or "module"), "argv", "nproc", "env", "cwd", "out"}``; the zygote answers
