@@ -123,19 +123,42 @@ def compute_score(
     return {"score": acc, "acc": acc}
 
 
+# The weights' init std. At HF's default, 0.02, the reply's digit hardly reaches the answer's logits
+# (the answer distribution differs by 0.013 in total variation between secrets, at 0.05 by 0.05):
+# the copy is learned only once the attention and MLP weights have grown, a plateau whose length
+# depended on the sampling seed (validation at step 60: 0.83 / 1.0 / 0.40 at rollout.seed 0 / 1 / 2).
+# At 0.05 the same recipe scores 1.0 / 1.0 / 1.0 / 0.92 at seeds 0-3; the call token starts at
+# probability 0.028 after the prompt (0.043 at 0.02), still found within 10 steps.
+INITIALIZER_RANGE = 0.05
+
+
+def _model_is_current(model_dir: str) -> bool:
+    """An earlier build's model (weights present, same init std) is kept; an older one is rebuilt."""
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return os.path.isfile(os.path.join(model_dir, "model.safetensors")) and cfg.get(
+        "initializer_range"
+    ) == INITIALIZER_RANGE
+
+
 def prepare(out: str, seed: int = 0) -> dict[str, str]:
-    """Model (random, 2 layers, hidden 64), tokenizer, tool config and data under ``out``."""
+    """Model (random, 2 layers, hidden 64, init std :data:`INITIALIZER_RANGE`), tokenizer, tool config and
+    data under ``out``."""
     from megatron_rl.models.random_hf import save_random_hf_model
 
     model_dir, data_dir = os.path.join(out, "model"), os.path.join(out, "data")
     tok = build_tools_tokenizer(model_dir)
     call_id = tok.convert_tokens_to_ids(CALL_TOKEN)
-    if not os.path.isfile(os.path.join(model_dir, "model.safetensors")):
+    if not _model_is_current(model_dir):
         save_random_hf_model(
             model_dir,
             "llama",
             seed=seed,
             init="hf",
+            initializer_range=INITIALIZER_RANGE,
             hidden_size=64,
             intermediate_size=128,
             num_hidden_layers=2,
