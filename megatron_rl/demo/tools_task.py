@@ -139,9 +139,10 @@ def _model_is_current(model_dir: str) -> bool:
             cfg = json.load(f)
     except (OSError, ValueError):
         return False
-    return os.path.isfile(os.path.join(model_dir, "model.safetensors")) and cfg.get(
-        "initializer_range"
-    ) == INITIALIZER_RANGE
+    return (
+        os.path.isfile(os.path.join(model_dir, "model.safetensors"))
+        and cfg.get("initializer_range") == INITIALIZER_RANGE
+    )
 
 
 def prepare(out: str, seed: int = 0) -> dict[str, str]:
