@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import json
 import os
+import re
 from typing import Any
 
 from megatron_rl.dotted import leaves
 from megatron_rl.verl_rules import (
+    DEFAULT_DIFFERENCES,
     HYDRA_GROUPS,
     MEGATRON_ONLY,
     RULES,
@@ -34,6 +37,7 @@ from megatron_rl.verl_rules import (
 )
 
 __all__ = [  # the table's names, read from here by the loader and the docs
+    "DEFAULT_DIFFERENCES",
     "HYDRA_GROUPS",
     "RULES",
     "VALUE_REWRITES",
@@ -43,19 +47,24 @@ __all__ = [  # the table's names, read from here by the loader and the docs
     "compat_table",
     "hydra_config_args",
     "is_verl_key",
+    "project_key",
     "rule_for",
     "translate",
+    "verl_defaults",
     "verl_key_list",
     "verl_keys",
 ]
+
+DIFFERENCES_DOC = "docs/verl_compat.md, Defaults that differ from verl's"
 
 
 def hydra_config_args(argv: list[str], notices: list[str]) -> list[str]:
     """``argv`` with Hydra's ``--config-path P`` / ``--config-name N`` (either ``=`` or space form)
     replaced by ``--config P/N.yaml``. verl's own base configs (``ppo_megatron_trainer``,
     ``ppo_trainer``: Hydra compositions of verl's config groups, named from verl's source tree) are
-    dropped with a notice instead: this config's defaults are verl's Megatron trainer's. A file that is
-    not there fails in the loader, as a missing --config file does."""
+    dropped with a notice instead: this config's defaults are verl's Megatron trainer's, but for the
+    differences of :data:`DEFAULT_DIFFERENCES`. A file that is not there fails in the loader, as a
+    missing --config file does."""
     out, path, name, i = [], None, None, 0
     while i < len(argv):
         arg = argv[i]
@@ -80,7 +89,8 @@ def hydra_config_args(argv: list[str], notices: list[str]) -> list[str]:
     if os.path.basename(stem) in VERL_BASE_CONFIGS:  # a Hydra composition of verl's, not a config file
         notices.append(
             f"--config-name={name}: verl's {stem}.yaml; this trainer's defaults are those of verl's "
-            "Megatron trainer config (a YAML file of your own goes in --config)."
+            f"Megatron trainer config but for {len(DEFAULT_DIFFERENCES)} keys ({DIFFERENCES_DOC}; "
+            "a YAML file of your own goes in --config)."
         )
         return out
     return ["--config", file, *out]
@@ -100,7 +110,10 @@ def _group_choice(key: str, value: Any, source: str, notices: list[str]) -> None
             f"{key}={value!r} (from {source}): {MEGATRON_ONLY}, with verl's Megatron trainer defaults "
             f"(accepted: {', '.join(allowed)})."
         )
-    notices.append(f"{key}={value} is accepted: the section holds verl's Megatron trainer defaults.")
+    notices.append(
+        f"{key}={value} is accepted: the section holds verl's Megatron trainer defaults, but for the "
+        f"differences listed in {DIFFERENCES_DOC}."
+    )
 
 
 @functools.cache
@@ -113,6 +126,34 @@ def verl_key_list() -> tuple[str, ...]:
 @functools.cache
 def verl_keys() -> frozenset[str]:
     return frozenset(verl_key_list())
+
+
+@functools.cache
+def verl_defaults() -> dict[str, Any]:
+    """verl's default of each key this config shares with verl's Megatron PPO trainer config, under
+    verl's name, as verl writes it (``${...}`` interpolations kept); verl_defaults.json beside this
+    module, whose ``_source`` names the verl commit."""
+    with open(os.path.join(os.path.dirname(__file__), "verl_defaults.json")) as f:
+        return json.load(f)["defaults"]
+
+
+def _alias_target(rule: Rule, key: str) -> str:
+    """An alias rule's target for ``key``: the part of the key that the pattern's '*' matched carries
+    over ("*.megatron.dtype" -> "*.megatron.params_dtype")."""
+    if "*" not in rule.target:
+        return rule.target
+    head, tail = rule.pattern.split("*", 1)
+    return rule.target.replace("*", key[len(head) : len(key) - len(tail)])
+
+
+def project_key(key: str, known: set[str]) -> str | None:
+    """This config's key for verl's ``key``: the same key, or an alias's target; None if it has none."""
+    if key in known:
+        return key
+    rule = rule_for(key)
+    if rule is not None and rule.action == "alias" and _alias_target(rule, key) in known:
+        return _alias_target(rule, key)
+    return None
 
 
 def is_verl_key(key: str) -> bool:
@@ -153,12 +194,7 @@ def translate(raw: dict, known: set[str], source: str, notices: list[str]) -> di
         if rule is None or rule.action == "transformer":  # transformer: kept in the free-form map
             _set(out, key, value)
         elif rule.action == "alias":
-            # "*.megatron.dtype" -> "*.megatron.params_dtype": the section the '*' matched carries over
-            target = rule.target
-            if "*" in target:  # the key's part that the pattern's one '*' matched carries over
-                head, tail = rule.pattern.split("*", 1)
-                target = target.replace("*", key[len(head) : len(key) - len(tail)])
-            _set(out, target, value)
+            _set(out, _alias_target(rule, key), value)
         elif rule.action == "refused":
             if value not in rule.allowed:
                 allowed = ", ".join(repr(a) for a in rule.allowed) or "none"
@@ -216,7 +252,36 @@ def compat_table(verl_keys: list[str], known: set[str]) -> str:
     for name, title in titles.items():
         if rows[name]:
             out += [f"## {title} ({len(rows[name])})", "", "| key | here |", "| --- | --- |", *rows[name], ""]
-    return "\n".join(out + _hydra_section() + _transformer_section())
+    return "\n".join(out + _defaults_section(known) + _hydra_section() + _transformer_section())
+
+
+def _verl_default(value: Any) -> str:
+    """verl's default as the docs show it: an interpolation of one key is that key's value."""
+    m = re.fullmatch(r"\$\{(?:oc\.select:)?([^,}]+)(?:,.*)?\}", value) if isinstance(value, str) else None
+    if m:
+        return f"the value of `{m.group(1)}`"
+    return f"`{json.dumps(value)}`"
+
+
+def _defaults_section(known: set[str]) -> list[str]:
+    verl = {project_key(k, known): (k, v) for k, v in verl_defaults().items()}
+    rows = []
+    for key, diff in DEFAULT_DIFFERENCES.items():
+        verl_key, value = verl[key]
+        name = f"`{key}`" if key == verl_key else f"`{key}` (verl: `{verl_key}`)"
+        rows.append(f"| {name} | {_verl_default(value)} | `{json.dumps(diff.here)}` | {diff.why} |")
+    return [
+        f"## Defaults that differ from verl's ({len(rows)})",
+        "",
+        f"Of the {len(verl)} keys both configs have, these defaults are not those of verl's Megatron PPO",
+        "trainer config (`megatron_rl/verl_defaults.json`, read from verl's source; its `_source` names",
+        "the commit); every other key's default is verl's.",
+        "",
+        "| key | verl's default | here | why |",
+        "| --- | --- | --- | --- |",
+        *rows,
+        "",
+    ]
 
 
 def _hydra_section() -> list[str]:
@@ -228,7 +293,7 @@ def _hydra_section() -> list[str]:
         f"  any other engine is refused ({MEGATRON_ONLY}).",
         "- `--config-path P --config-name N` (or `=` forms) load `P/N.yaml` when it exists. verl's own",
         f"  base configs ({', '.join(f'`{c}`' for c in VERL_BASE_CONFIGS)}) are dropped with a notice:",
-        "  this config's defaults are verl's Megatron trainer's.",
+        "  this config's defaults are verl's Megatron trainer's, but for the differences listed above.",
         "- `+key=value` sets `key` like `key=value`, for this config's keys, verl's keys and the keys",
         "  verl's scripts add with `+` (`trainer.val_only`, `override_transformer_config.*`, ...).",
         "- Config-group choices (`group@package=choice`): the choice that means what this trainer runs is",

@@ -6,7 +6,7 @@ the table to a config layer and renders it as ``docs/verl_compat.md``."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 
 @dataclass(frozen=True)
@@ -398,7 +398,7 @@ VERL_FREE_FORM = (
 
 # verl's Hydra config groups (the defaults list of its ppo_megatron_trainer.yaml / ppo_trainer.yaml):
 # "group@package=choice" -> the choices that mean what this trainer runs. The sections here always
-# hold the defaults of verl's Megatron trainer.
+# hold the defaults of verl's Megatron trainer (but for DEFAULT_DIFFERENCES).
 HYDRA_GROUPS: dict[str, tuple[str, ...]] = {
     "actor@actor_rollout_ref.actor": ("megatron_actor",),
     "ref@actor_rollout_ref.ref": ("megatron_ref",),
@@ -415,5 +415,78 @@ HYDRA_GROUPS: dict[str, tuple[str, ...]] = {
     "transfer_queue@transfer_queue": ("transfer_queue",),
 }
 
-# verl's own base configs (Hydra's --config-name): their defaults are this trainer's.
+# verl's own base configs (Hydra's --config-name): their defaults are this trainer's, but for
+# DEFAULT_DIFFERENCES.
 VERL_BASE_CONFIGS = ("ppo_megatron_trainer", "ppo_trainer")
+
+
+class DefaultDifference(NamedTuple):
+    here: Any
+    """This project's default, as its config section writes it."""
+    why: str
+    """Why this project keeps it instead of verl's."""
+
+
+ACTOR, REF, ROLLOUT = "actor_rollout_ref.actor", "actor_rollout_ref.ref", "actor_rollout_ref.rollout"
+AUTO_OFFLOAD = "auto: the memory planner offloads only when the rollout engine would not fit otherwise"
+EXAMPLE = "verl's value is its GSM8K example's; here it is set per run"
+MICRO_BATCH = "verl leaves it unset (required unless use_dynamic_bsz); here a working default"
+LAYOUT = "null: the actor's (all models share one parallel layout); verl's 1 is fixed"
+RECOMPUTE = "used only with model.enable_gradient_checkpointing; verl's null (no recompute) is that flag off"
+OWN_MAP = "its own map: the actor's may hold training-only keys; set moe_* here too"
+BOTH_CLIPS = "null: clip_ratio, so that clip_ratio alone sets both sides (verl's 0.2 ignores it)"
+CKPT_DIR = "names the checkpoint directory: a new name would hide existing runs' checkpoints"
+TORCHRUN = "null: torchrun's; a value set here is checked against it"
+TRAINED_OFFLOADS = ("param_offload", "grad_offload", "optimizer_offload")
+LAYOUT_KEYS = ("tensor", "pipeline", "expert")
+RECOMPUTE_DEFAULTS = (
+    ("recompute_granularity", "full"),
+    ("recompute_method", "uniform"),
+    ("recompute_num_layers", 1),
+)
+_D = DefaultDifference
+
+# Keys of both configs whose default here is not verl's (verl_defaults.json, from verl's source):
+# this project's key -> its default and why. tests/unit/test_verl_defaults.py checks the list.
+DEFAULT_DIFFERENCES: dict[str, DefaultDifference] = {
+    **{f"{m}.megatron.{k}": _D("auto", AUTO_OFFLOAD) for m in (ACTOR, "critic") for k in TRAINED_OFFLOADS},
+    **{f"{m}.megatron.param_offload": _D("auto", AUTO_OFFLOAD) for m in (REF, "reward_model")},
+    **{f"{ACTOR}.megatron.{k}_model_parallel_size": _D(None, "null: 1, as verl's") for k in LAYOUT_KEYS},
+    **{
+        f"{m}.megatron.{k}_model_parallel_size": _D(None, LAYOUT)
+        for m in ("critic", "reward_model")
+        for k in LAYOUT_KEYS
+    },
+    **{f"{m}.megatron.{k}": _D(v, RECOMPUTE) for m in (ACTOR, "critic") for k, v in RECOMPUTE_DEFAULTS},
+    **{f"{m}.megatron.override_transformer_config": _D({}, OWN_MAP) for m in (REF, "reward_model")},
+    f"{ACTOR}.ppo_micro_batch_size_per_gpu": _D(4, MICRO_BATCH),
+    f"{REF}.log_prob_micro_batch_size_per_gpu": _D(8, MICRO_BATCH),
+    f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu": _D(8, MICRO_BATCH),
+    "critic.ppo_micro_batch_size_per_gpu": _D(4, MICRO_BATCH),
+    "reward_model.micro_batch_size_per_gpu": _D(8, MICRO_BATCH),
+    f"{ACTOR}.clip_ratio_low": _D(None, BOTH_CLIPS),
+    f"{ACTOR}.clip_ratio_high": _D(None, BOTH_CLIPS),
+    f"{ROLLOUT}.name": _D("sglang", "verl requires a choice; SGLang is the GPU engine here (hf for CPU)"),
+    f"{ROLLOUT}.dtype": _D(None, "null: the actor's megatron.params_dtype (an fp16 policy samples in fp16)"),
+    f"{ROLLOUT}.tensor_model_parallel_size": _D(1, "1 runs on any GPU count and on CPU; 2 needs two GPUs"),
+    f"{ROLLOUT}.update_weights_bucket_megabytes": _D(512, "each bucket is GPU memory beside the KV cache"),
+    "actor_rollout_ref.model.path": _D("", EXAMPLE),
+    "actor_rollout_ref.model.enable_gradient_checkpointing": _D(
+        False, "verl's Megatron workers do not read it (no recompute unless recompute_* are set): as false"
+    ),
+    "data.train_files": _D([], EXAMPLE),
+    "data.val_files": _D([], EXAMPLE),
+    "data.seed": _D(1, "a seeded prompt order repeats and resumes; verl's null leaves the sampler unseeded"),
+    "critic.model.path": _D("", "empty: the actor's model.path (verl's is its example's path)"),
+    "critic.shuffle": _D(False, "its own setting here (not derived from the actor's): set both"),
+    "critic.loss_agg_mode": _D("token-mean", "its own setting here (not derived from the actor's): set both"),
+    "reward_model.model.input_tokenizer": _D(None, "null: data.tokenizer, which encoded the responses"),
+    "reward_model.model.path": _D("", EXAMPLE),
+    "trainer.total_epochs": _D(1, EXAMPLE + " (one pass unless set)"),
+    "trainer.project_name": _D("megatron_rl", CKPT_DIR),
+    "trainer.experiment_name": _D("ppo", CKPT_DIR),
+    "trainer.logger": _D(["console"], "wandb needs an account and the network: opt in"),
+    "trainer.nnodes": _D(None, TORCHRUN),
+    "trainer.n_gpus_per_node": _D(None, TORCHRUN),
+    "trainer.device": _D("auto", "auto runs on CPU too (cuda when available)"),
+}

@@ -525,8 +525,8 @@ class TrainerConfig:
     """Steps in which only the critic is trained."""
     test_freq: int = -1
     """Validate every this many steps (-1 = never)."""
-    val_before_train: bool = False
-    """Validate once before the first step."""
+    val_before_train: bool = True
+    """Validate once before the first step (when data.val_files are given)."""
     val_only: bool = False
     """Validate the model (the resumed checkpoint's, with trainer.resume_mode) once and stop: no
     training step, no checkpoint."""
