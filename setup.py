@@ -18,7 +18,7 @@ setup(
     packages=find_packages(include=["megatron_rl", "megatron_rl.*", "ckpt_tools", "ckpt_tools.*"])
     + ["megatron_rl.configs"],
     package_dir={"megatron_rl.configs": "yaml"},
-    package_data={"megatron_rl": ["verl_keys.txt"], "megatron_rl.configs": ["*.yaml"]},
+    package_data={"megatron_rl": ["verl_keys.txt", "verl_defaults.json"], "megatron_rl.configs": ["*.yaml"]},
     install_requires=[
         # Not pinned: clusters bring their own CUDA build of torch. `make install` pins the CPU versions
         # this project is tested with; docs/gpu.md lists the tested GPU set.

@@ -519,7 +519,7 @@ SCRIPTS = [
             "model_engine=megatron",
             UV_VLLM,
         ],
-        ["adv_estimator='gpg'"],
+        None,
         id="gpg_qwen3_8b",  # examples/gpg_trainer/run_qwen3_8b_megatron.sh
     ),
     pytest.param(
@@ -588,7 +588,7 @@ SCRIPTS = [
             "model_engine=megatron",
             UV_VLLM,
         ],
-        ["loss_mode='dppo_tv'"],
+        None,
         id="dppo",  # examples/dppo_trainer/run_qwen3_30b_a3b_megatron.sh
     ),
     pytest.param(
