@@ -58,6 +58,7 @@ from megatron_rl.rollout.reshard import (
     checksums_match,
     iter_hf_buckets,
     make_bucket,
+    missing_checksum,
     plan_buckets,
     tensor_checksum,
 )
@@ -191,14 +192,14 @@ class RolloutServer:
     def _check(self, index: int, plan: WeightsPlan) -> None:
         """Compare this engine's copy with the checksums the actor's leader sent after weights request
         ``index``; WeightSyncError (this rank) at the first tensor that differs."""
-        sums = self.box.take(f"sums/{index}", self.readers)  # [tensors, 2]
+        sums = self.box.take(f"sums/{index}", self.readers)  # [tensors, CHECKSUM_SIZE]
         if not getattr(self.engine, "checks_weights", False):
             return
         itemsize = torch.empty((), dtype=DTYPES[plan.dtype]).element_size()
         buckets = plan_buckets(self.args, plan.tp, plan.pp, plan.bucket_bytes, itemsize)
         names = [(k, t.name, t.numel) for k, b in enumerate(buckets) for s in b.params for t in s.tensors]
         got = self.engine.weight_checksums([n for _, n, _ in names])
-        missing = torch.full((2,), float("nan"), dtype=torch.float64)
+        missing = missing_checksum()
         have = torch.stack([got.get(n, missing).cpu() for _, n, _ in names])
         numel = torch.tensor([k for _, _, k in names])
         bad = (~checksums_match(sums, have, numel)).nonzero()

@@ -175,7 +175,7 @@ class HFEngine:
 
     @torch.no_grad()
     def weight_checksums(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """[2] float64 checksums (reshard.tensor_checksum) of this engine's copy of ``names``."""
+        """[CHECKSUM_SIZE] float64 checksums (reshard.tensor_checksum) of this engine's copy of ``names``."""
         from megatron_rl.rollout.reshard import tensor_checksum
 
         params = self._stream_targets()

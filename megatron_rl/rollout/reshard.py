@@ -44,8 +44,9 @@ replicas run the same stream independently (with EP > 1 the expert gather spans 
 ranks are carved out of the data-parallel ones).
 
 Integrity (:func:`sync_weights`, always on). As each bucket is handed over, the stream records a
-checksum of every tensor in it (float64 sum and sum of squares: two reductions per tensor, on the
-device). After ``engine.update_weights`` the engine reads its own copy of the same tensors back
+checksum of every tensor in it (:func:`tensor_checksum`, three float64 reductions per tensor on the
+device: sum, sum of squares and a sum weighted by position, so that a permuted or swapped copy
+differs too). After ``engine.update_weights`` the engine reads its own copy of the same tensors back
 (``engine.weight_checksums``) and the two are compared on every rank where an engine holds weights
 (``engine.checks_weights``); one all-reduce makes every rank agree on the first mismatch, and all
 raise :class:`WeightSyncError` naming the bucket, the tensor and the rank. An engine that cannot
@@ -130,24 +131,54 @@ class WeightSyncError(LaunchError):
     """The engine does not hold the weights the actor streamed; the message names bucket, tensor, rank."""
 
 
+CHECKSUM_SIZE = 3
+"""Entries of one tensor's checksum (:func:`tensor_checksum`)."""
+
+_CHECKSUM_CHUNK = 1 << 22  # elements converted to float64 at a time (32 MiB)
+_PHI = (math.sqrt(5.0) - 1.0) / 2.0
+_position_weights: dict[torch.device, torch.Tensor] = {}
+
+
+def _weights(device: torch.device) -> torch.Tensor:
+    """[_CHECKSUM_CHUNK] float64 frac(j * phi) - 1/2, made once per device: weights that differ between
+    any two nearby positions (the golden ratio's multiples spread evenly over [0, 1))."""
+    if device not in _position_weights:
+        j = torch.arange(_CHECKSUM_CHUNK, dtype=torch.float64, device=device)
+        _position_weights[device] = torch.frac(j * _PHI) - 0.5
+    return _position_weights[device]
+
+
 def tensor_checksum(t: torch.Tensor) -> torch.Tensor:
-    """[2] float64 (sum, sum of squares) of ``t``, on its device: cheap, and a dropped, stale, shifted or
-    scaled tensor changes it."""
-    out = torch.zeros(2, dtype=torch.float64, device=t.device)
-    for chunk in t.detach().reshape(-1).split(_CHECKSUM_CHUNK):  # float64 copies of one chunk at a time
+    """[CHECKSUM_SIZE] float64 on ``t``'s device: (sum, sum of squares, sum weighted by position) of its
+    elements in row-major order. Cheap (one pass over ``t`` in float64 chunks); a dropped, stale,
+    shifted or scaled tensor changes the first two, a permuted one (rows reversed, two elements swapped)
+    the third. Chunk k's position weights are those of chunk 0 times (1 + k * phi mod 1), so that equal
+    offsets in two chunks weigh differently as well."""
+    out = torch.zeros(CHECKSUM_SIZE, dtype=torch.float64, device=t.device)
+    w = _weights(t.device)
+    for k, chunk in enumerate(t.detach().reshape(-1).split(_CHECKSUM_CHUNK)):
         x = chunk.to(torch.float64)
         out[0] += x.sum()
         out[1] += x.square().sum()
+        out[2] += torch.dot(x, w[: x.numel()]) * (1.0 + (k * _PHI) % 1.0)
     return out
 
 
-_CHECKSUM_CHUNK = 1 << 22
+def missing_checksum(device: torch.device | str = "cpu") -> torch.Tensor:
+    """The checksum of a tensor an engine does not hold: NaNs, which match nothing."""
+    return torch.full((CHECKSUM_SIZE,), math.nan, dtype=torch.float64, device=device)
 
 
 def checksums_match(want: torch.Tensor, have: torch.Tensor, numel: torch.Tensor) -> torch.Tensor:
-    """[n] bool: rows of [n, 2] checksums equal up to float64 rounding of another summation order
-    (``numel`` [n]: each tensor's elements)."""
-    tol = 1e-9 * numel.to(torch.float64).clamp(min=1).sqrt()[:, None] * (1.0 + want.abs())
+    """[n] bool: rows of [n, CHECKSUM_SIZE] checksums equal up to float64 rounding of another summation
+    order (``numel`` [n]: each tensor's elements). The bound is 1e-11 of the sum of magnitudes each
+    entry adds up (sum |x| <= sqrt(numel * sum x^2)); float64 sums of up to 2^32 terms stay within
+    1e-13 of it, while one swap of two different values moves the weighted entry by about their
+    difference."""
+    sq = want[:, 1].clamp(min=0)
+    mag = (numel.to(torch.float64).clamp(min=1) * sq).sqrt()
+    scale = torch.stack([mag, sq, 2.0 * mag], dim=1)
+    tol = 1e-11 * scale + 1e-300
     return ((want - have).abs() <= tol).all(dim=1)
 
 
@@ -505,8 +536,8 @@ def sync_weights(
     stats = {"bytes": 0.0, "buckets": 0.0}
     finished = False
     fault, sync_number = stream_fault, _syncs
-    # (bucket index, name, numel, [2] checksum) of every tensor streamed; the checksum only where an
-    # engine holds weights to compare with (engine.checks_weights)
+    # (bucket index, name, numel, [CHECKSUM_SIZE] checksum) of every tensor streamed; the checksum only
+    # where an engine holds weights to compare with (engine.checks_weights)
     sent: list[tuple[int, str, int, torch.Tensor | None]] = []
     compare = bool(getattr(engine, "checks_weights", False))
     check_seconds = 0.0
@@ -546,15 +577,15 @@ def sync_weights(
 def check_weights(engine, ps: ParallelState, sent: list[tuple[int, str, int, torch.Tensor | None]]) -> None:
     """Collective: compare the stream's checksums with the engine's copy; WeightSyncError on every rank
     at the first tensor (in stream order) that differs on any rank. Engines that hold weights on this
-    rank say so with ``checks_weights`` and give ``weight_checksums(names) -> {name: [2] float64}``
-    (:func:`tensor_checksum` of their copy; a name they lack is left out)."""
+    rank say so with ``checks_weights`` and give ``weight_checksums(names)``: {name: [CHECKSUM_SIZE]
+    float64}, the :func:`tensor_checksum` of their copy (a name they lack is left out)."""
     compare = bool(getattr(engine, "checks_weights", False))
     got = engine.weight_checksums([name for _, name, _, _ in sent]) if compare else None
     n = len(sent)
     first = n  # index into ``sent`` of this rank's first mismatch (n: none)
     if got is not None and n:
-        missing = torch.tensor([math.nan, math.nan], dtype=torch.float64, device=ps.device)
-        want = torch.stack([c for _, _, _, c in sent]).to(ps.device)  # [n, 2]
+        missing = missing_checksum(ps.device)
+        want = torch.stack([c for _, _, _, c in sent]).to(ps.device)  # [n, CHECKSUM_SIZE]
         have = torch.stack([got.get(name, missing).to(ps.device) for _, name, _, _ in sent])
         numel = torch.tensor([k for _, _, k, _ in sent], device=ps.device)
         bad = (~checksums_match(want, have, numel)).nonzero()

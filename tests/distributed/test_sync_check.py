@@ -1,7 +1,8 @@
-"""Sync integrity in the real CPU demo job (torchrun, TP=2 over two gloo ranks): a weight sync that drops
-a bucket before the engine stops the run at that step, in one line naming the tensor; a stream that
-hands the engine wrong-but-consistent weights (a layout bug: the checksums agree) is caught by the
-log-prob probe, which passes on a correct run."""
+"""Sync integrity in the real CPU demo job (TP=2 over two gloo ranks): a weight sync that drops a bucket
+before the engine stops the run at that step, in one line naming the tensor, and so does an engine
+whose copy ends up permuted (rows reversed, or two elements swapped) at the default
+``trainer.sync_check_freq``; a stream that hands the engine wrong-but-consistent weights (a layout
+bug: the checksums agree) is caught by the log-prob probe, which passes on a correct run."""
 
 from __future__ import annotations
 
@@ -47,6 +48,29 @@ def test_a_dropped_bucket_stops_the_run_at_that_step(demo, tmp_path):
     assert "on rank 0 " in lines[0], lines[0]
     assert "/megatron_rl/" not in text, text[-3000:]  # no rank printed a traceback (torchrun's own may)
     assert [r["step"] for r in metrics(out)] == [1]  # step 1 trained; step 2 never did
+
+
+@pytest.mark.parametrize("kind", ["engine_reverse", "engine_swap"])
+def test_a_permuted_engine_copy_stops_the_run_at_the_default_check_frequency(demo, tmp_path, kind):
+    """The stream is right; from the engine's second load on (step 1's probe-free rollout is the first,
+    the CPU engine reloads every step) its embedding is permuted: sum and sum of squares agree, the
+    position-weighted checksum does not."""
+    from tests.conftest import zygote
+
+    out = str(tmp_path / "run")
+    args = overrides(demo, out, **{"trainer.test_freq": -1, "trainer.save_freq": -1})
+    args += ["trainer.total_training_steps=3"]  # sync_check_freq stays at its default (10): no probe
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    env["STREAM_FAULT"] = f"{kind}:2:model.embed_tokens.weight"
+    codes, stdout, stderr = zygote().launch(WORKER, 2, args, env, 300, ROOT)
+    text = stdout + stderr
+    assert any(c != 0 for c in codes), text[-3000:]
+    lines = [ln for ln in text.splitlines() if "weight sync check failed" in ln]
+    assert lines, text[-3000:]
+    assert "does not hold model.embed_tokens.weight (bucket 1 of 1)" in lines[0], lines[0]
+    assert "on rank 0 " in lines[0], lines[0]
+    assert "/megatron_rl/" not in text, text[-3000:]
+    assert len(metrics(out)) < 3
 
 
 def test_the_log_prob_probe_passes_a_correct_run_and_stops_a_wrong_policy(demo, tmp_path):
