@@ -20,7 +20,7 @@ inside the actor's world); the actor's leader (training rank 0) holds every full
 broadcasts its flat buffer over the *weights group* (the leader and the rollout ranks; NCCL on GPU,
 gloo on CPU). The rollout ranks rebuild each bucket's views from the same plan
 (``reshard.plan_buckets``, a pure function of the tables) and hand it to their engine. After the
-stream the leader puts each streamed tensor's checksum (``reshard.tensor_checksum``) under
+stream the leader puts each streamed tensor's checksum (``rollout.checksums.tensor_checksum``) under
 ``sums/<i>``; every rollout rank whose engine holds weights compares its copy with them and stops on
 the first tensor that differs (``reshard.WeightSyncError`` naming bucket, tensor and rank).
 
@@ -52,15 +52,13 @@ from megatron_rl.roles.transport import (
     to_plain,
 )
 from megatron_rl.rollout.base import Generation, SamplingParams, is_dp_leader
+from megatron_rl.rollout.checksums import checksums_match, missing_checksum, tensor_checksum
 from megatron_rl.rollout.reshard import (
     Bucket,
     WeightSyncError,
-    checksums_match,
     iter_hf_buckets,
     make_bucket,
-    missing_checksum,
     plan_buckets,
-    tensor_checksum,
 )
 
 

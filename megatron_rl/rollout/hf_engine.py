@@ -175,8 +175,8 @@ class HFEngine:
 
     @torch.no_grad()
     def weight_checksums(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """[CHECKSUM_SIZE] float64 checksums (reshard.tensor_checksum) of this engine's copy of ``names``."""
-        from megatron_rl.rollout.reshard import tensor_checksum
+        """[CHECKSUM_SIZE] float64 checksums (rollout.checksums) of this engine's copy of ``names``."""
+        from megatron_rl.rollout.checksums import tensor_checksum
 
         params = self._stream_targets()
         return {n: tensor_checksum(params[n]) for n in names if n in params}

@@ -44,8 +44,8 @@ replicas run the same stream independently (with EP > 1 the expert gather spans 
 ranks are carved out of the data-parallel ones).
 
 Integrity (:func:`sync_weights`, always on). As each bucket is handed over, the stream records a
-checksum of every tensor in it (:func:`tensor_checksum`, three float64 reductions per tensor on the
-device: sum, sum of squares and a sum weighted by position, so that a permuted or swapped copy
+checksum of every tensor in it (``rollout.checksums``: three float64 reductions per tensor on the
+device, sum, sum of squares and a sum weighted by position, so that a permuted or swapped copy
 differs too). After ``engine.update_weights`` the engine reads its own copy of the same tensors back
 (``engine.weight_checksums``) and the two are compared on every rank where an engine holds weights
 (``engine.checks_weights``); one all-reduce makes every rank agree on the first mismatch, and all
@@ -67,6 +67,7 @@ from torch import nn
 from megatron_rl.errors import LaunchError
 from megatron_rl.model_args import ModelArgs
 from megatron_rl.parallel import ParallelState
+from megatron_rl.rollout.checksums import checksums_match, missing_checksum, tensor_checksum
 from megatron_rl.weights import tables
 from megatron_rl.weights.hf_io import hf_names, scatter_shard
 from megatron_rl.weights.tables import ParamLayout
@@ -129,57 +130,6 @@ class BucketPlan:
 
 class WeightSyncError(LaunchError):
     """The engine does not hold the weights the actor streamed; the message names bucket, tensor, rank."""
-
-
-CHECKSUM_SIZE = 3
-"""Entries of one tensor's checksum (:func:`tensor_checksum`)."""
-
-_CHECKSUM_CHUNK = 1 << 22  # elements converted to float64 at a time (32 MiB)
-_PHI = (math.sqrt(5.0) - 1.0) / 2.0
-_position_weights: dict[torch.device, torch.Tensor] = {}
-
-
-def _weights(device: torch.device) -> torch.Tensor:
-    """[_CHECKSUM_CHUNK] float64 frac(j * phi) - 1/2, made once per device: weights that differ between
-    any two nearby positions (the golden ratio's multiples spread evenly over [0, 1))."""
-    if device not in _position_weights:
-        j = torch.arange(_CHECKSUM_CHUNK, dtype=torch.float64, device=device)
-        _position_weights[device] = torch.frac(j * _PHI) - 0.5
-    return _position_weights[device]
-
-
-def tensor_checksum(t: torch.Tensor) -> torch.Tensor:
-    """[CHECKSUM_SIZE] float64 on ``t``'s device: (sum, sum of squares, sum weighted by position) of its
-    elements in row-major order. Cheap (one pass over ``t`` in float64 chunks); a dropped, stale,
-    shifted or scaled tensor changes the first two, a permuted one (rows reversed, two elements swapped)
-    the third. Chunk k's position weights are those of chunk 0 times (1 + k * phi mod 1), so that equal
-    offsets in two chunks weigh differently as well."""
-    out = torch.zeros(CHECKSUM_SIZE, dtype=torch.float64, device=t.device)
-    w = _weights(t.device)
-    for k, chunk in enumerate(t.detach().reshape(-1).split(_CHECKSUM_CHUNK)):
-        x = chunk.to(torch.float64)
-        out[0] += x.sum()
-        out[1] += x.square().sum()
-        out[2] += torch.dot(x, w[: x.numel()]) * (1.0 + (k * _PHI) % 1.0)
-    return out
-
-
-def missing_checksum(device: torch.device | str = "cpu") -> torch.Tensor:
-    """The checksum of a tensor an engine does not hold: NaNs, which match nothing."""
-    return torch.full((CHECKSUM_SIZE,), math.nan, dtype=torch.float64, device=device)
-
-
-def checksums_match(want: torch.Tensor, have: torch.Tensor, numel: torch.Tensor) -> torch.Tensor:
-    """[n] bool: rows of [n, CHECKSUM_SIZE] checksums equal up to float64 rounding of another summation
-    order (``numel`` [n]: each tensor's elements). The bound is 1e-11 of the sum of magnitudes each
-    entry adds up (sum |x| <= sqrt(numel * sum x^2)); float64 sums of up to 2^32 terms stay within
-    1e-13 of it, while one swap of two different values moves the weighted entry by about their
-    difference."""
-    sq = want[:, 1].clamp(min=0)
-    mag = (numel.to(torch.float64).clamp(min=1) * sq).sqrt()
-    scale = torch.stack([mag, sq, 2.0 * mag], dim=1)
-    tol = 1e-11 * scale + 1e-300
-    return ((want - have).abs() <= tol).all(dim=1)
 
 
 StreamFault = Callable[[int, int, "Bucket"], bool]
@@ -578,7 +528,7 @@ def check_weights(engine, ps: ParallelState, sent: list[tuple[int, str, int, tor
     """Collective: compare the stream's checksums with the engine's copy; WeightSyncError on every rank
     at the first tensor (in stream order) that differs on any rank. Engines that hold weights on this
     rank say so with ``checks_weights`` and give ``weight_checksums(names)``: {name: [CHECKSUM_SIZE]
-    float64}, the :func:`tensor_checksum` of their copy (a name they lack is left out)."""
+    float64}, the ``tensor_checksum`` of their copy (a name they lack is left out)."""
     compare = bool(getattr(engine, "checks_weights", False))
     got = engine.weight_checksums([name for _, name, _, _ in sent]) if compare else None
     n = len(sent)

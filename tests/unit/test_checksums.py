@@ -1,4 +1,4 @@
-"""The weight sync's per-tensor checksums (rollout.reshard.tensor_checksum): equal for the same values
+"""The weight sync's per-tensor checksums (rollout.checksums.tensor_checksum): equal for the same values
 summed in another order, different for any permutation, swap, stale or scaled copy."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl.rollout.reshard import (
+from megatron_rl.rollout.checksums import (
     _CHECKSUM_CHUNK,
     CHECKSUM_SIZE,
     checksums_match,
