@@ -134,7 +134,7 @@ RANGES: dict[str, str] = {
     "actor_rollout_ref.rollout.multi_turn.max_abandoned_tool_calls": ">=1",
     "actor_rollout_ref.rollout.multi_turn.max_tokens_per_turn": ">=1",
     "actor_rollout_ref.rollout.multi_turn.tool_reward_weight": "any",
-    "actor_rollout_ref.rollout.multi_turn.endpoint.port": ">=0",
+    "actor_rollout_ref.rollout.multi_turn.endpoint.port": "[0,65535]",
     "actor_rollout_ref.rollout.multi_turn.endpoint.max_body_bytes": ">=1",
     "actor_rollout_ref.rollout.multi_turn.endpoint.request_timeout_s": ">0",
     "actor_rollout_ref.rollout.multi_turn.endpoint.max_sessions": ">=1",

@@ -82,7 +82,7 @@ def expert_layout(mcfg, actor_mcfg=None) -> tuple[int, int]:
 
 def check_expert_layout(cfg, world_size: int) -> None:
     """Every model shares the actor's expert layout, and EP x expert TP x PP divides the world.
-    Whether EP divides the number of experts is checked where the model is read (models.builder)."""
+    Whether EP divides the number of experts needs the model's config: :func:`check_expert_count`."""
     arr = cfg.actor_rollout_ref
     am = arr.actor.megatron
     ep, etp = expert_layout(am)
@@ -104,6 +104,18 @@ def check_expert_layout(cfg, world_size: int) -> None:
             f"{EP_KEY}={ep}: expert_model_parallel_size x expert_tensor_parallel_size x "
             f"pipeline_model_parallel_size = {ep} x {etp} x {pp} does not divide the {world_size} training "
             "ranks: change it or the number of processes."
+        )
+
+
+def check_expert_count(cfg, num_experts: int, path: str) -> None:
+    """EP divides the experts of the MoE model at ``path`` (``num_experts``; 0: dense): the pre-flight
+    and the dry run read the model's config for it (models.builder checks again on the model it
+    builds)."""
+    ep, _ = expert_layout(cfg.actor_rollout_ref.actor.megatron)
+    if num_experts and num_experts % ep:
+        divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
+        raise ConfigError(
+            f"{EP_KEY}={ep} does not divide the {num_experts} experts of {path}: choose one of {divisors}."
         )
 
 

@@ -311,10 +311,18 @@ def _import_class(dotted: str, where: str):
 
 def _read_yaml(path: str, key: str, section: str) -> list:
     from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
+    import yaml
+
+    where = f"actor_rollout_ref.rollout.multi_turn.{key}={path!r}"
     if not os.path.isfile(path):
-        raise ConfigError(f"actor_rollout_ref.rollout.multi_turn.{key}={path!r}: no such file")
-    data = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+        raise ConfigError(f"{where}: no such file")
+    try:
+        data = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    except (yaml.YAMLError, OmegaConfBaseException, UnicodeDecodeError, ValueError) as e:
+        why = " ".join(str(e).split())  # the parser's message and position, on one line
+        raise ConfigError(f"{where} is not a valid YAML file ({why}); fix it (verl's format).") from None
     entries = data.get(section) if isinstance(data, dict) else None
     if not isinstance(entries, list):
         raise ConfigError(f"{path}: expected a top-level '{section}:' list (verl's format)")
@@ -363,6 +371,18 @@ def load_interactions(path: str) -> dict[str, Any]:
         config.setdefault("name", name)
         out[name] = cls(config)
     return out
+
+
+def check_multi_turn_files(mt) -> None:
+    """The tool and interaction configs of ``mt`` (the multi_turn section) read and build as the
+    trainer's agent loop builds them: the pre-flight's check, so that a broken file is one line before
+    any model is built."""
+    if not mt.enable:
+        return
+    if mt.tool_config_path:
+        load_tools(mt.tool_config_path)
+    if mt.interaction_config_path:
+        load_interactions(mt.interaction_config_path)
 
 
 def prompt_tool_schemas(mt) -> list[dict] | None:

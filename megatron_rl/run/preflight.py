@@ -66,6 +66,7 @@ def checks(
         ("rollout engine", lambda: _check_rollout_engine(cfg, typed, device)),
         ("model paths", lambda: _check_model_paths(cfg)),
         ("models", lambda: _check_models(cfg)),
+        ("tools", lambda: _check_tools(cfg)),
         ("logger", lambda: check_logger_packages(cfg.trainer.logger)),
         ("config", lambda: validate(cfg, world_size=world_size)),
     ]
@@ -171,11 +172,12 @@ def _check_model_paths(cfg: Any) -> None:
 
 
 def _check_models(cfg: Any) -> None:
-    """The models the run loads are ones this project builds, read from their config (no weights): an
-    architecture it does not build, or routing replay on a dense actor, is one line here rather than
-    after the process groups start. A legacy Megatron-LM checkpoint (its args sit in a weights file) is
-    read when it loads."""
-    from megatron_rl.config.layout import check_replay_model
+    """The models the run loads are ones this project builds and this run fits, read from their config
+    (no weights): an architecture it does not build, an EP that does not divide the experts, a prompt
+    plus response longer than the model's positions, or routing replay on a dense actor, is one line
+    here rather than after the process groups start. A legacy Megatron-LM checkpoint (its args sit in
+    a weights file) is read when it loads."""
+    from megatron_rl.config.layout import check_expert_count, check_replay_model
     from megatron_rl.models.loading import detect_format, load_model_args_any
 
     for key, path in _model_paths(cfg):
@@ -185,8 +187,29 @@ def _check_models(cfg: Any) -> None:
         except (FileNotFoundError, ValueError):
             continue  # the model paths check says why
         args = load_model_args_any(path)
+        check_expert_count(cfg, args.num_experts, path)
+        _check_context(cfg, args.max_position_embeddings, key, path)
         if key == "actor_rollout_ref.model.path":
             check_replay_model(cfg, args.is_moe)
+
+
+def _check_tools(cfg: Any) -> None:
+    from megatron_rl.rollout.tools import check_multi_turn_files
+
+    check_multi_turn_files(cfg.actor_rollout_ref.rollout.multi_turn)
+
+
+def _check_context(cfg: Any, positions: int, key: str, path: str) -> None:
+    """A sequence (prompt + response, tool turns included) fits the model's positions: beyond them
+    the engine refuses the request or the model's rotary embedding runs where it was never trained."""
+    data = cfg.data
+    total = data.max_prompt_length + data.max_response_length
+    if total > positions:
+        raise ConfigError(
+            f"data.max_prompt_length + data.max_response_length = {data.max_prompt_length} + "
+            f"{data.max_response_length} = {total} exceeds the {positions} positions of {key}={path} "
+            "(max_position_embeddings in its config.json): lower them to fit."
+        )
 
 
 def _model_paths(cfg: Any) -> list[tuple[str, str]]:

@@ -20,6 +20,7 @@ from megatron_rl.run.preflight import check_logger_packages, dry_run, main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO = os.path.join(ROOT, "yaml", "cpu_demo.yaml")
+DEMO_MOE = os.path.join(ROOT, "yaml", "cpu_demo_moe.yaml")
 
 
 @pytest.fixture(scope="module")
@@ -350,3 +351,47 @@ def test_an_architecture_the_trainer_refuses_is_refused_by_the_dry_run_in_one_li
 
         load_model_args_any(str(model))
     assert "\n" not in explain(e.value)  # the trainer's line: no traceback
+
+
+@pytest.fixture(scope="module")
+def moe_demo(tmp_path_factory) -> dict[str, str]:
+    from megatron_rl.demo import prepare
+
+    return prepare(str(tmp_path_factory.mktemp("moe")), moe=True)
+
+
+def test_values_only_the_model_or_a_file_can_refuse_are_one_line_each(moe_demo, tmp_path, capsys):
+    """EP against the model's experts, prompt + response against its positions, a port past 65535 and a
+    tool config that is not YAML: each refused by the dry run (and so by the trainer's pre-flight) in
+    one line naming the key."""
+    bad_tools = tmp_path / "tools.yaml"
+    bad_tools.write_text("tools: [ {class_name: x\n")
+    base = [
+        "--check", "--nproc", "3",
+        f"actor_rollout_ref.model.path={moe_demo['model_moe']}",
+        f"data.train_files={moe_demo['train']}", f"data.val_files={moe_demo['test']}",
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
+        "actor_rollout_ref.actor.megatron.expert_model_parallel_size=1",
+        "data.train_batch_size=48", "actor_rollout_ref.actor.ppo_mini_batch_size=12",
+        "critic.ppo_mini_batch_size=12", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+        "critic.ppo_micro_batch_size_per_gpu=16",
+    ]  # fmt: skip
+    cases = {
+        "actor_rollout_ref.actor.megatron.expert_model_parallel_size=3": (
+            "expert_model_parallel_size=3 does not divide the 4 experts of",
+            "choose one of [1, 2, 4]",
+        ),
+        "data.max_response_length=60": ("= 16 + 60 = 76 exceeds the 64 positions of", "lower them"),
+        "actor_rollout_ref.rollout.multi_turn.endpoint.port=70000": ("port=70000 is out of range", "65535"),
+        f"actor_rollout_ref.rollout.multi_turn.tool_config_path={bad_tools}": (
+            "tool_config_path=",
+            "is not a valid YAML file",
+        ),
+    }
+    for override, wanted in cases.items():
+        extra = ["actor_rollout_ref.rollout.multi_turn.enable=true"] if "tool_config" in override else []
+        rc, lines = problems_of(capsys, [DEMO_MOE, *base, *extra, override])
+        assert rc == 1 and len(lines) == 1, (override, lines)
+        assert all(w in lines[0] for w in wanted), (override, lines[0])
+    rc, lines = problems_of(capsys, [DEMO_MOE, *base])  # the same launch without them passes
+    assert rc == 0 and not lines, lines
