@@ -15,12 +15,11 @@ OVER = {
     "megatron_rl/rollout/agent_loop.py": 764,
     "megatron_rl/rollout/openai_server.py": 620,
     "megatron_rl/config/schema.py": 583,
-    "megatron_rl/rollout/reshard.py": 577,
+    "megatron_rl/rollout/reshard.py": 558,
     "megatron_rl/ppo.py": 575,
     "megatron_rl/config/checks.py": 558,
     "megatron_rl/roles/rollout.py": 521,
     "megatron_rl/optim.py": 517,
-    "megatron_rl/run/checkpoint.py": 502,
     "megatron_rl/trainer.py": 326,
 }
 """Modules over their limit and the size they may not exceed."""
