@@ -8,10 +8,10 @@ Each role is either on the actor's ranks or on ranks of its own:
 
 * colocated (the default): every role on every rank; the rollout engine lives in the training
   processes and takes the GPU only while it generates (the hybrid engine);
-* separate rollout: the rollout ranks run only engines (``rollout.remote``), the actor's ranks only
+* separate rollout: the rollout ranks run only engines (``roles.remote_rollout``), the actor's ranks only
   train. Each side has its own torch.distributed world (megatron's groups span exactly the actor's
   ranks); the actor's weights and the generations cross over the job's shared store and a weights
-  group (``rollout.remote``), which lets generation of step k+1 overlap training on step k
+  group (``roles.remote_rollout``), which lets generation of step k+1 overlap training on step k
   (``actor_rollout_ref.rollout.max_staleness``);
 * separate critic: the critic ranks form a world of their own (megatron's TP x PP x DP over them) and
   compute values and the critic update while the actor computes log-probs and updates
