@@ -7,7 +7,9 @@
 its own session; this thread pumps the server, so it alone calls ``engine.generate``. Each episode comes
 back as a Generation in AgentLoop.run's shape: its response is every token after the session's prompt
 (model tokens mask 1, appended tool/user tokens mask 0), ``info["prompt_ids"]`` the session's prompt and
-``info["agent_reward"]`` what the harness returned.
+``info["agent_reward"]`` what the harness returned. An engine that fails mid-rollout fails the call
+with its own exception, which roles/rollout.py handles as any failed generate (an EngineFailure: the
+engine restarted in place and this call made again, every episode of the step from its start).
 """
 
 from __future__ import annotations
@@ -112,8 +114,11 @@ def run_agent_episodes(
     prompt, which the batch must use) and ``agent_reward`` (what ``agent_fn`` returned).
 
     An exception in ``agent_fn``, an episode over ``episode_timeout_s`` or one that made no request
-    fails the call with an :class:`AgentFunctionError` naming the prompt row. ``max_prompt_tokens``: as
-    :class:`OpenAIServer`'s."""
+    fails the call with an :class:`AgentFunctionError` naming the prompt row. An engine that fails
+    fails the call with what it raised, as a failed ``engine.generate`` of the agent loop does (its
+    harnesses' requests get 503; the episodes done so far are dropped): the rollout role restarts an
+    engine that raised rollout.base.EngineFailure and runs every episode of the step again.
+    ``max_prompt_tokens``: as :class:`OpenAIServer`'s."""
     cfg = cfg or OpenAIServerConfig()
     n = params.n
     jobs = [(i, j) for i in range(len(items)) for j in range(n)]
@@ -135,6 +140,8 @@ def run_agent_episodes(
                     time.monotonic(),
                 )
             server.pump(0.01)
+            if server.failure is not None:
+                raise server.failure
             now = time.monotonic()
             for job, (eid, fut, start) in list(running.items()):
                 if fut.done() or now - start > cfg.episode_timeout_s:
@@ -174,6 +181,7 @@ def _episode(s: Session, fut: Any, params: SamplingParams, cfg: OpenAIServerConf
     except ValueError as exc:
         return str(exc)
     g = s.generation(params.return_logprobs)
+    assert g.info is not None  # Session.generation fills it
     g.info["agent_reward"] = reward
     return g
 

@@ -23,7 +23,19 @@ request without a ``Content-Length`` 411, one whose ``Content-Length`` is not a 
 a request unanswered after ``request_timeout_s`` gets 504 and leaves its session as it was (a late
 result is dropped); at most ``max_sessions`` sessions are open at once; a session's response (model +
 appended tokens) stops at ``params.max_new_tokens`` (= data.max_response_length), after which every
-reply is empty with finish_reason "length".
+reply is empty with finish_reason "length". Connections, read time and the shape of a request are
+bounded by ``limits`` (openai_request.EndpointLimits; the HTTP side in openai_http.py, the request's
+checks in openai_request.py): 4 x max_sessions connections at once, at least 256, one more gets 503;
+30 s to deliver a request, else 408 (an idle connection is closed); JSON 64 levels deep, integers of
+32 digits, 1024 messages, 128 tool specs, else 400 naming the field. A chat template that cannot
+render a request's messages or tools is the request's fault (400).
+
+An engine failure ends the server's service: the failed batch and every request after it get 503
+(500 for an error that is not rollout.base.EngineFailure), and :attr:`OpenAIServer.failure` holds the
+exception, which agent_function.run_agent_episodes raises. The rollout role then treats it as a failed
+``engine.generate`` of the step: an EngineFailure restarts the engine in place (rollout.engine_restarts)
+and the step's episodes all run again on a fresh server, the harness called anew for each; anything
+else ends the job naming the engine's error.
 
 Sampling is the trainer's (``params``: temperature, top-p/k, stop tokens, seed); a request's
 ``temperature``/``top_p``/``stop`` are ignored, its ``max_tokens`` / ``max_completion_tokens`` only
@@ -33,79 +45,34 @@ rank with TP = PP = 1): the server makes calls other ranks do not mirror.
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import logging
 import math
 import queue
-import re
-import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING, Any
+from typing import Literal, TypeVar
 
 from megatron_rl.config.schema import OpenAIServerConfig
 from megatron_rl.rollout.agent_loop import TurnEncoder
-from megatron_rl.rollout.base import Generation, SamplingParams
-from megatron_rl.rollout.tool_formats import TOOL_CALL, parse_hermes
-
-if TYPE_CHECKING:
-    pass
+from megatron_rl.rollout.base import EngineFailure, Generation, SamplingParams
+from megatron_rl.rollout.openai_http import (
+    SESSION_PATH,
+    EndpointHTTPServer,
+    check_endpoint,
+    handler_for,
+    quiet_http_client_logs,
+)
+from megatron_rl.rollout.openai_request import EndpointLimits, HTTPError, check_chat, completion
 
 log = logging.getLogger(__name__)
 
 _TURN_SEED_STRIDE = 7919  # each engine call samples from its own stream (as agent_loop's turns do)
-_SESSION_ID = re.compile(r"^/s/([A-Za-z0-9._-]{1,128})(/v1/.*)$")
-
-
-_KEY = "actor_rollout_ref.rollout.multi_turn.endpoint"
-_HTTP_CLIENT_LOGGERS = ("httpx", "httpcore")
-"""The loggers of the HTTP client under the ``openai`` package: httpx logs every request at INFO."""
-
-
-def quiet_http_client_logs() -> None:
-    """Keep the HTTP client's loggers (:data:`_HTTP_CLIENT_LOGGERS`) at WARNING: an ``openai`` harness
-    makes a request per turn, and the trainer's INFO console would print a line for each. Left as they
-    are when the user asked for more: the root logger at DEBUG, or a level of their own set on them."""
-    if logging.getLogger().getEffectiveLevel() <= logging.DEBUG:
-        return
-    for name in _HTTP_CLIENT_LOGGERS:
-        logger = logging.getLogger(name)
-        if logger.level == logging.NOTSET:
-            logger.setLevel(logging.WARNING)
-
-
-def check_endpoint(cfg: OpenAIServerConfig) -> None:
-    """The endpoint binds a loopback address only and its bounds are positive (config/checks.py checks
-    the same keys of a loaded config; this guards a server built directly)."""
-    try:
-        loopback = ipaddress.ip_address(cfg.host).is_loopback
-    except ValueError:
-        loopback = False
-    if not loopback:
-        raise ValueError(
-            f"{_KEY}.host={cfg.host!r} is not a loopback address; the endpoint has no "
-            "authentication, so it binds 127.0.0.1 only: set host to 127.0.0.1"
-        )
-    for key in ("max_body_bytes", "max_sessions", "max_batch"):
-        if getattr(cfg, key) < 1:
-            raise ValueError(f"{_KEY}.{key}={getattr(cfg, key)} must be >= 1")
-    for key in ("request_timeout_s", "episode_timeout_s"):
-        if getattr(cfg, key) <= 0:
-            raise ValueError(f"{_KEY}.{key}={getattr(cfg, key)} must be > 0")
-    if cfg.batch_window_s < 0:
-        raise ValueError(f"{_KEY}.batch_window_s={cfg.batch_window_s} must be >= 0")
-
-
-class HTTPError(Exception):
-    """A request refused with ``status`` and an OpenAI-shaped error body."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
+_MAX_ENCODERS = 64  # distinct tool lists whose TurnEncoder is kept (a harness may vary them per session)
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -126,9 +93,9 @@ class Session:
     assistant_turns: int = 0
     user_turns: int = 0
     tool_calls: int = 0
-    finish: str | None = None
+    finish: Literal["length"] | None = None
     """"length" once the response budget is spent."""
-    last_finish: str = "stop"
+    last_finish: Literal["stop", "length"] = "stop"
     busy: bool = False
     closed: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -159,37 +126,9 @@ class _Request:
         self.prompt, self.cap = prompt, cap
         self.done = threading.Event()
         self.result: Generation | None = None
-        self.error: str | None = None
+        self.error: tuple[int, str] | None = None
+        """(HTTP status, message) when it is refused instead of answered."""
         self.abandoned = False  # timed out before the engine took it: skipped
-
-
-def _text(content: Any) -> str:
-    """OpenAI message content (a string, None, or a list of {"type": "text", "text"} parts) -> text."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for p in content:
-            if not isinstance(p, dict) or p.get("type") != "text":
-                raise HTTPError(400, "only text message content is supported (parts of type 'text')")
-            parts.append(str(p.get("text", "")))
-        return "".join(parts)
-    raise HTTPError(
-        400, f"message content must be a string or a list of text parts, got {type(content).__name__}"
-    )
-
-
-def _normalise(messages: Any) -> list[dict]:
-    if not isinstance(messages, list) or not messages:
-        raise HTTPError(400, "'messages' must be a non-empty list of chat messages")
-    out = []
-    for m in messages:
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise HTTPError(400, "every message is an object with a 'role'")
-        out.append({**m, "content": _text(m.get("content"))})
-    return out
 
 
 class OpenAIServer:
@@ -207,11 +146,15 @@ class OpenAIServer:
         params: SamplingParams,
         cfg: OpenAIServerConfig | None = None,
         max_prompt_tokens: int | None = None,
+        limits: EndpointLimits | None = None,
     ) -> None:
         """``max_prompt_tokens``: the longest session prompt accepted (data.max_prompt_length in the
-        trainer); a longer first request gets 400."""
+        trainer); a longer first request gets 400. ``limits``: openai_request.EndpointLimits (its defaults
+        when None)."""
         self.cfg = cfg or OpenAIServerConfig()
         check_endpoint(self.cfg)
+        self.limits = limits or EndpointLimits()
+        self.limits.check()
         params.check()
         self.engine, self.tok, self.params = engine, tokenizer, params
         self.max_prompt_tokens = max_prompt_tokens
@@ -222,11 +165,15 @@ class OpenAIServer:
         self._calls = 0
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self.failure: BaseException | None = None
+        """What the engine raised, once it failed (agent_function.run_agent_episodes raises it)."""
+        self._refusal: tuple[int, str] | None = None  # set: every new request gets it
         quiet_http_client_logs()  # the harnesses' client, in this process
-        self._httpd = _HTTPServer((self.cfg.host, self.cfg.port), _handler(self), False)
-        self._httpd.daemon_threads = True
-        # the listen backlog holds every session's connection at once (the default 5 resets the rest)
-        self._httpd.request_queue_size = max(self.cfg.max_sessions, 5)
+        cap = self.limits.connections(self.cfg.max_sessions)
+        self._httpd = EndpointHTTPServer((self.cfg.host, self.cfg.port), handler_for(self), cap)
+        # the listen backlog holds a burst of the cap's connections (every session's at once) while the
+        # accepting thread catches up (the default 5 resets the rest)
+        self._httpd.request_queue_size = max(cap, self.cfg.max_sessions, 5)
         try:
             self._httpd.server_bind()
             self._httpd.server_activate()
@@ -255,8 +202,15 @@ class OpenAIServer:
             self._threads.append(e)
         return self
 
+    @property
+    def http(self) -> EndpointHTTPServer:
+        """The HTTP server (its ``open_connections``, ``refused`` and ``cap``)."""
+        return self._httpd
+
     def shutdown(self) -> None:
+        """Stop serving: queued requests get 503, the port is closed."""
         self._stop.set()
+        self._refuse_all(503, "the endpoint shut down", [])
         self._httpd.shutdown()
         self._httpd.server_close()
         for t in self._threads:
@@ -272,7 +226,7 @@ class OpenAIServer:
 
     def open_session(self, episode_id: str | None = None) -> str:
         episode_id = episode_id or uuid.uuid4().hex
-        if not _SESSION_ID.match(f"/s/{episode_id}/v1/"):
+        if not SESSION_PATH.match(f"/s/{episode_id}/v1/"):
             raise ValueError(f"episode id {episode_id!r}: use 1-128 of A-Z a-z 0-9 . _ -")
         with self._lock:
             if episode_id in self._sessions:
@@ -324,15 +278,49 @@ class OpenAIServer:
             gens = self.engine.generate([r.prompt for r in live], call)
             if len(gens) != len(live):
                 raise RuntimeError(f"engine returned {len(gens)} results for {len(live)} prompts")
-        except Exception as exc:  # every request of the batch gets the error; the server goes on
-            for r in live:
-                r.error = f"engine error: {type(exc).__name__}: {exc}"
-                r.done.set()
+        except Exception as exc:  # the engine is done: the batch and every later request are refused
+            self._engine_failed(exc, live)
             return len(live)
         for r, (g,) in zip(live, gens, strict=True):
             r.result = g
             r.done.set()
         return len(live)
+
+    def _engine_failed(self, exc: Exception, batch: list[_Request]) -> None:
+        """Record the failure for run_agent_episodes and refuse the batch and all later requests: an
+        EngineFailure with 503 (the rollout restarts the engine and runs the step's episodes again),
+        anything else with 500."""
+        self.failure = exc
+        restart = isinstance(exc, EngineFailure)
+        log.debug("openai endpoint: the engine failed (%s: %s)", type(exc).__name__, exc)
+        why = f"the engine failed ({type(exc).__name__}: {exc})"
+        if restart:
+            why += "; the rollout restarts it and runs this step's episodes again"
+        self._refuse_all(503 if restart else 500, why, batch)
+
+    def _refuse_all(self, status: int, why: str, batch: list[_Request]) -> None:
+        """From now on every request gets (status, why); so do ``batch`` and the queued ones."""
+        with self._lock:
+            if self._refusal is None:
+                self._refusal = (status, why)
+            queued = []
+            while True:
+                try:
+                    queued.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+        for r in batch + queued:
+            r.error = self._refusal
+            r.done.set()
+
+    def _submit(self, req: _Request) -> None:
+        """Queue ``req`` for the engine, or refuse it at once if the server no longer serves."""
+        with self._lock:
+            if self._refusal is None:
+                self._queue.put(req)
+                return
+            req.error = self._refusal
+        req.done.set()
 
     # -- the HTTP side ---------------------------------------------------------------------------
 
@@ -343,9 +331,12 @@ class OpenAIServer:
         }
 
     def _encoder(self, tools: list | None) -> TurnEncoder:
+        """The TurnEncoder of a tool list, built once (the most recent ``_MAX_ENCODERS`` are kept)."""
         key = json.dumps(tools, sort_keys=True)
         with self._lock:
             if key not in self._encoders:
+                if len(self._encoders) >= _MAX_ENCODERS:
+                    self._encoders.pop(next(iter(self._encoders)))
                 self._encoders[key] = TurnEncoder(self.tok, tools)
             return self._encoders[key]
 
@@ -359,8 +350,7 @@ class OpenAIServer:
             raise HTTPError(400, "n must be 1 (each episode is one conversation)")
         if body.get("stream"):
             raise HTTPError(400, "stream=true is not supported")
-        messages = _normalise(body.get("messages"))
-        tools = body.get("tools") or None
+        messages, tools = check_chat(body, self.limits)
         budget = self.params.max_new_tokens
         with s.lock:
             if s.closed:
@@ -371,17 +361,17 @@ class OpenAIServer:
                 return self._reply(s, [], [], "length")
             if s.prompt is None:  # the first request: the prompt is the rendered conversation
                 kw = {"tools": tools} if tools else {}
-                text = self.tok.apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=False, **kw
-                )
+                template = self.tok.apply_chat_template
+                text = _rendered(lambda: template(messages, add_generation_prompt=True, tokenize=False, **kw))
                 prompt = list(self.tok.encode(text, add_special_tokens=False))
                 appended: list[int] = []
                 new: list[dict] = messages
-                encoder = self._encoder(tools)
+                encoder = _rendered(lambda: self._encoder(tools))
             else:
                 new = self._new_messages(s, messages)
-                encoder = s.encoder
-                appended = encoder.encode(new, s.tokens[-1] if s.tokens else None)
+                assert s.encoder is not None  # set with the prompt
+                encoder, last = s.encoder, s.tokens[-1] if s.tokens else None
+                appended = _rendered(lambda: encoder.encode(new, last))
                 prompt = s.prompt
                 if len(s.tokens) + len(appended) >= budget:  # the reply does not fit (as agent_loop)
                     s.finish = "length"
@@ -404,7 +394,7 @@ class OpenAIServer:
             engine_prompt = prompt + s.tokens + appended
             s.busy = True
         req = _Request(engine_prompt, cap)
-        self._queue.put(req)
+        self._submit(req)
         answered = req.done.wait(self.cfg.request_timeout_s)
         with s.lock:
             s.busy = False
@@ -414,10 +404,11 @@ class OpenAIServer:
                     504, f"no reply from the engine within request_timeout_s={self.cfg.request_timeout_s:g} s"
                 )
             if req.error is not None:
-                raise HTTPError(500, req.error)
+                raise HTTPError(*req.error)
             if s.closed:
                 raise HTTPError(404, f"session {episode_id!r} is closed")
             g = req.result
+            assert g is not None  # answered without an error
             toks = list(g.token_ids[:cap])
             lps = list(g.logprobs or [])[: len(toks)]
             lps += [math.nan] * (len(toks) - len(lps))
@@ -464,157 +455,19 @@ class OpenAIServer:
         return new
 
     def _reply(self, s: Session, toks: list[int], engine_prompt: list[int], finish: str) -> dict:
-        text = self.tok.decode(toks, skip_special_tokens=False)
-        calls = parse_hermes(text)
-        tool_calls, spans = [], []
-        for k, (m, c) in enumerate(zip(TOOL_CALL.finditer(text), calls, strict=True)):
-            if c.error is not None:
-                continue  # a malformed call stays in the content, as text
-            spans.append(m.span())
-            tool_calls.append(
-                {
-                    "id": f"call_{s.episode_id}_{s.assistant_turns}_{k}",
-                    "type": "function",
-                    "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
-                }
-            )
-        kept = text
-        for a, b in reversed(spans):
-            kept = kept[:a] + kept[b:]
-        # the content without special tokens: the model's text as a chat client expects it
-        special = [t for t in self.tok.all_special_tokens if t]
-        for t in special:
-            kept = kept.replace(t, "")
-        message: dict[str, Any] = {
-            "role": "assistant",
-            "content": kept.strip() or (None if tool_calls else ""),
-        }
-        if tool_calls:
-            message["tool_calls"] = tool_calls
-        return {
-            "id": f"chatcmpl-{s.episode_id}-{s.assistant_turns}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": self.cfg.model_name,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": message,
-                    "finish_reason": "tool_calls" if tool_calls else finish,
-                    "logprobs": None,
-                    "token_ids": list(toks),  # the engine's ids of this turn
-                }
-            ],
-            "usage": {
-                "prompt_tokens": len(engine_prompt),
-                "completion_tokens": len(toks),
-                "total_tokens": len(engine_prompt) + len(toks),
-            },
-            "prompt_token_ids": list(engine_prompt),  # what the engine was given
-        }
+        ids = (s.episode_id, s.assistant_turns)
+        return completion(self.tok, self.cfg.model_name, ids, toks, engine_prompt, finish)
 
 
-class _HTTPServer(ThreadingHTTPServer):
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        """A client that hung up (a harness's timeout, a killed harness) is routine: one debug line, not
-        socketserver's traceback on stderr. Anything else keeps the traceback."""
-        exc = sys.exc_info()[1]
-        if isinstance(exc, ConnectionError):  # BrokenPipeError, ConnectionResetError, ...
-            log.debug("openai endpoint: client %s hung up (%s: %s)", client_address, type(exc).__name__, exc)
-            return
-        super().handle_error(request, client_address)
-
-
-def _handler(server: OpenAIServer) -> type[BaseHTTPRequestHandler]:
-    cfg = server.cfg
-
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        timeout = cfg.request_timeout_s  # a client that stops sending does not hold a thread forever
-
-        def log_message(self, format: str, *args: Any) -> None:  # quiet: the trainer's log is elsewhere
-            pass
-
-        def _send(self, status: int, obj: dict, close: bool = False) -> None:
-            data = json.dumps(obj).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            if close:
-                self.send_header("Connection", "close")
-                self.close_connection = True
-            self.end_headers()
-            self.wfile.write(data)
-
-        def _error(self, status: int, message: str, close: bool = False) -> None:
-            kind = "invalid_request_error" if status < 500 else "server_error"
-            self._send(status, {"error": {"message": message, "type": kind, "code": status}}, close)
-
-        def _route(self) -> tuple[str | None, str]:
-            path = self.path.split("?", 1)[0]
-            m = _SESSION_ID.match(path)
-            return (m.group(1), m.group(2)) if m else (None, path)
-
-        def do_GET(self) -> None:
-            _, rest = self._route()
-            if rest.rstrip("/") == "/v1/models":
-                self._send(200, server.models())
-            else:
-                self._error(404, f"no route GET {self.path}")
-
-        def do_POST(self) -> None:
-            episode, rest = self._route()
-            length = self.headers.get("Content-Length")
-            if length is None:
-                self._error(411, "a request needs a Content-Length header (chunked bodies are refused)", True)
-                return
-            if not (length.isascii() and length.isdigit()):  # str.isdigit alone takes "²" and "١"
-                self._error(400, f"Content-Length {length[:40]!r} is not a byte count", True)
-                return
-            n = int(length)
-            if n > cfg.max_body_bytes:
-                self._drain(n)
-                self._error(
-                    413, f"request body of {n} bytes is over max_body_bytes={cfg.max_body_bytes}", True
-                )
-                return
-            raw = self.rfile.read(n)
-            if rest.rstrip("/") != "/v1/chat/completions":
-                self._error(404, f"no route POST {self.path}")
-                return
-            if episode is None:
-                self._error(404, "requests name their episode: POST /s/<episode_id>/v1/chat/completions")
-                return
-            try:
-                body = json.loads(raw)
-                if not isinstance(body, dict):
-                    raise HTTPError(400, "the request body is a JSON object")
-                self._send(200, server.chat(episode, body))
-            except json.JSONDecodeError as exc:
-                self._error(400, f"the request body is not JSON ({exc.msg})")
-            except HTTPError as exc:
-                self._error(exc.status, str(exc))
-            except ConnectionError:  # the client hung up: no one to answer (the server logs one line)
-                raise
-            except Exception as exc:  # a bug must not kill the handler thread silently
-                self._error(500, f"{type(exc).__name__}: {exc}")
-
-        def _drain(self, n: int) -> None:
-            """Read (and drop) a bounded part of a refused body, so the client gets the reply rather than
-            a reset connection."""
-            left = min(n, 4 * cfg.max_body_bytes)
-            try:
-                while left > 0:
-                    chunk = self.rfile.read(min(left, 65536))
-                    if not chunk:
-                        break
-                    left -= len(chunk)
-            except OSError:
-                pass
-
-    return Handler
-
-
-# --------------------------------------------------------------------------------------------------
-# Episodes run by the user's harness
-# --------------------------------------------------------------------------------------------------
+def _rendered(render: Callable[[], _T]) -> _T:
+    """``render()`` (the chat template on a request's messages and tools); a template that cannot render
+    them is the request's fault: 400."""
+    try:
+        return render()
+    except HTTPError:
+        raise
+    except Exception as exc:
+        raise HTTPError(
+            400,
+            f"the chat template cannot render 'messages' / 'tools' ({type(exc).__name__}: {exc})"[:500],
+        ) from None

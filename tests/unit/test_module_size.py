@@ -13,7 +13,6 @@ LIMIT = 500
 LIMITS = {"megatron_rl/trainer.py": 300}
 OVER = {
     "megatron_rl/rollout/agent_loop.py": 764,
-    "megatron_rl/rollout/openai_server.py": 620,
     "megatron_rl/config/schema.py": 583,
     "megatron_rl/rollout/reshard.py": 558,
     "megatron_rl/ppo.py": 575,
