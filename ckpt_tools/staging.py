@@ -4,7 +4,9 @@ A verb writes into a staging directory beside ``--out`` (``.<name>.ckpt_tools-<p
 is moved into place when the verb succeeded: an existing ``--out`` that is not empty is refused
 unless ``--overwrite``, and with it the old directory is replaced as a whole (renamed aside, the new
 one renamed in, the old one deleted), so no stale shard of an earlier conversion stays beside the new
-ones. A verb that fails leaves ``--out`` as it was and removes its staging directory.
+ones. A verb that fails leaves ``--out`` as it was and removes its staging directory. The last file
+written into a finished output is its ``checksums.json`` (size and SHA-256 of every file, see
+:mod:`megatron_rl.weights.digests`), which every verb checks when it reads the output back.
 
 The staging happens in the process the user started. A job the user started under torchrun writes
 ``--out`` directly (every rank would have to agree on the swap); there an existing non-empty ``--out``
@@ -53,7 +55,15 @@ def run_with_staging(a: argparse.Namespace, verb: Callable[[argparse.Namespace],
                 "python (it starts its own processes and replaces --out when they finish): run it that "
                 "way, or remove --out first."
             )
-        return verb(a)
+        rc = verb(a)
+        if rc == 0:
+            import torch.distributed as dist
+
+            if os.environ.get("RANK", "0") == "0" and os.path.isdir(out):
+                _write_digests(out)  # the verb's ranks have finished writing: its last barrier is behind
+            if dist.is_initialized():  # a job that goes on (its next verb may read --out) waits for it
+                dist.barrier()
+        return rc
     parent, name = os.path.split(os.path.abspath(out))
     os.makedirs(parent, exist_ok=True)
     stage = os.path.join(parent, f".{name}.ckpt_tools-{os.getpid()}")
@@ -64,12 +74,20 @@ def run_with_staging(a: argparse.Namespace, verb: Callable[[argparse.Namespace],
     try:
         rc = verb(a)
         if rc == 0 and os.path.exists(stage):
+            _write_digests(stage)
             _replace(stage, out)
         return rc
     finally:
         os.environ.pop(OUT_ENV, None)
         a.out = out
         shutil.rmtree(stage, ignore_errors=True)
+
+
+def _write_digests(out: str) -> None:
+    """The manifest of a finished output, written last (atomically) by one process."""
+    from megatron_rl.weights.digests import digest_files, list_files, write_manifest
+
+    write_manifest(out, digest_files(out, list_files(out)))
 
 
 def _replace(stage: str, out: str) -> None:

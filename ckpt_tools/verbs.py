@@ -9,6 +9,9 @@ Data flow:
   layer at a time, into safetensors shards / legacy mp_rank files.
 * ``verify``: TP x PP ranks run the Megatron model from any format; the last stage compares its
   logits with the HF model's on the same random tokens.
+
+Every verb first checks each file of its input against the ``checksums.json`` written when the input
+was saved (:func:`_check_digests`); the outputs get theirs from staging.py.
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ import argparse
 import contextlib
 import json
 import os
+import sys
 from collections.abc import Iterator
 
-from ckpt_tools.launch import relaunch_if_needed, require_single_process
+from ckpt_tools.launch import RESULT_ENV, relaunch_if_needed, require_single_process
 from ckpt_tools.staging import shown_out
 
 # torch is imported inside the verbs: a process that only re-launches itself under torchrun stays light.
@@ -60,6 +64,25 @@ def _parallel(tp: int, pp: int, needed: bool = True, ep: int = 1) -> Iterator:
     finally:
         if owned:
             destroy_parallel()
+
+
+def _check_digests(path: str, quiet: bool = False) -> None:
+    """Every file of the checkpoint at ``path`` against its manifest, before anything reads it: a missing,
+    truncated or damaged file stops the verb in one line naming it. Done once, by the process the user
+    started (its re-launched ranks skip it); a checkpoint without a manifest is read unchecked, with a
+    note unless ``quiet`` (HF inputs: a downloaded model has no manifest)."""
+    from megatron_rl.weights.digests import DIGESTS_FILE, verify_checkpoint
+
+    if os.environ.get(RESULT_ENV) or not os.path.isdir(path):
+        return
+    fix = "restore the file from a copy, or convert an earlier checkpoint (another global_step_N)"
+    if verify_checkpoint(path, fix) is None and not quiet:
+        print(
+            f"ckpt_tools: note: {path} has no {DIGESTS_FILE} (saved before checkpoints carried digests, or "
+            "by another tool): reading it without a digest check",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _side_dirs(path: str) -> list[str]:
@@ -108,6 +131,7 @@ def _legacy(path: str):
 
 def hf_to_mcore(a: argparse.Namespace) -> int:
     """Each rank reads its HF slices into its shard; save_torch_dist writes them."""
+    _check_digests(a.hf, quiet=True)
     _check_layout(a.hf, a.tp, a.pp)
     _check_experts(a.hf, a.ep)
     rc = relaunch_if_needed(a.tp * a.pp * a.ep, a.argv)
@@ -136,6 +160,7 @@ def hf_to_mcore(a: argparse.Namespace) -> int:
 def mcore_to_hf(a: argparse.Namespace) -> int:
     """Stream HF tensors out of a torch_dist or legacy checkpoint into safetensors files."""
     require_single_process("mcore-to-hf")
+    _check_digests(a.ckpt)
     from ckpt_tools.hf_writer import parse_size, write_hf
     from megatron_rl.models.loading import detect_format, load_model_args_any, open_reader
     from megatron_rl.weights.hf_io import copy_side_files
@@ -156,6 +181,7 @@ def mcore_to_hf(a: argparse.Namespace) -> int:
 
 def legacy_to_dist(a: argparse.Namespace) -> int:
     """Each rank fills its shard from the merged legacy shards; save_torch_dist writes them."""
+    _check_digests(a.legacy)
     tp, pp = a.tp, a.pp
     if tp is None or pp is None:  # default: the legacy checkpoint's own layout (from its directory names)
         saved = _legacy(a.legacy)
@@ -189,6 +215,7 @@ def legacy_to_dist(a: argparse.Namespace) -> int:
 
 def reshard(a: argparse.Namespace) -> int:
     """Load a torch_dist checkpoint at the target TP/PP (actor or critic) and save it again."""
+    _check_digests(a.ckpt)
     _check_layout(a.ckpt, a.tp, a.pp)
     rc = relaunch_if_needed(a.tp * a.pp, a.argv)
     if rc is not None:
@@ -224,6 +251,7 @@ def mcore_to_legacy(a: argparse.Namespace) -> int:
     config.json and tokenizer files go beside them, so that the checkpoint converts back with its
     special-token ids and chat template."""
     require_single_process("mcore-to-legacy")
+    _check_digests(a.ckpt)
     _check_layout(a.ckpt, a.tp, a.pp)
     from megatron_rl.models.loading import detect_format, load_model_args_any, open_reader
     from megatron_rl.weights.ckpt_write import save_legacy
@@ -248,6 +276,8 @@ def mcore_to_legacy(a: argparse.Namespace) -> int:
 
 def verify(a: argparse.Namespace) -> int:
     """Max |logit difference| between the checkpoint (any format, at --tp/--pp/--ep) and the HF model."""
+    _check_digests(a.ckpt)
+    _check_digests(a.hf, quiet=True)
     _check_layout(a.ckpt, a.tp, a.pp)
     _check_experts(a.ckpt, a.ep)
     rc = relaunch_if_needed(a.tp * a.pp * a.ep, a.argv)

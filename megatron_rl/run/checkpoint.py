@@ -20,6 +20,7 @@ Layout of ``trainer.default_local_dir``::
                                             its shard of the distributed optimizer; any DP size loads it
         mp_rank_{tp:02d}_{pp:03d}.pt        LR-schedule positions and RNG states of one model shard
                                             (written by data-parallel rank 0)
+        checksums.json                      size and SHA-256 of every file above (written last, checked first)
 
 A save writes into ``.global_step_{N}.partial`` and is published by one rename after every rank
 has written, so a crash mid-save never leaves a directory that looks complete; a run removes the
@@ -52,13 +53,17 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megatron_rl.errors import COLLATERAL, CheckpointError
 from megatron_rl.parallel import ParallelState
 from megatron_rl.run.ckpt_files import (
+    STEP_DIR,
     DirLock,
+    any_rank,
     chmod_tree,
     is_disk_full,
     open_private,
     parse_permissions,
     remove_leftovers,
+    verify_digests,
     write_atomic,
+    write_digests,
 )
 from megatron_rl.weights.hf_io import copy_side_files
 from megatron_rl.weights.safe_load import safe_dist_load, safe_torch_load
@@ -69,7 +74,6 @@ LATEST = "latest_checkpointed_iteration.txt"
 ORDER_FILE = "checkpoint_order.txt"
 SHARED_FILE = "shared_state.pt"
 """Rank 0's state that every rank reads on resume (the separate rollout's queued generations)."""
-_STEP_DIR = re.compile(r"^global_step_(\d+)$")
 _SAVE_ERRORS: tuple[type[BaseException], ...] = (Exception, CheckpointException)
 """What a failed write raises: torch DCP gathers every rank's write failures (a full disk included) into
 a CheckpointException, which is a BaseException, not an Exception."""
@@ -143,14 +147,6 @@ def write_in_process() -> None:
 
     if not isinstance(filesystem_async._results_queue, queue.Queue):
         filesystem_async._results_queue = queue.Queue()
-
-
-def _any_rank(flag: bool) -> bool:
-    """True on every rank if ``flag`` is True on any (gloo on CPU, or the default group's device)."""
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -273,7 +269,7 @@ class CheckpointManager:
         """global_step_N directory names, by step."""
         if not os.path.isdir(self.root):
             return []
-        found = [(int(m.group(1)), d) for d in os.listdir(self.root) if (m := _STEP_DIR.match(d))]
+        found = [(int(m.group(1)), d) for d in os.listdir(self.root) if (m := STEP_DIR.match(d))]
         return [d for _, d in sorted(found) if os.path.isdir(os.path.join(self.root, d))]
 
     # ---------------------------------------------------------------------------------- saving
@@ -311,7 +307,7 @@ class CheckpointManager:
                 os.mkdir(partial, self.dir_mode)
         except OSError as e:
             error = e
-        if _any_rank(error is not None):
+        if any_rank(error is not None):
             raise self._save_failed(error, partial, final)
         try:
             # torch DCP gathers write failures, so a rank that cannot write fails these on every rank
@@ -334,18 +330,19 @@ class CheckpointManager:
                     json.dump({**trainer_state, "global_step": step, "layout": layout}, f, indent=1)
         except _SAVE_ERRORS as e:  # any rank's failure must reach every rank, or they wait at the barrier
             error = e
-        if before_publish is not None and not _any_rank(error is not None):
+        if before_publish is not None and not any_rank(error is not None):
             try:
                 before_publish(partial)  # collective on every rank, so only once all have written
             except _SAVE_ERRORS as e:
                 error = e
-        if not _any_rank(error is not None):
+        if not any_rank(error is not None):
             try:
+                write_digests(partial, self.file_mode)  # collective; the manifest is the last file written
                 if ps.rank == 0:
                     self._publish(partial, final, step)
             except Exception as e:
                 error = e
-            if not _any_rank(error is not None):
+            if not any_rank(error is not None):
                 return final
         raise self._save_failed(error, partial, final)
 
@@ -392,7 +389,7 @@ class CheckpointManager:
             with open(os.path.join(self.root, ORDER_FILE)) as f:
                 for line in f:
                     d = line.strip()
-                    if _STEP_DIR.match(d):
+                    if STEP_DIR.match(d):
                         listed = [x for x in listed if x != d] + [d]
         present = set(self._step_dirs())
         unknown = sorted(
@@ -440,6 +437,7 @@ class CheckpointManager:
                 f"{path} is not a complete checkpoint (no trainer_state.json): point "
                 "trainer.resume_from_path at an existing global_step_N directory."
             )
+        verify_digests(path)  # collective: every file against checksums.json before any is read
         with open(state_file) as f:
             trainer_state = json.load(f)
         saved, now = trainer_state["layout"], _layout(self.ps)

@@ -1,5 +1,6 @@
 """The checkpoint directory's housekeeping: file permissions, atomic small files, full-disk
-detection, the one-run-per-directory lock, and the leftovers of interrupted saves and prunes.
+detection, the one-run-per-directory lock, the leftovers of interrupted saves and prunes, and the
+digests of a checkpoint's files (written at save, checked at resume, the hashing spread over the ranks).
 
 Used by :class:`megatron_rl.run.checkpoint.CheckpointManager` (the directory layout is described there).
 """
@@ -15,14 +16,28 @@ import os
 import re
 import shutil
 import socket
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
 
 from megatron_rl.config import ConfigError
 from megatron_rl.errors import CheckpointError
+from megatron_rl.weights.digests import (
+    DIGESTS_FILE,
+    check_files,
+    digest_files,
+    list_files,
+    read_manifest,
+    write_manifest,
+)
 
 log = logging.getLogger(__name__)
 
 LOCK_FILE = "run.lock"
 PERMISSIONS_KEY = "trainer.checkpoint_permissions"
+STEP_DIR = re.compile(r"^global_step_(\d+)$")
 _LEFTOVER = re.compile(r"^\.global_step_\d+\.(partial|deleting)$")
 """What a save (``.global_step_N.partial``) or a prune (``.global_step_N.deleting``) leaves when it
 is interrupted."""
@@ -191,3 +206,137 @@ def remove_leftovers(root: str) -> None:
                 "wrote it; the directory is locked by this run)",
                 os.path.join(root, name),
             )
+
+
+# --------------------------------------------------------------------------------------------------
+# Digests of the checkpoint's files (megatron_rl.weights.digests), the hashing spread over the ranks
+# --------------------------------------------------------------------------------------------------
+
+_DCP_FILE = re.compile(r"(?:^|/)__(\d+)_\d+\.distcp$")
+_VERIFIED: dict[str, tuple] = {}
+"""Rank 0's record of the checkpoints verified in this process: path -> the (size, mtime, inode) of the
+manifest and of every file it lists, so that a second load of unchanged files does not hash them again."""
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank if ``flag`` is True on any (gloo on CPU, or the default group's device)."""
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _share(names: list[str], rank: int, world: int) -> list[str]:
+    """This rank's part of ``names``: a torch_dist data file ``__R_N.distcp`` goes to rank R (its writer,
+    whose node still caches it), every other file by its position."""
+    out = []
+    for i, name in enumerate(names):
+        m = _DCP_FILE.search(name)
+        if (int(m.group(1)) if m else i) % world == rank:
+            out.append(name)
+    return out
+
+
+def _on_rank0(fn: Callable[[], Any]) -> tuple[Any, str | None]:
+    """``fn()`` computed on rank 0 and handed to every rank: (value, None), or (None, the one-line
+    message of the CheckpointError it raised)."""
+    rank, world = _world()
+    box: list[Any] = [None]
+    if rank == 0:
+        try:
+            box[0] = (fn(), None)
+        except (CheckpointError, OSError) as e:
+            box[0] = (None, str(e))
+    if world > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _gather(obj: Any) -> list[Any]:
+    rank, world = _world()
+    if world == 1:
+        return [obj]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def write_digests(partial: str, file_mode: int) -> None:
+    """Collective, once every rank has written into ``partial`` (before it is published): rank 0 lists
+    the files, each rank hashes its share, rank 0 writes the manifest of them all, atomically. A file
+    that cannot be read back fails the save on every rank."""
+    rank, world = _world()
+    names, _ = _on_rank0(lambda: list_files(partial))
+    try:
+        mine, failed = digest_files(partial, _share(names, rank, world)), None
+    except OSError as e:
+        mine, failed = {}, f"cannot read {e.filename} back to digest it ({e.strerror or e})"
+    parts = _gather((mine, failed))
+    if failures := [f for _, f in parts if f]:
+        raise CheckpointError(f"saving {partial} failed: {failures[0]}.")
+    if rank == 0:
+        write_manifest(partial, {k: v for m, _ in parts for k, v in m.items()}, file_mode)
+
+
+def _stats(path: str, names: list[str]) -> tuple:
+    out = []
+    for name in [DIGESTS_FILE, *names]:
+        with contextlib.suppress(OSError):
+            st = os.stat(os.path.join(path, name))
+            out.append((name, st.st_size, st.st_mtime_ns, st.st_ino))
+    return tuple(out)
+
+
+def _resume_fix(path: str) -> str:
+    """What to do about a damaged checkpoint ``path``: restore the file, or resume from the newest other
+    complete checkpoint beside it (or start over when there is none)."""
+    root, name = os.path.split(os.path.abspath(path))
+    steps = [(int(m.group(1)), d) for d in os.listdir(root) if (m := STEP_DIR.match(d)) and d != name]
+    steps = [s for s in sorted(steps) if os.path.isfile(os.path.join(root, s[1], "trainer_state.json"))]
+    if not steps:
+        return "restore it from a copy, or start over with trainer.resume_mode=disable"
+    return (
+        "restore it from a copy, or resume from another checkpoint: trainer.resume_mode=resume_path "
+        f"trainer.resume_from_path={os.path.join(root, steps[-1][1])}"
+    )
+
+
+def verify_digests(path: str) -> None:
+    """Collective over the training ranks, before anything of checkpoint ``path`` is read: rank 0 reads
+    its manifest, each rank hashes its share of the files, and a file that is missing, truncated or
+    damaged on any rank stops every rank with the same one line naming it (:class:`CheckpointError`).
+    A checkpoint saved before manifests were written loads unchecked, with one log line."""
+    rank, world = _world()
+    path = os.path.abspath(path)
+
+    def plan() -> tuple[Any, ...]:
+        entries = read_manifest(path)
+        stats = _stats(path, sorted(entries or ()))
+        return entries, stats, _VERIFIED.get(path) == stats, _resume_fix(path)
+
+    found, error = _on_rank0(plan)
+    if error is not None:
+        raise CheckpointError(error)
+    entries, stats, unchanged, fix = found
+    if unchanged:
+        return
+    if entries is None:
+        if rank == 0:
+            _VERIFIED[path] = stats
+            log.info(
+                "%s has no %s (saved before checkpoints carried digests): loading it without a digest check",
+                path,
+                DIGESTS_FILE,
+            )
+        return
+    problem = check_files(path, {n: entries[n] for n in _share(sorted(entries), rank, world)})
+    if problems := sorted(p for p in _gather(problem) if p):
+        raise CheckpointError(f"{problems[0]}: {fix}.")
+    if rank == 0:
+        _VERIFIED[path] = stats

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from megatron_rl.errors import CheckpointError
+from megatron_rl.run.ckpt_files import verify_digests
 
 TRAINER: Literal["trainer"] = "trainer"
 SHARED: Literal["shared"] = "shared"
@@ -146,6 +147,7 @@ class StateRegistry:
         global_step and any ``extra`` keys saved)."""
         state_file = os.path.join(path, "trainer_state.json")
         if os.path.isfile(state_file):  # cheap checks first (CheckpointManager.load reports a missing file)
+            verify_digests(path)  # every file against the checksums written at save, before any is read
             with open(state_file) as f:
                 early = json.load(f)
             for e in self._where(TRAINER):
