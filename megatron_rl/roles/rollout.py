@@ -383,13 +383,9 @@ class ColocatedRollout(_Queue):
                 self.engine.resume_memory()
         if self.weights_stale:
             with timer("reshard"):
-                sync_weights(
-                    self.actor,
-                    ps,
-                    self.engine,
-                    rollout.update_weights_bucket_megabytes,
-                    engine_dtype(rollout.dtype, ps),
-                )
+                bucket_mb, dtype = rollout.update_weights_bucket_megabytes, engine_dtype(rollout.dtype, ps)
+                synced = sync_weights(self.actor, ps, self.engine, bucket_mb, dtype)
+            timer.add("reshard_check", synced["check_seconds"])  # the integrity check's share of it
             self.weights_stale = False
         if self.plan.parks("actor", "params"):
             with timer("offload"):

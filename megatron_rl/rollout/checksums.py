@@ -29,15 +29,25 @@ def tensor_checksum(t: torch.Tensor) -> torch.Tensor:
     """[CHECKSUM_SIZE] float64 on ``t``'s device: (sum, sum of squares, sum weighted by position) of its
     elements in row-major order. Cheap (one pass over ``t`` in float64 chunks); a dropped, stale,
     shifted or scaled tensor changes the first two, a permuted one (rows reversed, two elements swapped)
-    the third. Chunk k's position weights are those of chunk 0 times (1 + k * phi mod 1), so that equal
-    offsets in two chunks weigh differently as well."""
-    out = torch.zeros(CHECKSUM_SIZE, dtype=torch.float64, device=t.device)
-    w = _weights(t.device)
-    for k, chunk in enumerate(t.detach().reshape(-1).split(_CHECKSUM_CHUNK)):
-        x = chunk.to(torch.float64)
+    the third. The element at flat index i = k * chunk + j weighs frac(j * phi) - 1/2 times
+    (1 + frac(k * phi)), so that equal offsets in two chunks weigh differently as well."""
+    return _range_checksum(t.detach().reshape(-1), 0)
+
+
+def _range_checksum(flat: torch.Tensor, start: int) -> torch.Tensor:
+    """The share in a tensor's checksum of its elements start..start + len(flat) (``flat``, 1-D): one
+    float64 block per chunk of flat indices, weighted from the cached table."""
+    out = torch.zeros(CHECKSUM_SIZE, dtype=torch.float64, device=flat.device)
+    w = _weights(flat.device)
+    pos, n = 0, flat.numel()
+    while pos < n:
+        k, j = divmod(start + pos, _CHECKSUM_CHUNK)
+        take = min(_CHECKSUM_CHUNK - j, n - pos)
+        x = flat[pos : pos + take].to(torch.float64)
         out[0] += x.sum()
-        out[1] += x.square().sum()
-        out[2] += torch.dot(x, w[: x.numel()]) * (1.0 + (k * _PHI) % 1.0)
+        out[1] += torch.dot(x, x)
+        out[2] += torch.dot(x, w[j : j + take]) * (1.0 + (k * _PHI) % 1.0)
+        pos += take
     return out
 
 
@@ -57,3 +67,52 @@ def checksums_match(want: torch.Tensor, have: torch.Tensor, numel: torch.Tensor)
     scale = torch.stack([mag, sq, 2.0 * mag], dim=1)
     tol = 1e-11 * scale + 1e-300
     return ((want - have).abs() <= tol).all(dim=1)
+
+
+def first_mismatch(
+    names: list[str],
+    want: torch.Tensor,
+    got: dict[str, torch.Tensor],
+    numel: torch.Tensor,
+    unread: set[str] | tuple = (),
+) -> int | None:
+    """The index of the first of ``names`` whose engine checksum (``got``) differs from the streamed
+    one (``want`` [n, CHECKSUM_SIZE]; ``numel`` [n]), or None. A name ``got`` lacks differs, unless it
+    is in ``unread`` (held by the engine, which cannot read it back): those are not compared."""
+    missing = missing_checksum(want.device)
+    have = torch.stack(
+        [want[i] if n in unread else got.get(n, missing).to(want.device) for i, n in enumerate(names)]
+    )
+    bad = (~checksums_match(want, have, numel)).nonzero()
+    return int(bad[0, 0]) if len(bad) else None
+
+
+def position_weights(index: torch.Tensor) -> torch.Tensor:
+    """float64 weights of the flat (row-major) element indices ``index`` (int64, any shape), equal to
+    those :func:`tensor_checksum` gives the same positions."""
+    j = (index % _CHECKSUM_CHUNK).to(torch.float64)
+    k = (index // _CHECKSUM_CHUNK).to(torch.float64)
+    return (torch.frac(j * _PHI) - 0.5) * (1.0 + torch.remainder(k * _PHI, 1.0))
+
+
+def box_checksum(values: torch.Tensor, cols: int, row0: int = 0, col0: int = 0) -> torch.Tensor:
+    """[CHECKSUM_SIZE] float64: the share of ``values`` in the :func:`tensor_checksum` of a tensor it is a
+    box of. ``values`` [h, w] holds rows row0..row0+h and columns col0..col0+w of a 2-D tensor with
+    ``cols`` columns (a 1-D ``values`` [h]: elements row0..row0+h of a 1-D tensor, ``cols`` = 1). The
+    shares of boxes that tile a tensor add up to its checksum, to float64 rounding: an engine that
+    holds a tensor in tensor-parallel shards checks its copy shard by shard."""
+    v = values.detach()
+    v = v[:, None] if v.dim() == 1 else v
+    h, w = v.shape
+    if w == cols:  # whole rows: one run of flat indices, weighted from the cached table
+        return _range_checksum(v.reshape(-1), row0 * cols)
+    out = torch.zeros(CHECKSUM_SIZE, dtype=torch.float64, device=v.device)
+    step = max(1, _CHECKSUM_CHUNK // max(w, 1))  # rows per float64 block
+    columns = torch.arange(w, dtype=torch.int64, device=v.device) + col0
+    for r in range(0, h, step):
+        x = v[r : r + step].to(torch.float64)
+        rows = torch.arange(r, r + x.shape[0], dtype=torch.int64, device=v.device) + row0
+        out[0] += x.sum()
+        out[1] += x.square().sum()
+        out[2] += (x * position_weights(rows[:, None] * cols + columns[None, :])).sum()
+    return out

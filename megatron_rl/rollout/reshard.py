@@ -67,7 +67,7 @@ from torch import nn
 from megatron_rl.errors import LaunchError
 from megatron_rl.model_args import ModelArgs
 from megatron_rl.parallel import ParallelState
-from megatron_rl.rollout.checksums import checksums_match, missing_checksum, tensor_checksum
+from megatron_rl.rollout.checksums import first_mismatch, tensor_checksum
 from megatron_rl.weights import tables
 from megatron_rl.weights.hf_io import hf_names, scatter_shard
 from megatron_rl.weights.tables import ParamLayout
@@ -528,19 +528,18 @@ def check_weights(engine, ps: ParallelState, sent: list[tuple[int, str, int, tor
     """Collective: compare the stream's checksums with the engine's copy; WeightSyncError on every rank
     at the first tensor (in stream order) that differs on any rank. Engines that hold weights on this
     rank say so with ``checks_weights`` and give ``weight_checksums(names)``: {name: [CHECKSUM_SIZE]
-    float64}, the ``tensor_checksum`` of their copy (a name they lack is left out)."""
+    float64}, the ``tensor_checksum`` of their copy (a name they lack is left out: a mismatch, unless
+    it is in the engine's ``unreadable``, the names it holds but cannot read back)."""
     compare = bool(getattr(engine, "checks_weights", False))
     got = engine.weight_checksums([name for _, name, _, _ in sent]) if compare else None
     n = len(sent)
     first = n  # index into ``sent`` of this rank's first mismatch (n: none)
     if got is not None and n:
-        missing = missing_checksum(ps.device)
         want = torch.stack([c for _, _, _, c in sent]).to(ps.device)  # [n, CHECKSUM_SIZE]
-        have = torch.stack([got.get(name, missing).to(ps.device) for _, name, _, _ in sent])
         numel = torch.tensor([k for _, _, k, _ in sent], device=ps.device)
-        bad = (~checksums_match(want, have, numel)).nonzero()
-        if len(bad):
-            first = int(bad[0, 0])
+        unread = getattr(engine, "unreadable", ())
+        bad = first_mismatch([name for _, name, _, _ in sent], want, got, numel, unread)
+        first = n if bad is None else bad
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     code = torch.tensor([first * world + rank], dtype=torch.int64, device=ps.device)  # first, then rank

@@ -38,7 +38,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 import shutil
 import tempfile
@@ -64,7 +63,9 @@ from megatron_rl.rollout.base import (
     oom_message,
     row_seeds,
 )
-from megatron_rl.rollout.sglang_loader import LOADER, bucket_header
+from megatron_rl.rollout.checksums import CHECKSUM_SIZE
+from megatron_rl.rollout.sglang_loader import LOADER, READ_BACK, bucket_header
+from megatron_rl.rollout.sglang_outputs import routed_experts, to_generation
 
 # torchrun's variables; SGLang's own process setup must not see them (it would join our world).
 _TORCHRUN_VARS = (
@@ -198,65 +199,13 @@ def engine_arguments(
         disable_cuda_graph=not cfg.enable_cuda_graph,
         random_seed=seed % 2**31,  # SGLang seeds numpy with it, which takes [0, 2**32) only
         log_level="error",
-        custom_weight_loader=[LOADER],  # MoE buckets: experts copied into the fused weights (sglang_loader)
+        # MoE buckets: experts copied into the fused weights; the sync check's read-back (sglang_loader)
+        custom_weight_loader=[LOADER, READ_BACK],
     )
     if cfg.enable_cuda_graph:
         # Larger decode batches run without graphs; each captured size costs start-up time.
         kwargs["cuda_graph_max_bs_decode"] = cuda_graph_max_bs or 256
     return kwargs
-
-
-def to_generation(out: dict, return_logprobs: bool) -> Generation:
-    """One result of ``sglang.Engine.generate`` (skip_tokenizer_init: ``output_ids`` and ``meta_info``)
-    -> Generation, one log-prob per response token when ``return_logprobs``.
-
-    ``meta_info["output_token_logprobs"]`` holds (logprob, token_id, text) per generated token. A stop
-    token (``finish_reason == {"type": "stop", "matched": id}``) is a generated token: SGLang keeps it in
-    both ``output_ids`` and ``output_token_logprobs``. Where ``output_ids`` lacks it (an engine that trims
-    the matched stop from the ids), it is put back, with its log-prob when the engine listed it. A
-    position the engine gave no log-prob for is NaN (counted as rollout_corr/missing_log_probs).
-    """
-    meta = out.get("meta_info", {})
-    fr = meta.get("finish_reason") or {}
-    kind = fr.get("type") if isinstance(fr, dict) else str(fr)
-    ids = [int(t) for t in out["output_ids"]]
-    matched = fr.get("matched") if isinstance(fr, dict) else None
-    if kind == "stop" and isinstance(matched, int) and (not ids or ids[-1] != matched):
-        ids.append(matched)  # the response ends with its stop token, as the trainer learns to stop
-    logprobs = None
-    if return_logprobs:
-        entries = list(meta.get("output_token_logprobs") or [])[: len(ids)]
-        for i, entry in enumerate(entries):
-            if entry[1] is not None and int(entry[1]) != ids[i]:
-                raise RuntimeError(
-                    f"SGLang's output_token_logprobs names token {entry[1]} at response position {i} but "
-                    f"output_ids has {ids[i]}: the log-probs would not belong to the response tokens"
-                )
-        logprobs = [math.nan if e[0] is None else float(e[0]) for e in entries] + [math.nan] * (
-            len(ids) - len(entries)
-        )
-    return Generation(ids, logprobs, "stop" if kind == "stop" else "length")
-
-
-def routed_experts(out: dict, layers: int, top_k: int) -> torch.Tensor:
-    """``meta_info["routed_experts"]`` (base64 of int32 [prompt + output - 1, layers, top_k]: the experts
-    of every token the engine read) -> that tensor as int16."""
-    import base64
-
-    import numpy as np
-
-    raw = out.get("meta_info", {}).get("routed_experts")
-    if raw is None:
-        raise RuntimeError(
-            "SGLang returned no routed_experts: actor_rollout_ref.actor.router_replay.mode=R3 needs an "
-            "engine started with enable_return_routed_experts (an MoE model)"
-        )
-    ids = np.frombuffer(base64.b64decode(raw), dtype=np.int32)
-    if ids.size % (layers * top_k):
-        raise RuntimeError(
-            f"SGLang's routed_experts has {ids.size} ids, not a multiple of {layers} x {top_k}"
-        )
-    return torch.from_numpy(ids.astype(np.int16)).view(-1, layers, top_k)
 
 
 def _is_oom(text: str) -> bool:
@@ -312,6 +261,8 @@ class SGLangEngine:
             dist.barrier(group=self._group)  # peers wait until the engine is up
         self._synced = False
         self._released = False
+        self._shapes: dict[str, list[int]] = {}  # every tensor streamed: its checkpoint shape
+        self.unreadable: set[str] = set()  # streamed tensors the read-back does not find (logged once)
 
     def _start(self, engine_kwargs: dict):
         self._config_dir = tempfile.mkdtemp(prefix="megatron_rl_sglang_")
@@ -338,6 +289,7 @@ class SGLangEngine:
 
         monkey_patch_torch_reductions()  # IPC handles name GPUs by UUID, robust to CUDA_VISIBLE_DEVICES
         for bucket in buckets:
+            self._shapes.update((name, list(t.shape)) for name, t in bucket)
             flat = getattr(bucket, "flat", None)
             if flat is None:  # a plain list of tensors: flatten it here
                 flat = torch.cat([t.reshape(-1).to(self.dtype) for _, t in bucket])
@@ -353,11 +305,7 @@ class SGLangEngine:
                     off += n
                 load_format = "flattened_bucket"
                 payload = MultiprocessingSerializer.serialize({"flattened_tensor": flat, "metadata": meta})
-            if self.group_size > 1:
-                payloads = [None] * self.group_size if self.group_rank == 0 else None
-                dist.gather_object(payload, payloads, dst=self.leader, group=self._group)
-            else:
-                payloads = [payload]
+            payloads = self._to_leader(payload)
             if self.engine is not None:
                 ok, msg = self._load(payloads, load_format)
                 if not ok:
@@ -368,6 +316,53 @@ class SGLangEngine:
         if self.engine is not None:
             self.engine.flush_cache()
         self._synced = True
+
+    @property
+    def checks_weights(self) -> bool:
+        """Every rank of the engine group reads its engine's copy back (:meth:`weight_checksums`)."""
+        return True
+
+    def weight_checksums(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Collective over the engine group: [CHECKSUM_SIZE] float64 checksums of the engine's copy of
+        ``names``, computed by SGLang's workers (sglang_loader.read_back: each engine rank its shard's
+        share, written into a buffer this rank shares with its worker) and summed over the group.
+        Names no worker can place go to :attr:`unreadable` and are left out."""
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        names = [n for n in names if n in self._shapes]
+        k = CHECKSUM_SIZE
+        out = torch.zeros(len(names), k + 1, dtype=torch.float64, device=self.ps.device)
+        header = json.dumps({"names": names, "shapes": [self._shapes[n] for n in names]})
+        payload = MultiprocessingSerializer.serialize([(header, out)])
+        torch.cuda.current_stream().synchronize()
+        payloads = self._to_leader(payload)
+        if self.engine is not None:
+            ok, msg = self._load(payloads, READ_BACK)
+            if not ok:
+                raise RuntimeError(f"SGLang could not read its weights back for the sync check: {msg}")
+        if self.group_size > 1:
+            dist.barrier(group=self._group)  # every worker has written its share
+        got = out.cpu()
+        if self.group_size > 1:
+            dist.all_reduce(got, group=self._group)
+        placed = got[:, k] == self.group_size
+        lost = [n for n, ok in zip(names, placed.tolist(), strict=True) if not ok]
+        if lost and not set(lost) <= self.unreadable:
+            self.unreadable.update(lost)
+            log.warning(
+                "megatron-rl: the sync check does not read %d tensor(s) back from SGLang (e.g. %s): their "
+                "layout in the engine is not one it knows; the log-prob probe still covers them",
+                len(lost), lost[:3],
+            )  # fmt: skip
+        return {n: got[i, :k] for i, n in enumerate(names) if placed[i]}
+
+    def _to_leader(self, payload: Any) -> list[Any]:
+        """Every group rank's payload, on the group's leader (its engine takes one per engine rank)."""
+        if self.group_size == 1:
+            return [payload]
+        payloads: list[Any] | None = [None] * self.group_size if self.group_rank == 0 else None
+        dist.gather_object(payload, payloads, dst=self.leader, group=self._group)
+        return payloads or []
 
     def _load(self, payloads: list, load_format: str) -> tuple[bool, str]:
         """One ``update_weights_from_tensor`` request with one serialized payload per engine rank (each

@@ -12,6 +12,12 @@ layout it writes: unquantized, gated, not transposed, padded or pre-sharded, gat
 parallelism or fused shared experts, shapes as expected. Anything else (and every other tensor) goes
 through the model's own ``load_weights`` under the per-expert checkpoint names, as before: the
 per-expert loader is the fallback the check selects, and both write the same bytes.
+
+:func:`read_back` is the engine's half of the sync check (rollout.checksums): for every streamed
+tensor it finds where this engine rank holds its piece (a fused ``qkv_proj`` / ``gate_up_proj`` slice,
+a vocabulary or tensor-parallel shard, a fused expert slice, or a replicated copy counted on rank 0
+only) and writes that piece's share of the tensor's checksum into a buffer the trainer shares with it;
+the shares of an engine group add up to the checksum of the whole tensor as the engine holds it.
 """
 
 from __future__ import annotations
@@ -19,12 +25,15 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from typing import Any
 
 import torch
 
 LOADER = "megatron_rl.rollout.sglang_loader.load_bucket"
 """The dotted path SGLang imports (server argument ``custom_weight_loader``, and the load format)."""
+READ_BACK = "megatron_rl.rollout.sglang_loader.read_back"
+"""The same for :func:`read_back`, which loads nothing."""
 
 logger = logging.getLogger(__name__)
 _reported: set[str] = set()  # the path each projection took, logged once per process
@@ -88,21 +97,7 @@ def fused_experts(model: Any, layer: int, proj: str, first: int, stack: torch.Te
     except (AttributeError, IndexError, TypeError):
         return None
     w13, w2 = getattr(experts, "w13_weight", None), getattr(experts, "w2_weight", None)
-    method = getattr(experts, "quant_method", None)
-    runner = getattr(experts, "moe_runner_config", None)
-    plain = (
-        isinstance(w13, torch.Tensor)
-        and isinstance(w2, torch.Tensor)
-        and type(method).__name__ == "UnquantizedFusedMoEMethod"
-        and not getattr(method, "load_up_proj_weight_first", False)
-        and bool(getattr(runner, "is_gated", False))
-        and not getattr(experts, "use_triton_kernels", False)  # a transposed layout
-        and not getattr(experts, "use_padded_loading", False)
-        and not getattr(experts, "use_presharded_weights", False)
-        and getattr(experts, "num_fused_shared_experts", 0) == 0
-        and getattr(experts, "moe_ep_size", None) == 1
-    )
-    if not plain:
+    if not _plain_experts(experts):
         return None
     tp = getattr(experts, "moe_tp_size", 0)
     n, rows, cols = stack.shape
@@ -117,6 +112,27 @@ def fused_experts(model: Any, layer: int, proj: str, first: int, stack: torch.Te
     ):
         return None
     return experts
+
+
+def _plain_experts(experts: Any) -> bool:
+    """A FusedMoE whose weights are [experts, gate + up rows of this rank's slice, hidden] and
+    [experts, hidden, this rank's slice]: unquantized, gated, gate first, no transposed, padded or
+    pre-sharded layout, no expert parallelism or fused shared experts."""
+    w13, w2 = getattr(experts, "w13_weight", None), getattr(experts, "w2_weight", None)
+    method = getattr(experts, "quant_method", None)
+    runner = getattr(experts, "moe_runner_config", None)
+    return (
+        isinstance(w13, torch.Tensor)
+        and isinstance(w2, torch.Tensor)
+        and type(method).__name__ == "UnquantizedFusedMoEMethod"
+        and not getattr(method, "load_up_proj_weight_first", False)
+        and bool(getattr(runner, "is_gated", False))
+        and not getattr(experts, "use_triton_kernels", False)  # a transposed layout
+        and not getattr(experts, "use_padded_loading", False)
+        and not getattr(experts, "use_presharded_weights", False)
+        and getattr(experts, "num_fused_shared_experts", 0) == 0
+        and getattr(experts, "moe_ep_size", None) == 1
+    )
 
 
 @torch.no_grad()
@@ -141,3 +157,110 @@ def _report(proj: str, direct: bool) -> None:
         _reported.add(proj)
         how = "copied into the fused expert weights" if direct else "loaded expert by expert"
         logger.info("megatron-rl: %s expert weights %s", proj, how)
+
+
+# -- the sync check's read-back ------------------------------------------------------------------
+
+_STACKED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj"}
+_STACKED |= {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+@torch.no_grad()
+def read_back(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """SGLang's custom loader for the sync check: ``named_tensors`` is ``[(header, out)]``, the header
+    JSON ``{"names": [...], "shapes": [...]}`` (checkpoint names and shapes as streamed), ``out``
+    [n, CHECKSUM_SIZE + 1] float64 on this rank's GPU, shared with the trainer rank that sent it:
+    row i gets this rank's share of tensor i's checksum and, in its last column, 1 if this rank knows
+    where its piece of tensor i lives (0: not read back here)."""
+    from sglang.srt.distributed import get_tensor_model_parallel_rank
+
+    from megatron_rl.rollout.checksums import CHECKSUM_SIZE
+
+    ((header, out),) = named_tensors
+    h = json.loads(header)
+    rank = get_tensor_model_parallel_rank()
+    params = dict(model.named_parameters())
+    for i, (name, shape) in enumerate(zip(h["names"], h["shapes"], strict=True)):
+        share = engine_share(model, params, name, shape, rank)
+        if share is not None:
+            out[i, :CHECKSUM_SIZE] = share
+            out[i, CHECKSUM_SIZE] = 1.0
+    torch.cuda.synchronize()  # the trainer reads ``out`` once the request returns
+
+
+def engine_share(model: Any, params: dict, name: str, shape: list[int], rank: int) -> torch.Tensor | None:
+    """This engine rank's share of the checksum of checkpoint tensor ``name`` (``shape``) as the engine
+    holds it (rollout.checksums.box_checksum), or None where its layout is not one read here."""
+    from megatron_rl.rollout.checksums import CHECKSUM_SIZE, box_checksum
+
+    cols = shape[1] if len(shape) == 2 else 1
+    if len(shape) > 2:
+        return None
+    if m := _EXPERT.match(name):
+        return _expert_share(model, int(m[1]), int(m[2]), m[3], cols)
+    parts = name.split(".")
+    fused = next((p for p in parts if p in _STACKED), None)
+    target = name.replace(f".{fused}.", f".{_STACKED[fused]}.") if fused else name
+    param = params.get(target)
+    if param is None:
+        return None
+    module = _module_of(model, target)
+    data = param.data
+    kind = type(module).__name__
+    if fused in ("q_proj", "k_proj", "v_proj") and hasattr(module, "num_kv_head_replicas"):
+        q, kv = module.q_proj_shard_size, module.kv_proj_shard_size
+        off, size = {"q_proj": (0, q), "k_proj": (q, kv), "v_proj": (q + kv, module.v_proj_shard_size)}[fused]
+        if fused == "q_proj":
+            row0 = module.tp_rank * size
+        else:  # with fewer KV heads than ranks, ranks hold replicas: the first of each counts
+            if module.tp_rank % module.num_kv_head_replicas:
+                return torch.zeros(CHECKSUM_SIZE, dtype=torch.float64, device=data.device)
+            row0 = module.tp_rank // module.num_kv_head_replicas * size
+        return box_checksum(data.narrow(0, off, size), cols, row0=row0)
+    if fused in ("gate_proj", "up_proj") and hasattr(module, "output_sizes"):
+        size = module.output_sizes[0] // module.tp_size
+        off = 0 if fused == "gate_proj" else size
+        return box_checksum(data.narrow(0, off, size), cols, row0=module.tp_rank * size)
+    if fused:
+        return None
+    if hasattr(module, "shard_indices"):  # a vocabulary-parallel embedding or LM head (padded rows last)
+        si = module.shard_indices
+        if getattr(module, "tp_size", 1) == 1 and rank:
+            return torch.zeros(CHECKSUM_SIZE, dtype=torch.float64, device=data.device)
+        n = si.org_vocab_end_index - si.org_vocab_start_index
+        return box_checksum(data[:n], cols, row0=si.org_vocab_start_index)
+    if kind == "RowParallelLinear" and name.endswith(".weight"):
+        per = module.input_size_per_partition
+        return box_checksum(data, cols, col0=module.tp_rank * per)
+    if kind == "ColumnParallelLinear":
+        per = data.shape[0]
+        return box_checksum(data, cols, row0=module.tp_rank * per)
+    if list(data.shape) == list(shape):  # replicated on every rank (norms, routers, row-parallel biases)
+        if rank:
+            return torch.zeros(CHECKSUM_SIZE, dtype=torch.float64, device=data.device)
+        return box_checksum(data, cols)
+    return None
+
+
+def _module_of(model: Any, param_name: str) -> Any:
+    return model.get_submodule(param_name.rsplit(".", 1)[0])
+
+
+def _expert_share(model: Any, layer: int, expert: int, proj: str, cols: int) -> torch.Tensor | None:
+    """Expert ``expert``'s gate/up rows (w13) or down columns (w2) of this rank's expert-TP slice."""
+    from megatron_rl.rollout.checksums import box_checksum
+
+    try:
+        experts = model.model.layers[layer].mlp.experts
+    except (AttributeError, IndexError, TypeError):
+        return None
+    if not _plain_experts(experts) or expert >= experts.w13_weight.shape[0]:
+        return None
+    r = experts.moe_tp_rank
+    if proj == "down_proj":
+        w = experts.w2_weight.data[expert]  # [hidden, ffn / tp]
+        return box_checksum(w, cols, col0=r * w.shape[1])
+    s = experts.w13_weight.shape[1] // 2
+    w = experts.w13_weight.data[expert, :s] if proj == "gate_proj" else experts.w13_weight.data[expert, s:]
+    return box_checksum(w, cols, row0=r * s)

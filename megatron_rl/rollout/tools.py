@@ -312,15 +312,14 @@ def _import_class(dotted: str, where: str):
 def _read_yaml(path: str, key: str, section: str) -> list:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
-
-    import yaml
+    from yaml.error import YAMLError
 
     where = f"actor_rollout_ref.rollout.multi_turn.{key}={path!r}"
     if not os.path.isfile(path):
         raise ConfigError(f"{where}: no such file")
     try:
         data = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    except (yaml.YAMLError, OmegaConfBaseException, UnicodeDecodeError, ValueError) as e:
+    except (YAMLError, OmegaConfBaseException, UnicodeDecodeError, ValueError) as e:
         why = " ".join(str(e).split())  # the parser's message and position, on one line
         raise ConfigError(f"{where} is not a valid YAML file ({why}); fix it (verl's format).") from None
     entries = data.get(section) if isinstance(data, dict) else None

@@ -48,6 +48,10 @@ class Timer:
                 free, total = torch.cuda.mem_get_info(self.device)
                 self.max_device_used = max(self.max_device_used, total - free)
 
+    def add(self, name: str, seconds: float) -> None:
+        """Seconds measured inside another phase (a share of it, e.g. reshard_check of reshard)."""
+        self.times[name] = self.times.get(name, 0.0) + seconds
+
     def pop(self) -> dict[str, float]:
         out = {f"timing_s/{k}": v for k, v in self.times.items()}
         self.times = {}

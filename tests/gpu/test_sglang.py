@@ -134,6 +134,31 @@ def test_sync_makes_outputs_follow_new_weights(env):
     assert stale["worst_gap"] > 4 * TIE and stale["argmax"] < 0.5, stale
 
 
+def test_the_sync_check_reads_the_engine_copy_back(env):
+    """Every streamed tensor is read back from SGLang's model (its fused qkv/gate_up slices, vocabulary
+    shard, norms) and agrees; an engine copy with its rows reversed or two elements swapped does not."""
+    from safetensors.torch import load_file
+
+    from megatron_rl.rollout.checksums import tensor_checksum
+    from megatron_rl.rollout.reshard import WeightSyncError, check_weights
+
+    stats = load_and_sync(env, env.a)  # compares every tensor: a wrong read-back would fail here
+    assert env.engine.checks_weights and not env.engine.unreadable
+    print(f"sync {stats['seconds'] * 1e3:.1f} ms, of which the check {stats['check_seconds'] * 1e3:.1f} ms")
+    name = "model.embed_tokens.weight"
+    w = load_file(f"{env.a}/model.safetensors")[name].to(device="cuda", dtype=torch.bfloat16)
+    sent = [(0, name, w.numel(), tensor_checksum(w))]
+    check_weights(env.engine, env.ps, sent)  # the engine holds it as streamed
+    swapped = w.clone()
+    swapped[0, 0], swapped[1, 1] = w[1, 1], w[0, 0]
+    assert w[0, 0] != w[1, 1]
+    for wrong in (w.flip(0).contiguous(), swapped):
+        env.engine.update_weights([[(name, wrong)]])  # the engine now holds another tensor
+        with pytest.raises(WeightSyncError, match=f"does not hold {name}"):
+            check_weights(env.engine, env.ps, sent)
+    load_and_sync(env, env.a)
+
+
 def test_stop_tokens_sampling_and_logprobs(env):
     load_and_sync(env, env.a)
     full = tokens(env.engine.generate(env.prompts, env.greedy))

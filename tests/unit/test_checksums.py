@@ -9,6 +9,7 @@ import torch
 from megatron_rl.rollout.checksums import (
     _CHECKSUM_CHUNK,
     CHECKSUM_SIZE,
+    box_checksum,
     checksums_match,
     missing_checksum,
     tensor_checksum,
@@ -95,3 +96,27 @@ def test_a_bf16_ulp_is_seen_and_a_missing_tensor_matches_nothing(w):
     assert match(z, z.clone())
     missing = missing_checksum()[None]
     assert not bool(checksums_match(tensor_checksum(z)[None], missing, torch.tensor([8]))[0])
+
+
+def test_shards_of_a_tensor_add_up_to_its_checksum(w):
+    """An engine holding tensor-parallel shards checks them box by box (rollout.sglang_loader)."""
+    full = tensor_checksum(w)[None]
+    n = torch.tensor([w.numel()])
+    rows = sum(box_checksum(w[r : r + 16], 48, row0=r) for r in range(0, 64, 16))  # column-parallel
+    cols = sum(box_checksum(w[:, c : c + 12], 48, col0=c) for c in range(0, 48, 12))  # row-parallel
+    assert bool(checksums_match(full, rows[None], n)[0])
+    assert bool(checksums_match(full, cols[None], n)[0])
+    bias = w[0]
+    halves = box_checksum(bias[:24], 1) + box_checksum(bias[24:], 1, row0=24)
+    assert bool(checksums_match(tensor_checksum(bias)[None], halves[None], torch.tensor([48]))[0])
+    # negative controls: two shards at each other's place, a shard counted twice
+    swapped = box_checksum(w[16:32], 48, row0=0) + box_checksum(w[0:16], 48, row0=16)
+    swapped += sum(box_checksum(w[r : r + 16], 48, row0=r) for r in range(32, 64, 16))
+    assert not bool(checksums_match(full, swapped[None], n)[0])
+    assert not bool(checksums_match(full, (rows + box_checksum(w[:16], 48))[None], n)[0])
+
+
+def test_box_weights_across_chunks_are_those_of_the_whole_tensor():
+    x = torch.randn(3, _CHECKSUM_CHUNK // 2 + 5, generator=torch.Generator().manual_seed(3))
+    parts = box_checksum(x[:, :1000], x.shape[1]) + box_checksum(x[:, 1000:], x.shape[1], col0=1000)
+    assert bool(checksums_match(tensor_checksum(x)[None], parts[None], torch.tensor([x.numel()]))[0])

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from megatron_rl.rollout.sglang_engine import to_generation
+from megatron_rl.rollout.sglang_outputs import to_generation
 
 STOP = 2
 
@@ -37,7 +37,7 @@ def test_the_conversion_does_not_import_sglang():
     # a fresh interpreter: another test of the session may have imported sglang where it is installed
     code = (
         "import sys\n"
-        "from megatron_rl.rollout.sglang_engine import to_generation\n"
+        "from megatron_rl.rollout.sglang_outputs import to_generation\n"
         "to_generation({'output_ids': [1], 'meta_info': {'finish_reason': {'type': 'length'}}}, False)\n"
         "assert 'sglang' not in sys.modules\n"
     )

@@ -10,7 +10,7 @@ import torch
 from megatron_rl.batch import RolloutBatch
 from megatron_rl.data import PromptItem
 from megatron_rl.rollout.base import Generation
-from megatron_rl.rollout.sglang_engine import routed_experts
+from megatron_rl.rollout.sglang_outputs import routed_experts
 
 L, K = 2, 2
 
