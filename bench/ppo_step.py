@@ -47,6 +47,7 @@ import argparse
 import json
 import os
 import random
+import secrets
 import statistics
 import subprocess
 import sys
@@ -229,6 +230,7 @@ def run(
         cmd += ["-m", "megatron_rl.train"]
     cmd += [f"{k}={v}" for k, v in overrides.items()]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+    env.setdefault("MEGATRON_RL_JOB_SECRET", secrets.token_hex(32))  # as launch/torchrun.sh gives one
     rc = subprocess.run(cmd, env=env, cwd=ROOT).returncode
     path = os.path.join(out, "logs", "metrics.jsonl")
     rows = []

@@ -22,7 +22,16 @@
 #                                          checkpoint (trainer.resume_mode=auto)   default: 0
 #                          ENTRY           what torchrun runs              default: -m megatron_rl.train
 #                          PYTHON          interpreter                     default: .venv/bin/python, else python3
+#                          MEGATRON_RL_JOB_SECRET  the job's secret (below)  default: one node: random,
+#                                          new for each torchrun start; several nodes: none (set it)
 # Everything else is passed to the trainer (--config and key=value overrides).
+#
+# The job's secret: roles on ranks of their own (trainer.placement) sign every message they leave in the
+# job's store with it (HMAC-SHA256), and refuse one that is not signed with it. It reaches the ranks in
+# their environment, never the command line or the store. Unset, this script makes a random one for each
+# torchrun it starts on one node. Several nodes must share one: set MEGATRON_RL_JOB_SECRET to the same
+# random value on every node (launch/slurm.sbatch does); without it, ranks that need it stop at start in
+# one line naming the variable.
 #
 # The rendezvous is torch's c10d store, hosted by node 0 (is_host is set explicitly, so a busy port fails
 # at once instead of joining a stranger's store, and no hostname guessing decides who hosts). Node 0
@@ -87,6 +96,7 @@ MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
 MASTER_PORT="${MASTER_PORT:-29500}"
 RDZV_ID="${RDZV_ID:-megatron-rl}"
 MAX_RESTARTS="${MAX_RESTARTS:-0}"
+SECRET_GIVEN="${MEGATRON_RL_JOB_SECRET:+1}"
 LOG_DIR="${LOG_DIR:-outputs/launch/$(date +%Y%m%d-%H%M%S)}"
 ENTRY="${ENTRY:--m megatron_rl.train}"
 if [[ -z "${PYTHON:-}" ]]; then
@@ -232,7 +242,15 @@ if os.getppid() != int(sys.argv[1]):
 os.execv(sys.executable, [sys.executable, *sys.argv[2:]])
 '
 
+new_secret() {  # 32 random bytes as hex
+    od -An -v -tx1 -N32 /dev/urandom | tr -d ' \n'
+}
+
 run_torchrun() {  # one torchrun; sets rc
+    if [[ -z "$SECRET_GIVEN" && "$NNODES" == 1 ]]; then  # a new store each start: a new secret with it
+        MEGATRON_RL_JOB_SECRET="$(new_secret)"
+        export MEGATRON_RL_JOB_SECRET
+    fi
     (trap '' TERM INT USR2 USR1 HUP; tee -a "$LOG" < "$fifo_dir/out" | "$PYTHON" -u -c "$quiet_signal_traceback") &
     local tee_pid=$!
     set +e

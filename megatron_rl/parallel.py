@@ -26,6 +26,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_rl import job_secret
+from megatron_rl.job_secret import JobSecret
+
 
 @dataclass
 class ParallelState:
@@ -58,7 +61,9 @@ class ParallelState:
     global_rank: int = 0
     """This process's rank in the whole job (``rank`` is its rank in its world: trainer.placement)."""
     job_store: dist.Store | None = None
-    """The job's key-value store; set when the rollout has ranks of its own (rollout.remote uses it)."""
+    """The job's key-value store; set when a role has ranks of its own (roles.transport uses it)."""
+    job_secret: JobSecret | None = None
+    """The key that signs the roles' messages in ``job_store`` (set with it, read once at start)."""
     generation: int | None = None
     """The :func:`generation` of megatron's parallel state this object was built in (init_parallel sets
     it); None: a hand-built state whose groups this module does not track."""
@@ -188,7 +193,9 @@ def init_parallel(
     ``python`` process runs as a world of one. ``ranks`` (global ranks, this one among them) makes
     torch.distributed's world those ranks only, so megatron's groups span exactly them: the training
     ranks and the rollout ranks of a separate-rollout placement each get their own world, and reach
-    each other through the job's store (``ParallelState.job_store``).
+    each other through the job's store (``ParallelState.job_store``), signing their messages with the
+    job's secret (``ParallelState.job_secret``: ``MEGATRON_RL_JOB_SECRET``, read here once; without it
+    those ranks refuse to start, in one line).
     """
     dev = resolve_device(device)
     silence_known_notices(announce=dev.type == "cuda" and int(os.environ.get("RANK", 0)) == 0)
@@ -198,7 +205,7 @@ def init_parallel(
 
     cpu_bridge.install()
     backend = "nccl" if dev.type == "cuda" else "gloo"
-    job_rank, job_store = int(os.environ.get("RANK", 0)), None
+    job_rank, job_store, secret = int(os.environ.get("RANK", 0)), None, None
     if not dist.is_initialized():
         kwargs: dict[str, Any] = {}
         if dev.type == "cuda":
@@ -213,6 +220,7 @@ def init_parallel(
         elif ranks is None or len(ranks) == int(os.environ["WORLD_SIZE"]):
             dist.init_process_group(backend, timeout=timeout, **kwargs)
         else:
+            secret = job_secret.read()  # before any group starts: every rank refuses alike without it
             store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
             store.set_timeout(timeout)
             job_store = store
@@ -269,6 +277,7 @@ def init_parallel(
         expert_dp_group=mps.get_expert_data_parallel_group(),
         global_rank=job_rank,
         job_store=job_store,
+        job_secret=secret,
         generation=_generation,
     )
     seed_all(seed, state)

@@ -22,9 +22,13 @@ def run_torchrun(
     else return the ranks' stdout (rank by rank). The ranks are forked from the session's zygote
     (tests/zygote.py: the environment torchrun gives, without its start-up); ``real`` (or
     ``nnodes_args``) launches them under ``torchrun --standalone`` for what torchrun itself does
-    (MEGATRON_RL_TESTS_TORCHRUN=1: every launch, to compare)."""
+    (MEGATRON_RL_TESTS_TORCHRUN=1: every launch, to compare). Each launch gets a job secret of its own,
+    as launch/torchrun.sh gives (roles on ranks of their own sign their messages with it)."""
+    import secrets
+
     pythonpath = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env["MEGATRON_RL_JOB_SECRET"] = secrets.token_hex(32)
     path = os.path.join(ROOT, "tests", "distributed", "workers", script)
     if not (real or nnodes_args or os.environ.get("MEGATRON_RL_TESTS_TORCHRUN") == "1"):
         return zygote().run(path, nproc, args, env, timeout)

@@ -48,7 +48,7 @@ from megatron_rl.batch import RolloutBatch, SeqMeta
 from megatron_rl.config import Config
 from megatron_rl.microbatches import ForwardPasses, TokenStats
 from megatron_rl.parallel import ParallelState
-from megatron_rl.roles.transport import Mailbox, broadcast_object, job_store
+from megatron_rl.roles.transport import broadcast_object, job_mailbox
 from megatron_rl.run.metrics import Timer
 from megatron_rl.run.state import SHARD, StateRegistry
 
@@ -172,7 +172,7 @@ class RemoteCritic:
     optim: ModelOptimizer | None = None
 
     def __init__(self, ps: ParallelState, total_steps: int, pad_id: int, timer: Timer) -> None:
-        self.ps, self.box, self.timer = ps, Mailbox(job_store(ps), "critic/", MESSAGE_TYPES), timer
+        self.ps, self.box, self.timer = ps, job_mailbox(ps, "critic/", MESSAGE_TYPES), timer
         self.posted = 0
         self._counters: dict[str, int] = {"num_steps": 0, "skipped_steps": 0}
         self._post({"kind": "init", "total_steps": total_steps, "pad_id": pad_id})

@@ -1,5 +1,7 @@
 """The critic's ranks, when trainer.placement.critic gives it ranks of its own: a server that works
-through the actor's requests (protocol in ``roles.critic``) until "stop".
+through the actor's requests (protocol in ``roles.critic``, messages signed with the job's secret:
+``roles.transport``) until "stop". Any other failure (a message not signed with the job's secret, a
+bug) is left in the store for the actor's ranks, which raise it instead of timing out.
 
 A failed save or load is acknowledged, not raised, so the actor's ranks fail together: each critic
 rank logs its traceback (with its rank), rank 0 puts the first failure under ``ack/<i>`` as a plain
@@ -24,7 +26,7 @@ from megatron_rl.config import Config
 from megatron_rl.errors import CheckpointError
 from megatron_rl.microbatches import ForwardPasses
 from megatron_rl.parallel import ParallelState
-from megatron_rl.roles.transport import Mailbox, all_gather_objects, job_store, slice_bounds
+from megatron_rl.roles.transport import PeerLeft, all_gather_objects, job_mailbox, slice_bounds
 
 if TYPE_CHECKING:
     from megatron_rl.optim import ModelOptimizer
@@ -84,7 +86,7 @@ class CriticServer:
 
     def __init__(self, cfg: Config, ps: ParallelState, side_file_dirs: tuple[str, ...] = ()) -> None:
         self.cfg, self.ps, self.side_file_dirs = cfg, ps, side_file_dirs
-        self.box = Mailbox(job_store(ps), "critic/", MESSAGE_TYPES)
+        self.box = job_mailbox(ps, "critic/", MESSAGE_TYPES)
         self._built: tuple[torch.nn.Module, ModelOptimizer] | None = None  # by the "init" request
         self.pad_id = 0
         self.mine: RolloutBatch | None = None  # this rank's slice of the step's batch
@@ -93,7 +95,18 @@ class CriticServer:
         self.values_seconds = 0.0  # of the step's values request (perf/critic_busy_s adds the update's)
 
     def serve(self) -> int:
-        """Handle requests until "stop"; returns how many were served."""
+        """Handle requests until "stop"; returns how many were served. A failure (a message not signed
+        with the job's secret, a bug) is left in the store for the actor's ranks
+        (``Mailbox.report_failure``) and raised."""
+        try:
+            return self._serve()
+        except PeerLeft:  # another critic rank failed and said why
+            raise
+        except Exception as e:
+            self.box.report_failure(self.ps.global_rank, e)
+            raise
+
+    def _serve(self) -> int:
         i = 0
         while True:
             msg = self.box.take(f"req/{i}", self.ps.world_size)

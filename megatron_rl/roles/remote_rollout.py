@@ -9,11 +9,16 @@
       leader posts req/<i> = ("stop",)              ---->   leave
 
 Requests and generations travel through the job's key-value store (torchrun's TCPStore) in the
-store's wire format (``rollout.wire``: a JSON header and raw tensor bytes, never pickle); a posted
-request does not wait for the engines, so the trainer runs on while they generate. The server handles
-requests strictly in the order posted, so a generation request sees the weights of every weights
-request posted before it: that order is the policy version of each sample, which the training side
-records when it posts the request (roles.rollout); the generations carry no version of their own.
+store's wire format (``roles.transport``: signed with the job's secret, a JSON header and raw tensor
+bytes, never pickle); a posted request does not wait for the engines, so the trainer runs on while
+they generate. A message not signed with the job's secret stops the rollout rank that reads it in one
+line naming its key; a rollout rank that fails leaves its cause in the store, and the training ranks
+that wait for it raise that cause (``Mailbox.report_failure``) instead of timing out.
+
+The server handles requests strictly in the order posted, so a generation request sees the weights of
+every weights request posted before it: that order is the policy version of each sample, which the
+training side records when it posts the request (roles.rollout); the generations carry no version of
+their own.
 
 Weights take the reshard stream unchanged (``reshard.iter_hf_buckets``: TP gather and PP broadcast
 inside the actor's world); the actor's leader (training rank 0) holds every full bucket and
@@ -42,10 +47,11 @@ import torch
 from megatron_rl.model_args import DTYPES, ModelArgs
 from megatron_rl.parallel import ParallelState
 from megatron_rl.roles.transport import (
-    Mailbox,
+    PeerLeft,
     all_gather_objects,
     broadcast_root,
     from_plain,
+    job_mailbox,
     job_store,
     pair_group,
     slice_bounds,
@@ -81,7 +87,7 @@ class RolloutClient:
 
     def __init__(self, ps: ParallelState, placement, rollout_tp: int, timeout_minutes: float) -> None:
         """``placement``: the job's config.placement.Placement; ``rollout_tp``: the engines' TP size."""
-        self.ps, self.box = ps, Mailbox(job_store(ps), types=MESSAGE_TYPES)
+        self.ps, self.box = ps, job_mailbox(ps, "rollout/", MESSAGE_TYPES)
         self.rollout_ranks, self.engines = len(placement.rollout), placement.rollout_engines(rollout_tp)
         self.timeout = datetime.timedelta(minutes=timeout_minutes)
         self.posted = 0  # requests posted (the leader's count: only it posts)
@@ -110,7 +116,11 @@ class RolloutClient:
         sums = []
         for bucket in iter_hf_buckets(actor, ps, plan.bucket_bytes, dtype):
             if self.leader:
-                broadcast_root(self._group, bucket.flat)
+                try:
+                    broadcast_root(self._group, bucket.flat)
+                except RuntimeError:  # a rollout rank that left says why in the store
+                    self.box.raise_if_peer_left()
+                    raise
                 sums += [tensor_checksum(t) for _, t in bucket]
         if self.leader:  # [tensors, 2] float64, in stream order: the engines check their copies
             self.box.put(f"sums/{index}", torch.stack(sums).cpu())
@@ -164,7 +174,7 @@ class RolloutServer:
                 f"the rollout world has {ps.dp_size} engines but the placement gives {engines} "
                 f"(trainer.placement.rollout={list(placement.rollout)}, TP={rollout_tp})"
             )
-        self.box = Mailbox(job_store(ps), types=MESSAGE_TYPES)
+        self.box = job_mailbox(ps, "rollout/", MESSAGE_TYPES)
         rollout_ranks = list(placement.rollout)
         self.index = rollout_ranks.index(ps.global_rank)  # this rank's place in the weights group (minus 1)
         self.readers = len(rollout_ranks)
@@ -172,7 +182,18 @@ class RolloutServer:
         self._group = None
 
     def serve(self) -> int:
-        """Handle requests in order until "stop"; returns how many were served."""
+        """Handle requests in order until "stop"; returns how many were served. A failure (a message
+        not signed with the job's secret, an engine error) is left in the store for the training ranks
+        (``Mailbox.report_failure``) and raised."""
+        try:
+            return self._serve()
+        except PeerLeft:  # another rollout rank failed and said why
+            raise
+        except Exception as e:
+            self.box.report_failure(self.ps.global_rank, e)
+            raise
+
+    def _serve(self) -> int:
         i = 0
         while True:
             msg = self.box.take(f"req/{i}", self.readers)

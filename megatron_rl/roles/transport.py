@@ -1,10 +1,20 @@
 """How roles on ranks of their own talk: the job's key-value store (:class:`Mailbox`), pair groups
-for bulk tensors (:func:`pair_group`), and the store's wire format -- a JSON header and raw tensor
-bytes, never pickle.
+for bulk tensors (:func:`pair_group`), and the store's wire format -- signed, a JSON header and raw
+tensor bytes, never pickle.
 
 Roles on ranks of their own (``roles.remote_rollout``, ``roles.critic_server``) exchange requests,
 generations, batches and values through torchrun's TCPStore, which any process that reaches its port
-can write to. A value read from it is therefore data to validate, not code to run:
+can write to. Every value a Mailbox puts is signed with the job's secret (``job_secret.JobSecret``,
+from the launcher), and a reader checks the signature before it decodes anything:
+
+    b"MRLS1\\n" | HMAC-SHA256(secret; DOMAIN, full key, payload) (32 bytes) | payload
+
+The full key is the Mailbox's prefix and key (``rollout/req/3``), so a message copied under another key
+fails the check. Every key is written once in a store's life (requests are numbered, results named by
+their request's tag or step, and a new torchrun starts a new store), so a copy under its own key finds
+no reader after its readers took the original. A value without a valid signature is refused in one
+line naming the key (:class:`ForgedMessage`). The payload is the wire format; decoding it is still
+checked, so a bug on the writing side cannot run code either:
 
     b"MRLW1\\n" | header length (8 bytes, little endian) | JSON header | tensor bytes
 
@@ -29,17 +39,29 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import hmac
 import json
+import logging
 import math
 import struct
-from typing import Any
+import time
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
+from megatron_rl.errors import COLLATERAL, LaunchError
 from megatron_rl.rollout.base import Generation
 
+if TYPE_CHECKING:
+    from megatron_rl.job_secret import JobSecret
+
+log = logging.getLogger(__name__)
+
 MAGIC = b"MRLW1\n"
+SIGNED = b"MRLS1\n"
+DOMAIN = b"megatron-rl job store message v1"
+"""Bound into every signature: a MAC the job's secret makes for anything else never verifies here."""
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -58,8 +80,17 @@ DTYPES: dict[str, torch.dtype] = {
 _NAMES = {v: k for k, v in DTYPES.items()}
 
 
-class WireError(RuntimeError):
-    """A store value that is not a well-formed message of this format; nothing of it was executed."""
+class WireError(LaunchError):
+    """A store value that is not a well-formed message of this format; nothing of it was executed. Its
+    message is one line (the trainer prints it as ``megatron-rl error: ...``)."""
+
+
+class ForgedMessage(WireError):
+    """A store value under a role's key without this job's signature: refused before decoding."""
+
+
+class PeerLeft(LaunchError):
+    """A rank of the role at the other end of a Mailbox failed and left; the message is its cause."""
 
 
 def _dc_registry(types: tuple[type, ...]) -> dict[str, type]:
@@ -276,25 +307,120 @@ def from_plain(rows: list[list[tuple]]) -> list[list[Generation]]:
     return [[Generation(list(t), None if lp is None else list(lp), fr) for t, lp, fr in row] for row in rows]
 
 
-class Mailbox:
-    """Values under keys of the job's store in the wire format (:func:`encode`); ``take`` deletes a
-    key after its last reader. ``types``: the dataclasses the messages may hold (by name)."""
+def job_mailbox(ps, prefix: str, types: tuple[type, ...] = ()) -> Mailbox:
+    """The Mailbox of a role on ranks of its own: the job's store and secret of ``ps`` (init_parallel)."""
+    if ps.job_secret is None:
+        raise RuntimeError("the job's store has no secret: parallel.init_parallel(ranks=...) reads it")
+    return Mailbox(job_store(ps), ps.job_secret, prefix, types)
 
-    def __init__(self, store: dist.Store, prefix: str = "rollout/", types: tuple[type, ...] = ()) -> None:
-        self.prefix, self.types = prefix, types
+
+def _port_of(store: dist.Store) -> int | None:
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return getattr(store, "port", None)
+
+
+FAILED = "failed"
+"""The key under which a rank of a role that fails leaves its cause (:meth:`Mailbox.report_failure`)."""
+
+POLL_S = (0.001, 0.02)
+"""A reader's pauses between looks at a key it waits for, doubling from the first to the second (s)."""
+
+
+class Mailbox:
+    """Signed values under keys of the job's store (module docstring); ``take`` deletes a key after its
+    last reader. ``secret``: the job's (``ParallelState.job_secret``); ``types``: the dataclasses the
+    messages may hold (by name).
+
+    A reader that waits also watches :data:`FAILED`: a rank of the other role that failed leaves its
+    cause there (:meth:`report_failure`), and the reader raises it (:class:`PeerLeft`) instead of
+    waiting out the store's timeout."""
+
+    def __init__(
+        self, store: dist.Store, secret: JobSecret, prefix: str = "rollout/", types: tuple[type, ...] = ()
+    ) -> None:
+        self.prefix, self.types, self.secret = prefix, types, secret
         self.store = dist.PrefixStore(prefix, store)
+        self.port = _port_of(store)
+
+    def _mac(self, key: str, payload: bytes) -> bytes:
+        return self.secret.mac(DOMAIN, (self.prefix + key).encode(), payload)
+
+    def seal(self, key: str, obj) -> bytes:
+        """``obj`` as the signed value this Mailbox puts under ``key``."""
+        payload = encode(obj, self.types)
+        return SIGNED + self._mac(key, payload) + payload
+
+    def open(self, key: str, value: bytes):
+        """The object of a value read under ``key``: its signature checked first (a value not signed
+        with this job's secret for this key raises :class:`ForgedMessage`), then decoded."""
+        value = bytes(value)
+        name = self.prefix + key
+        if not value.startswith(SIGNED) or len(value) < len(SIGNED) + 32:
+            if value.startswith(MAGIC):
+                what = "a message of the wire format without one"
+            elif value[:1] == b"\x80":
+                what = "it looks like a pickle"
+            else:
+                what = f"{len(value)} bytes starting with {value[:8]!r}"
+            raise self._forged(name, f"no signature; {what}")
+        mac, payload = value[len(SIGNED) : len(SIGNED) + 32], value[len(SIGNED) + 32 :]
+        if not hmac.compare_digest(mac, self._mac(key, payload)):
+            why = "a wrong signature: another secret, or a message of another key copied here"
+            raise self._forged(name, why)
+        return decode(payload, self.types, key=name)
+
+    def _forged(self, name: str, why: str) -> ForgedMessage:
+        port = f" (port {self.port})" if self.port is not None else ""
+        return ForgedMessage(
+            f"the job's store holds a message under {name} that is not signed with this job's secret "
+            f"({why}): something other than this job wrote to its store{port}; it was refused before "
+            "decoding, nothing of it was run. Check who can reach the job's ports (docs/reliability.md, "
+            "Security and ports)."
+        )
 
     def put(self, key: str, obj) -> None:
-        self.store.set(key, encode(obj, self.types))  # type: ignore[arg-type]  # the stub says str; bytes are kept as is
+        self.store.set(key, self.seal(key, obj))  # type: ignore[arg-type]  # the stub says str; bytes are kept as is
 
     def take(self, key: str, readers: int):
-        """The value under ``key`` (waits for it, up to the store's timeout); a value this format does not
-        describe raises :class:`WireError` (nothing of it is executed)."""
-        obj = decode(self.store.get(key), self.types, key=self.prefix + key)
+        """The value under ``key`` (waits for it, up to the store's timeout, unless a rank of the other
+        role leaves first: :class:`PeerLeft`), checked and decoded by :meth:`open`; the last of
+        ``readers`` deletes it."""
+        obj = self.open(key, self._wait(key))
         if self.store.add(f"{key}#read", 1) == readers:
             self.store.delete_key(key)
             self.store.delete_key(f"{key}#read")
         return obj
+
+    def _wait(self, key: str) -> bytes:
+        # check() answers at once: store.wait() with a short timeout would log a warning at each timeout
+        pause, timeout = POLL_S[0], self.store.timeout  # type: ignore[attr-defined]  # a property the stub lacks
+        deadline = time.monotonic() + timeout.total_seconds()
+        while not self.store.check([key]):
+            self.raise_if_peer_left()
+            if time.monotonic() > deadline:
+                ms = int(timeout.total_seconds() * 1000)
+                raise dist.DistStoreError(f"wait timeout after {ms}ms, keys: {self.prefix}{key}")
+            time.sleep(pause)
+            pause = min(2 * pause, POLL_S[1])
+        return self.store.get(key)
+
+    def report_failure(self, rank: int, error: BaseException) -> None:
+        """Leave ``error``, this rank's reason to leave, for the other role's readers (best effort: the
+        error itself is what this rank raises)."""
+        lines = str(error).splitlines() or [""]
+        cause = lines[0] if isinstance(error, LaunchError) else f"{type(error).__name__}: {lines[0]}"
+        try:
+            self.put(FAILED, {"rank": rank, "cause": cause})
+        except Exception:  # the store may be what failed
+            log.warning("could not leave the cause of rank %d's failure in the job's store", rank)
+
+    def raise_if_peer_left(self) -> None:
+        """Raise :class:`PeerLeft` with the cause a failed rank left under :data:`FAILED`, if any."""
+        if self.store.check([FAILED]):
+            note = self.open(FAILED, self.store.get(FAILED))
+            role = self.prefix.rstrip("/")
+            raise PeerLeft(f"{role} rank {note['rank']} left: {note['cause']} ({COLLATERAL})")
 
 
 def pair_group(store: dist.Store, rank: int, size: int, backend: str, timeout: datetime.timedelta):

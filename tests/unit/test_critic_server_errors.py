@@ -10,7 +10,10 @@ import os
 
 import torch
 
+from megatron_rl.job_secret import JobSecret
 from tests.conftest import run_forked_ranks
+
+SECRET = JobSecret(b"the two ranks' shared secret")
 
 
 def _worker(rank: int, init_file: str, out_dir: str) -> None:
@@ -32,7 +35,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
         rank=rank, world_size=2, local_rank=rank, device=cpu, backend="gloo",
         tp_size=1, pp_size=1, dp_size=2, tp_rank=0, pp_rank=0, dp_rank=rank,
         tp_group=None, pp_group=None, dp_group=world, mp_group=None, embedding_group=None,
-        job_store=dist.FileStore(os.path.join(out_dir, "job"), 2),
+        job_store=dist.FileStore(os.path.join(out_dir, "job"), 2), job_secret=SECRET,
     )  # fmt: skip
     # the same two ranks play the critic's server and the actor's client, one request at a time
     server, client = CriticServer(Config(), ps), RemoteCritic(ps, 3, 0, Timer(cpu))  # client posts req/0
