@@ -27,11 +27,12 @@ def _weights(device: torch.device) -> torch.Tensor:
 
 def tensor_checksum(t: torch.Tensor) -> torch.Tensor:
     """[CHECKSUM_SIZE] float64 on ``t``'s device: (sum, sum of squares, sum weighted by position) of its
-    elements in row-major order. Cheap (one pass over ``t`` in float64 chunks); a dropped, stale,
-    shifted or scaled tensor changes the first two, a permuted one (rows reversed, two elements swapped)
-    the third. The element at flat index i = k * chunk + j weighs frac(j * phi) - 1/2 times
-    (1 + frac(k * phi)), so that equal offsets in two chunks weigh differently as well."""
-    return _range_checksum(t.detach().reshape(-1), 0)
+    elements in row-major order. Cheap (one pass over ``t``: a fused kernel on CUDA, float64 chunks
+    elsewhere); a dropped, stale, shifted or scaled tensor changes the first two, a permuted one (rows
+    reversed, two elements swapped) the third. The element at flat index i = k * chunk + j weighs
+    frac(j * phi) - 1/2 times (1 + frac(k * phi)), so that equal offsets in two chunks weigh
+    differently as well."""
+    return box_checksum(t.reshape(-1), 1)
 
 
 def _range_checksum(flat: torch.Tensor, start: int) -> torch.Tensor:
@@ -87,6 +88,18 @@ def first_mismatch(
     return int(bad[0, 0]) if len(bad) else None
 
 
+_FUSED: list[bool] = []
+
+
+def _fused() -> bool:
+    """Triton is importable (the fused CUDA kernel, rollout.checksum_kernel); checked once."""
+    if not _FUSED:
+        import importlib.util
+
+        _FUSED.append(importlib.util.find_spec("triton") is not None)
+    return _FUSED[0]
+
+
 def position_weights(index: torch.Tensor) -> torch.Tensor:
     """float64 weights of the flat (row-major) element indices ``index`` (int64, any shape), equal to
     those :func:`tensor_checksum` gives the same positions."""
@@ -104,6 +117,10 @@ def box_checksum(values: torch.Tensor, cols: int, row0: int = 0, col0: int = 0) 
     v = values.detach()
     v = v[:, None] if v.dim() == 1 else v
     h, w = v.shape
+    if v.is_cuda and _fused():
+        from megatron_rl.rollout import checksum_kernel
+
+        return checksum_kernel.box_checksum(v, cols, row0, col0, _CHECKSUM_CHUNK, _PHI)
     if w == cols:  # whole rows: one run of flat indices, weighted from the cached table
         return _range_checksum(v.reshape(-1), row0 * cols)
     out = torch.zeros(CHECKSUM_SIZE, dtype=torch.float64, device=v.device)
