@@ -306,9 +306,9 @@ class ColocatedRollout(_Queue):
         self, tag: str, prompt_ids: list[list[int]], params: SamplingParams, timer, items: list | None = None
     ) -> tuple[list[list[Generation]], int]:
         """``items``: the prompts' data.PromptItem rows (a multi-turn episode reads its tools_kwargs,
-        interaction_kwargs and chat messages from them). A generator that fails (a crashed worker, a
-        lost connection: rollout.base.EngineFailure) is restarted in place up to rollout.engine_restarts
-        times per step."""
+        interaction_kwargs and chat messages from them). An engine that died (its worker or the
+        connection to it gone: rollout.base.EngineDied, raised as EngineFailure on every rank it serves)
+        is restarted in place up to rollout.engine_restarts times per step; any other error propagates."""
         queued = self._queued(tag)
         if queued is not None:
             return queued

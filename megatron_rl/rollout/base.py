@@ -333,9 +333,12 @@ def collective_generate(
     return result
 
 
-ENGINE_FAILURES = (RuntimeError, OSError, EOFError)
-"""What a failed generator raises (a dead worker, a broken pipe or connection): the ranks it serves are
-told, and raise :class:`EngineFailure` together, after the collectives."""
+class EngineDied(RuntimeError):
+    """The engine's worker process, or the connection to it, is gone: raised by an engine where it sees
+    that (SGLang: a worker process exited, its pipe or socket closed). The one failure of ``generate``
+    the ranks it serves are told about, to raise :class:`EngineFailure` together after the collectives
+    and have the rollout restart the engine in place (roles.rollout); any other error in generation (a
+    bug, a bad input, out of memory) propagates with its own message, without a restart."""
 
 
 class EngineFailure(RuntimeError):
@@ -373,7 +376,7 @@ def _generate_for_group(
             out = run(flat, origins)
         except RolloutOOMError:
             raise
-        except ENGINE_FAILURES as e:
+        except EngineDied as e:
             failed = _Failed(dist.get_rank() if dist.is_initialized() else 0, f"{type(e).__name__}: {e}")
             return [failed] * len(contributions)
     if len(out) != len(flat):

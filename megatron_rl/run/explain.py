@@ -34,7 +34,7 @@ from megatron_rl.errors import COLLATERAL, LaunchError
 from megatron_rl.run.ports import busy_port_message
 
 # torchrun's variables as this module first saw them (train.py imports it before anything starts): a
-# rollout engine hides them from os.environ while it starts (rollout/sglang_engine.torchrun_env_hidden),
+# rollout engine hides them from os.environ while it starts (rollout/sglang_start.torchrun_env_hidden),
 # and a failure in that window must still name the right rank, GPU, port and error file.
 _LAUNCH_ENV = {
     k: os.environ[k]

@@ -1,7 +1,8 @@
 """A rollout engine that fails inside a step (tests/faults/workers/engine_fails.py) is restarted in
 place: every rank's engine started again, the weights synced again, the step generated again; the run
 goes on with exactly the rows of an uninterrupted run. Past actor_rollout_ref.rollout.engine_restarts
-the job ends, naming the failure."""
+the job ends, naming the failure. Any other error in generation (a bug) is not an engine's death: it
+ends the job with its own message, without a restart."""
 
 from __future__ import annotations
 
@@ -12,14 +13,12 @@ import pytest
 from tests.faults import jobs
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "engine_fails.py")
-RESTART = (
-    "the rollout engine on rank 0 failed (RuntimeError: the engine's worker died (injected)); restarting"
-)
+RESTART = "the rollout engine on rank 0 failed (EngineDied: the engine's worker died (injected)); restarting"
 
 
-def _fails(demo, tmp_path, times: int, steps: int):
+def _fails(demo, tmp_path, times: int, steps: int, kind: str = "died"):
     run_dir = str(tmp_path / "run")
-    environ = {"FAULT_RANK": "0", "FAULT_STEP": "3", "FAULT_TIMES": str(times)}
+    environ = {"FAULT_RANK": "0", "FAULT_STEP": "3", "FAULT_TIMES": str(times), "FAULT_KIND": kind}
     return run_dir, jobs.run_torchrun(demo, run_dir, steps, entry=(WORKER,), environ=environ)
 
 
@@ -44,7 +43,16 @@ def test_an_engine_failing_past_its_restarts_ends_the_job_naming_it(demo, straig
     out = done.stdout + done.stderr
     assert done.returncode != 0
     assert out.count(RESTART) == 1, out[-4000:]  # one restart allowed; the second failure ends the job
-    assert "RuntimeError: the engine's worker died (injected)" in out
+    assert "EngineDied: the engine's worker died (injected)" in out
     assert jobs.steps_logged(run_dir) == [1, 2]
     assert jobs.assert_consistent(run_dir) == 2
     jobs.assert_resumes_exactly(demo, run_dir, straight)
+
+
+def test_a_bug_in_generation_ends_the_job_with_its_own_message_and_no_restart(demo, tmp_path):
+    run_dir, done = _fails(demo, tmp_path, 1, 4, kind="bug")
+    out = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert "a shape bug in generation (injected)" in out, out[-4000:]
+    assert "restarting" not in out and "EngineDied" not in out, out[-4000:]
+    assert jobs.steps_logged(run_dir) == [1, 2]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from megatron_rl.rollout.sglang_engine import torchrun_env_hidden
+from megatron_rl.rollout.sglang_start import torchrun_env_hidden
 from megatron_rl.run import explain as ex
 
 NO_GPU = RuntimeError("trainer.device=cuda but no GPU is visible: set trainer.device=cpu or auto.")

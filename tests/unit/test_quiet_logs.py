@@ -14,9 +14,9 @@ import types
 from pathlib import Path
 
 from megatron_rl.config.schema import RolloutConfig
-from megatron_rl.rollout.sglang_engine import (
+from megatron_rl.rollout.sglang_engine import engine_arguments
+from megatron_rl.rollout.sglang_start import (
     ServerArgsToDebug,
-    engine_arguments,
     engine_summary,
     server_args_at_debug,
     start_sglang,
@@ -24,7 +24,7 @@ from megatron_rl.rollout.sglang_engine import (
 
 ROOT = Path(__file__).resolve().parents[2]
 SGLANG_LOGGER = "sglang.srt.entrypoints.engine"
-OURS = "megatron_rl.rollout.sglang_engine"
+OURS = "megatron_rl.rollout.sglang_start"
 SERVER_ARGS = (
     "server_args=ServerArgs(model_path='/tmp/megatron_rl_sglang_x', tp_size=1, " + "x=1, " * 3000 + ")"
 )
@@ -101,7 +101,7 @@ class Engine:
 
 
 sys.modules["sglang"] = types.SimpleNamespace(Engine=Engine)
-from megatron_rl.rollout.sglang_engine import start_sglang
+from megatron_rl.rollout.sglang_start import start_sglang
 from megatron_rl.run.metrics import progress_bar
 
 engine = start_sglang({"tp_size": 1}, "model")

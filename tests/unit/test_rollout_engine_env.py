@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from megatron_rl.rollout.sglang_engine import torchrun_env_hidden
+from megatron_rl.rollout.sglang_start import torchrun_env_hidden
 
 TORCHRUN = {"RANK": "3", "WORLD_SIZE": "8", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "job"}
 

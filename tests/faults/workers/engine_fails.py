@@ -1,6 +1,7 @@
-"""The trainer (``megatron_rl.train``) with the generator of rank $FAULT_RANK failing as a crashed engine
-does (a RuntimeError out of the model's generation) at the training rollout of step $FAULT_STEP,
-$FAULT_TIMES times in a row.
+"""The trainer (``megatron_rl.train``) with the generator of rank $FAULT_RANK failing at the training
+rollout of step $FAULT_STEP, $FAULT_TIMES times in a row: as a crashed engine does (rollout.base.
+EngineDied, what an engine raises when its worker or the connection to it is gone), or, with
+$FAULT_KIND=bug, as a bug in generation does (a plain RuntimeError).
 
 The failure is raised inside the transformers engine's generator (the boundary: the engine's worker,
 which a CPU engine does not have as a process of its own to kill); the rank's TP peer waits for its
@@ -11,8 +12,10 @@ import os
 import sys
 
 from megatron_rl.rollout import hf_engine
+from megatron_rl.rollout.base import EngineDied
 
 RANK, STEP, TIMES = os.environ["FAULT_RANK"], int(os.environ["FAULT_STEP"]), int(os.environ["FAULT_TIMES"])
+BUG = os.environ.get("FAULT_KIND") == "bug"
 
 if os.environ.get("RANK") == RANK:
     real_generate = hf_engine.HFEngine._generate_local
@@ -21,7 +24,9 @@ if os.environ.get("RANK") == RANK:
     def generate(self, prompts, origins, params):
         if not params.validate and params.step == STEP and failed[0] < TIMES:
             failed[0] += 1
-            raise RuntimeError("the engine's worker died (injected)")
+            if BUG:
+                raise RuntimeError("a shape bug in generation (injected)")
+            raise EngineDied("the engine's worker died (injected)")
         return real_generate(self, prompts, origins, params)
 
     hf_engine.HFEngine._generate_local = generate
