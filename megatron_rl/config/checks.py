@@ -152,6 +152,7 @@ RANGES: dict[str, str] = {
     "reward_model.overlong_buffer.len": ">=0",
     "reward_model.overlong_buffer.penalty_factor": ">=0",
     "custom_reward_function.timeout_s": ">=0",
+    "custom_reward_function.max_error_fraction": "[0,1]",
     "reward_model.micro_batch_size_per_gpu": ">=1",
     "reward_model.max_length": ">=1",
     "reward_model.http.batch_size": ">=1",

@@ -490,6 +490,10 @@ class CustomRewardFunctionConfig:
     reward_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments of the reward function (built-in GSM8K rule: method, format_score, score,
     lenient)."""
+    max_error_fraction: float = 0.1
+    """Largest fraction of a batch's samples on which the reward function may raise (each such sample
+    is logged, scored 0.0 and counted in reward/num_errors); more stops the run in one line naming the
+    first error. 1.0 = only a batch that fails whole."""
 
 
 @dataclass

@@ -188,8 +188,9 @@ class RewardManager(RewardSource):
     ``reward/num_errors``). A NaN or infinite score stops the run (:class:`NonFiniteRewardError`, one
     line naming the function, the sample and its uid): it is a bug in the function, and one such score
     would void the step's update.
-    If every sample of a batch fails, the reward function is broken rather than unlucky, and training on
-    all-zero rewards would waste the run, so a RuntimeError is raised from the first exception.
+    If more than ``max_error_fraction`` of a batch's samples fail (custom_reward_function.
+    max_error_fraction), the reward function is broken rather than unlucky, and training on their zeros
+    would bias the run: a :class:`RewardFunctionError` names the key, the count and the first exception.
 
     Each call runs on a worker thread and may take at most ``timeout_s`` seconds
     (``custom_reward_function.timeout_s``; 0 = no limit): a call that takes longer, or one that exits the
@@ -204,11 +205,13 @@ class RewardManager(RewardSource):
         compute_score: Callable[..., Any] | None = None,
         reward_kwargs: dict[str, Any] | None = None,
         timeout_s: float = 0.0,
+        max_error_fraction: float = 1.0,
     ) -> None:
         self.tokenizer = tokenizer
         self.compute_score = compute_score if compute_score is not None else default_compute_score
         self.reward_kwargs = dict(reward_kwargs or {})
         self.timeout_s = timeout_s
+        self.max_error_fraction = max_error_fraction
         self._worker: _Worker | None = None
 
     @property
@@ -334,9 +337,13 @@ class RewardManager(RewardSource):
             scores[i] = value
             rows.append(sample_extras)
 
-        if n > 0 and num_errors == n:
-            raise RuntimeError(
-                f"the reward function failed on all {n} samples of the batch; first error: {first_error!r}"
+        if n > 0 and (num_errors == n or num_errors > self.max_error_fraction * n):
+            limit = f"more than custom_reward_function.max_error_fraction={self.max_error_fraction:g} allows"
+            raise RewardFunctionError(
+                f"the reward function {self.name} failed on {'all' if num_errors == n else num_errors} of "
+                f"the batch's {n} samples ({'nothing to train on' if num_errors == n else limit}); first "
+                f"error: {first_error!r}. Fix the function (the log names each sample)"
+                + ("." if num_errors == n else ", or raise the fraction to train on them scored 0.0.")
             ) from first_error
         return RewardOutput.from_rows(scores, rows, num_errors)
 
@@ -372,4 +379,5 @@ class _Worker:
 
 
 class RewardFunctionError(LaunchError):
-    """A reward function hung past its timeout or exited the process (one line, on the failing rank)."""
+    """A reward function hung past its timeout, exited the process, or failed on more samples of a batch
+    than custom_reward_function.max_error_fraction allows (one line, on the failing rank)."""

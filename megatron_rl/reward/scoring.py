@@ -62,7 +62,7 @@ def make_reward_fn(
 
         return HttpRewardManager(tokenizer, rm.http)
     compute_score = load_custom_reward_function(crf.path, crf.name) if crf.path else None
-    return RewardManager(tokenizer, compute_score, crf.reward_kwargs, crf.timeout_s)
+    return RewardManager(tokenizer, compute_score, crf.reward_kwargs, crf.timeout_s, crf.max_error_fraction)
 
 
 def _on_leader(ps: ParallelState) -> bool:

@@ -15,6 +15,7 @@ import torch
 from megatron_rl.demo.toy import TOY_DATA_SOURCE, build_toy_tokenizer
 from megatron_rl.errors import NonFiniteRewardError
 from megatron_rl.reward.rules import (
+    RewardFunctionError,
     RewardManager,
     compute_score_gsm8k,
     default_compute_score,
@@ -321,7 +322,7 @@ def test_reward_manager_all_failures_raise(tok):
         raise KeyError("missing field")
 
     rm = RewardManager(tok, compute_score=broken)
-    with pytest.raises(RuntimeError, match="all 2 samples") as excinfo:
+    with pytest.raises(RewardFunctionError, match="failed on all of the batch's 2 samples") as excinfo:
         rm([_ids(tok, "1"), _ids(tok, "2")], ["a", "a"], ["1", "2"], [None, None])
     assert isinstance(excinfo.value.__cause__, KeyError)
 
@@ -339,8 +340,6 @@ def test_reward_manager_unknown_data_source_raises(tok):
 def test_a_hung_reward_function_stops_at_its_timeout_naming_it(tok):
     import threading
     import time
-
-    from megatron_rl.reward.rules import RewardFunctionError
 
     release = threading.Event()
 
@@ -367,8 +366,6 @@ def test_a_hung_reward_function_stops_at_its_timeout_naming_it(tok):
 
 
 def test_a_reward_function_that_exits_is_named(tok):
-    from megatron_rl.reward.rules import RewardFunctionError
-
     def quits(data_source, solution_str, ground_truth, extra_info=None):
         sys.exit(3)
 
@@ -376,3 +373,26 @@ def test_a_reward_function_that_exits_is_named(tok):
         RewardFunctionError, match=r"quits exited the process \(SystemExit\(3\)\) on sample 0"
     ):
         RewardManager(tok, compute_score=quits)([_ids(tok, "1")], ["a"], ["1"], [None])
+
+
+def test_a_reward_function_failing_on_too_many_samples_stops_the_run_naming_the_key(tok):
+    from megatron_rl.config import load_config
+
+    def flaky(data_source, solution_str, ground_truth, extra_info=None):
+        if ground_truth == "boom":
+            raise ZeroDivisionError("bad sample")
+        return 1.0
+
+    responses = [_ids(tok, "1")] * 4
+    one, two = ["1", "boom", "3", "4"], ["1", "boom", "boom", "4"]
+    rm = RewardManager(tok, compute_score=flaky, max_error_fraction=0.25)
+    assert rm(responses, ["a"] * 4, one, [None] * 4).num_errors == 1  # 1 of 4: within 0.25
+    with pytest.raises(
+        RewardFunctionError, match=r"failed on 2 of the batch's 4 samples.*max_error_fraction=0.25"
+    ):
+        rm(responses, ["a"] * 4, two, [None] * 4)
+    lenient = RewardManager(tok, compute_score=flaky)  # 1.0: only a batch that fails whole
+    assert lenient(responses, ["a"] * 4, two, [None] * 4).num_errors == 2
+    with pytest.raises(RewardFunctionError, match="failed on all of the batch's 4 samples"):
+        lenient(responses, ["a"] * 4, ["boom"] * 4, [None] * 4)
+    assert load_config(None, []).custom_reward_function.max_error_fraction == 0.1
