@@ -81,8 +81,7 @@ RANGES: dict[str, str] = {
     "*.ppo_epochs": ">=1",
     "actor_rollout_ref.rollout.engine_restarts": ">=0",
     "actor_rollout_ref.actor.clip_ratio": ">0",
-    "actor_rollout_ref.actor.clip_ratio_low": ">=0",
-    "actor_rollout_ref.actor.clip_ratio_high": ">=0",
+    "actor_rollout_ref.actor.clip_ratio_[hl]*": ">=0",  # _high, _low
     "actor_rollout_ref.actor.clip_ratio_c": ">1",
     "actor_rollout_ref.actor.loss_scale_factor": ">0",
     "critic.loss_scale_factor": ">0",

@@ -54,8 +54,7 @@ class DataConfig:
     shuffle: bool = True
     """Shuffle the training prompts each epoch."""
     seed: int = 1
-    """Seed of the prompt sampler (the order of the training prompts); the responses' sampling is
-    seeded by actor_rollout_ref.rollout.seed."""
+    """Seed of the prompts' order; the responses are sampled with actor_rollout_ref.rollout.seed."""
     filter_overlong_prompts: bool = False
     """Drop prompts longer than max_prompt_length (the count is logged) instead of truncating."""
     truncation: str = "error"
@@ -82,9 +81,8 @@ class PolicyLossConfig:
 @dataclass
 class RouterReplayConfig:
     mode: str = "disabled"
-    """MoE actors: disabled | R2 (the updates route each token to the experts the actor chose in the
-    step's old-log-prob pass) | R3 (every training forward of the actor routes each token to the experts
-    the rollout engine chose for it); models/routing.py."""
+    """MoE actors: disabled | R2 (updates route each token to the experts of the step's old-log-prob
+    pass) | R3 (every training forward routes each token as the rollout engine did); models/routing.py."""
 
 
 @dataclass
@@ -94,9 +92,8 @@ class ActorConfig:
     ppo_micro_batch_size_per_gpu: int = 4
     """Sequences per forward/backward on one GPU; gradients accumulate over micro-batches."""
     use_dynamic_bsz: bool = False
-    """Form micro-batches by a token budget (length-sorted, each cut to its own longest sequence)
-    instead of ppo_micro_batch_size_per_gpu sequences; the default of the ref, rollout and critic
-    passes' *use_dynamic_bsz."""
+    """Micro-batches by a token budget (length-sorted, each cut to its longest sequence) instead of
+    ppo_micro_batch_size_per_gpu sequences; the default of the ref, rollout, critic *use_dynamic_bsz."""
     ppo_max_token_len_per_gpu: int = 16384
     """use_dynamic_bsz: most tokens (padding included) in one update micro-batch on one GPU; the
     default of the ref and rollout log_prob_max_token_len_per_gpu."""
@@ -491,9 +488,8 @@ class CustomRewardFunctionConfig:
     """Extra keyword arguments of the reward function (built-in GSM8K rule: method, format_score, score,
     lenient)."""
     max_error_fraction: float = 0.1
-    """Largest fraction of a batch's samples on which the reward function may raise (each such sample
-    is logged, scored 0.0 and counted in reward/num_errors); more stops the run in one line naming the
-    first error. 1.0 = only a batch that fails whole."""
+    """Most of a batch's samples the reward function may raise on (each logged, scored 0.0, counted in
+    reward/num_errors); more stops the run in one line. 1.0 = only a batch that fails whole."""
 
 
 @dataclass
