@@ -324,6 +324,11 @@ def _explain(exc: BaseException) -> tuple[str, bool] | None:
     return None
 
 
+PRINTER_GRACE_S = 10.0
+"""How long a rank that leaves a same-on-all-ranks error to local rank 0 waits before it exits (rank 0's
+exit ends the job sooner: torchrun then stops the others)."""
+
+
 def _same_on_all_ranks(exc: BaseException) -> bool:
     return isinstance(exc, ConfigError) or getattr(exc, "same_on_all_ranks", False)
 
@@ -350,6 +355,8 @@ def explain_failures() -> Iterator[None]:
         line = "\n".join(PREFIX + part for part in msg.splitlines())
         if not _same_on_all_ranks(exc) or _env("LOCAL_RANK", "0") == "0":
             print(line, file=sys.stderr, flush=True)
+        else:  # local rank 0 prints it; exiting first would have torchrun stop that rank before it does
+            time.sleep(PRINTER_GRACE_S)
         # torchrun's summary names the failure with the earliest error file as the root cause; a rank
         # that only lost its peer writes none, so the rank whose failure caused it is named instead.
         if not collateral:
