@@ -108,7 +108,8 @@ def test_the_launcher_gives_every_rank_one_secret_and_keeps_a_given_one(tmp_path
     script.write_text(
         "import hashlib, os\n"
         "s = os.environ.get('MEGATRON_RL_JOB_SECRET', '')\n"
-        "print('secret', len(s), hashlib.sha256(s.encode()).hexdigest(), flush=True)\n"
+        "line = f'secret {len(s)} {hashlib.sha256(s.encode()).hexdigest()}\\n'\n"
+        "os.write(1, line.encode())  # one write: the two ranks' lines do not interleave\n"
     )
 
     def digests(**extra: str) -> list[tuple[str, str]]:
@@ -117,8 +118,13 @@ def test_the_launcher_gives_every_rank_one_secret_and_keeps_a_given_one(tmp_path
             ["bash", os.path.join(ROOT, "launch", "torchrun.sh"), "--nproc", "2", "--config", "x.yaml"],
             env=env, cwd=ROOT, capture_output=True, text=True, timeout=120,
         )  # fmt: skip
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        return re.findall(r"secret (\d+) ([0-9a-f]{64})", proc.stdout)
+        with open(tmp_path / "logs" / "node0.log") as f:  # the node's log: every rank's output
+            log = f.read()
+        said = f"rc {proc.returncode}\nlog:\n{log[-3000:]}\nout:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+        assert proc.returncode == 0, said
+        found = re.findall(r"secret (\d+) ([0-9a-f]{64})", log)
+        assert len(found) == 2, said
+        return found
 
     made = digests()
     assert len(made) == 2 and made[0] == made[1] and made[0][0] == "64", made
