@@ -26,7 +26,7 @@ from megatron_rl.config import Config
 from megatron_rl.errors import CheckpointError
 from megatron_rl.microbatches import ForwardPasses
 from megatron_rl.parallel import ParallelState
-from megatron_rl.roles.transport import PeerLeft, all_gather_objects, job_mailbox, slice_bounds
+from megatron_rl.roles.transport import all_gather_objects, job_mailbox, slice_bounds
 
 if TYPE_CHECKING:
     from megatron_rl.optim import ModelOptimizer
@@ -98,13 +98,8 @@ class CriticServer:
         """Handle requests until "stop"; returns how many were served. A failure (a message not signed
         with the job's secret, a bug) is left in the store for the actor's ranks
         (``Mailbox.report_failure``) and raised."""
-        try:
+        with self.box.reporting_failure(self.ps.global_rank):
             return self._serve()
-        except PeerLeft:  # another critic rank failed and said why
-            raise
-        except Exception as e:
-            self.box.report_failure(self.ps.global_rank, e)
-            raise
 
     def _serve(self) -> int:
         i = 0

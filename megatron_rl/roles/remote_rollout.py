@@ -47,7 +47,6 @@ import torch
 from megatron_rl.model_args import DTYPES, ModelArgs
 from megatron_rl.parallel import ParallelState
 from megatron_rl.roles.transport import (
-    PeerLeft,
     all_gather_objects,
     broadcast_root,
     from_plain,
@@ -58,7 +57,7 @@ from megatron_rl.roles.transport import (
     to_plain,
 )
 from megatron_rl.rollout.base import Generation, SamplingParams, is_dp_leader
-from megatron_rl.rollout.checksums import checksums_match, missing_checksum, tensor_checksum
+from megatron_rl.rollout.checksums import first_mismatch, tensor_checksum
 from megatron_rl.rollout.reshard import (
     Bucket,
     WeightSyncError,
@@ -185,13 +184,8 @@ class RolloutServer:
         """Handle requests in order until "stop"; returns how many were served. A failure (a message
         not signed with the job's secret, an engine error) is left in the store for the training ranks
         (``Mailbox.report_failure``) and raised."""
-        try:
+        with self.box.reporting_failure(self.ps.global_rank):
             return self._serve()
-        except PeerLeft:  # another rollout rank failed and said why
-            raise
-        except Exception as e:
-            self.box.report_failure(self.ps.global_rank, e)
-            raise
 
     def _serve(self) -> int:
         i = 0
@@ -218,12 +212,11 @@ class RolloutServer:
         buckets = plan_buckets(self.args, plan.tp, plan.pp, plan.bucket_bytes, itemsize)
         names = [(k, t.name, t.numel) for k, b in enumerate(buckets) for s in b.params for t in s.tensors]
         got = self.engine.weight_checksums([n for _, n, _ in names])
-        missing = missing_checksum()
-        have = torch.stack([got.get(n, missing).cpu() for _, n, _ in names])
         numel = torch.tensor([k for _, _, k in names])
-        bad = (~checksums_match(sums, have, numel)).nonzero()
-        if len(bad):
-            k, name, _ = names[int(bad[0, 0])]
+        unread = getattr(self.engine, "unreadable", ())
+        bad = first_mismatch([n for _, n, _ in names], sums, got, numel, unread)
+        if bad is not None:
+            k, name, _ = names[bad]
             raise WeightSyncError(
                 f"weight sync check failed: the rollout engine on rank {self.ps.global_rank} does not hold "
                 f"{name} (bucket {k + 1} of {len(buckets)}) as the actor streamed it, so it would generate "

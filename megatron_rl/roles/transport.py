@@ -37,6 +37,7 @@ collectives.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import hmac
@@ -45,6 +46,7 @@ import logging
 import math
 import struct
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -414,6 +416,18 @@ class Mailbox:
             self.put(FAILED, {"rank": rank, "cause": cause})
         except Exception:  # the store may be what failed
             log.warning("could not leave the cause of rank %d's failure in the job's store", rank)
+
+    @contextlib.contextmanager
+    def reporting_failure(self, rank: int) -> Iterator[None]:
+        """A role server's loop inside: any failure but a peer's (:class:`PeerLeft`, which already said
+        why) is left for the other role's readers (:meth:`report_failure`) and raised."""
+        try:
+            yield
+        except PeerLeft:
+            raise
+        except Exception as e:
+            self.report_failure(rank, e)
+            raise
 
     def raise_if_peer_left(self) -> None:
         """Raise :class:`PeerLeft` with the cause a failed rank left under :data:`FAILED`, if any."""

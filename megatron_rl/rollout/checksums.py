@@ -19,9 +19,8 @@ _position_weights: dict[torch.device, torch.Tensor] = {}
 def _weights(device: torch.device) -> torch.Tensor:
     """[_CHECKSUM_CHUNK] float64 frac(j * phi) - 1/2, made once per device: weights that differ between
     any two nearby positions (the golden ratio's multiples spread evenly over [0, 1))."""
-    if device not in _position_weights:
-        j = torch.arange(_CHECKSUM_CHUNK, dtype=torch.float64, device=device)
-        _position_weights[device] = torch.frac(j * _PHI) - 0.5
+    if device not in _position_weights:  # chunk 0's weights (its multiplier is 1)
+        _position_weights[device] = position_weights(torch.arange(_CHECKSUM_CHUNK, device=device))
     return _position_weights[device]
 
 

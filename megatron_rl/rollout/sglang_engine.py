@@ -222,13 +222,9 @@ class SGLangEngine:
                     off += n
                 load_format = "flattened_bucket"
                 payload = MultiprocessingSerializer.serialize({"flattened_tensor": flat, "metadata": meta})
-            payloads = self._to_leader(payload)
-            if self.engine is not None:
-                ok, msg = self._load(payloads, load_format)
-                if not ok:
-                    raise RuntimeError(f"SGLang rejected a weight bucket ({len(bucket)} tensors): {msg}")
-            if self.group_size > 1:
-                dist.barrier(group=self._group)  # peers' buffers stay intact until the load is done
+            self._load_on_group(
+                payload, load_format, f"SGLang rejected a weight bucket ({len(bucket)} tensors)"
+            )
             del payload, flat
         if self.engine is not None:
             self.engine.flush_cache()
@@ -252,14 +248,8 @@ class SGLangEngine:
         header = json.dumps({"names": names, "shapes": [self._shapes[n] for n in names]})
         payload = MultiprocessingSerializer.serialize([(header, out)])
         torch.cuda.current_stream().synchronize()
-        payloads = self._to_leader(payload)
-        if self.engine is not None:
-            ok, msg = self._load(payloads, READ_BACK)
-            if not ok:
-                raise RuntimeError(f"SGLang could not read its weights back for the sync check: {msg}")
-        if self.group_size > 1:
-            dist.barrier(group=self._group)  # every worker has written its share
-        got = out.cpu()
+        self._load_on_group(payload, READ_BACK, "SGLang could not read its weights back for the sync check")
+        got = out.cpu()  # every worker has written its share
         if self.group_size > 1:
             dist.all_reduce(got, group=self._group)
         placed = got[:, k] == self.group_size
@@ -273,13 +263,21 @@ class SGLangEngine:
             )  # fmt: skip
         return {n: got[i, :k] for i, n in enumerate(names) if placed[i]}
 
-    def _to_leader(self, payload: Any) -> list[Any]:
-        """Every group rank's payload, on the group's leader (its engine takes one per engine rank)."""
-        if self.group_size == 1:
-            return [payload]
-        payloads: list[Any] | None = [None] * self.group_size if self.group_rank == 0 else None
-        dist.gather_object(payload, payloads, dst=self.leader, group=self._group)
-        return payloads or []
+    def _load_on_group(self, payload: Any, load_format: str, failure: str) -> None:
+        """Collective over the engine group: every rank's ``payload`` (one per engine rank) goes to the
+        group's leader, whose engine takes them in one request; RuntimeError(``failure``: SGLang's
+        reason) if it refuses. Returns once the engine is done, so each rank's buffers behind its
+        payload stay intact until then and whatever the workers wrote into them is there."""
+        payloads: list[Any] | None = [payload]
+        if self.group_size > 1:
+            payloads = [None] * self.group_size if self.group_rank == 0 else None
+            dist.gather_object(payload, payloads, dst=self.leader, group=self._group)
+        if self.engine is not None:
+            ok, msg = self._load(payloads or [], load_format)
+            if not ok:
+                raise RuntimeError(f"{failure}: {msg}")
+        if self.group_size > 1:
+            dist.barrier(group=self._group)
 
     def _load(self, payloads: list, load_format: str) -> tuple[bool, str]:
         """One ``update_weights_from_tensor`` request with one serialized payload per engine rank (each
