@@ -36,6 +36,10 @@ megatron-core assumes CUDA in three ways that matter for our models and schedule
    tensors padded to the largest split (then trimmed), and an all-reduce of which each rank keeps
    its split: the same results.
 
+9. ``multi_latent_attention`` decides whether Transformer Engine is there by importing megatron's TE
+   extension, which without TE binds its classes to mocks: ``isinstance(layer, TELinear)`` then
+   raises. Without TE the module's flag is set to what is true (no TE), on CPU and GPU alike.
+
 Causal masks are always passed explicitly (``get_default_causal_mask`` allocates on "cuda").
 Everything here is inert when CUDA is available; :func:`install` checks the megatron-core version it
 was written against and refuses another one.
@@ -201,6 +205,12 @@ def install() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        from megatron.core.transformer import multi_latent_attention
+
+        multi_latent_attention.HAVE_TE = False
     if not torch.cuda.is_available():
         from megatron.core.tensor_parallel import random as mrandom
 

@@ -112,6 +112,10 @@ class TrainingOptions:
     moe_grouped_gemm: bool = True
     """MoE: run a rank's experts as grouped matmuls (GroupedExperts) rather than one MLP per expert
     (megatron's SequentialMLP); both hold the same weights and write the same checkpoints."""
+    moe_router_bias_update_rate: float = 1e-3
+    """MoE with sigmoid routing (DeepSeek-V3, GLM-4.5): after each optimizer step the expert-score bias
+    moves by this much against each expert's load over the step's tokens (megatron's
+    auxiliary-loss-free balancing; 0 keeps the checkpoint's bias)."""
     transformer_overrides: tuple = ()
     """(key, value) pairs of TransformerConfig arguments set over the ones built here: the section's
     megatron.override_transformer_config without its moe_* keys (recompute_modules)."""
@@ -121,14 +125,30 @@ def moe_config_kwargs(args: ModelArgs, ps: ParallelState, options: TrainingOptio
     """TransformerConfig fields of an MoE model (empty for a dense one)."""
     if not args.is_moe:
         return {}
+    sigmoid_routing: dict = {}
+    if args.moe_score_function == "sigmoid":
+        # megatron renormalises the top-k sigmoid scores whenever k > 1 (norm_topk_prob), then scales
+        sigmoid_routing = dict(
+            moe_router_score_function="sigmoid",
+            moe_router_enable_expert_bias=args.moe_expert_bias,
+            moe_router_bias_update_rate=options.moe_router_bias_update_rate,
+            moe_router_num_groups=args.moe_num_groups or None,
+            moe_router_group_topk=args.moe_group_topk or None,
+        )
+    shared: dict = {}
+    if args.moe_shared_ffn_hidden_size:
+        shared = dict(
+            moe_shared_expert_intermediate_size=args.moe_shared_ffn_hidden_size,
+            moe_shared_expert_gate=args.moe_shared_expert_gate,
+        )
     return dict(
+        moe_router_topk_scaling_factor=args.moe_routed_scaling if args.moe_routed_scaling != 1.0 else None,
         num_moe_experts=args.num_experts,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size,
         moe_router_topk=args.moe_top_k,
         # norm_topk_prob: softmax over the top-k logits (= renormalised top-k probabilities);
         # otherwise the top-k of the softmax over all experts.
-        moe_router_pre_softmax=not args.moe_norm_topk_prob,
-        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not args.moe_norm_topk_prob and args.moe_score_function == "softmax",
         moe_router_dtype="fp32",
         moe_router_load_balancing_type="aux_loss" if options.moe_aux_loss_coeff > 0 else "none",
         moe_aux_loss_coeff=options.moe_aux_loss_coeff,
@@ -138,15 +158,49 @@ def moe_config_kwargs(args: ModelArgs, ps: ParallelState, options: TrainingOptio
         moe_layer_freq=[int(x) for x in args.moe_layers],
         expert_model_parallel_size=ps.ep_size,
         expert_tensor_parallel_size=ps.etp_size,
+        **({"moe_router_score_function": "softmax"} | sigmoid_routing),
+        **shared,
+    )
+
+
+def mla_config_kwargs(args: ModelArgs) -> dict:
+    """MLATransformerConfig fields of a multi-latent-attention model (empty otherwise)."""
+    m = args.mla
+    if m is None:
+        return {}
+    y = args.yarn
+    rope = (
+        dict(rope_type="rope", rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
+        if y is None
+        else dict(
+            rope_type="yarn",
+            rotary_scaling_factor=y.factor,
+            original_max_position_embeddings=y.original_max_position_embeddings,
+            beta_fast=y.beta_fast,
+            beta_slow=y.beta_slow,
+            mscale=y.mscale,
+            mscale_all_dim=y.mscale_all_dim,
+        )
+    )
+    return dict(
+        multi_latent_attention=True,
+        q_lora_rank=m.q_lora_rank,
+        kv_lora_rank=m.kv_lora_rank,
+        qk_head_dim=m.qk_nope_head_dim,
+        qk_pos_emb_head_dim=m.qk_rope_head_dim,
+        v_head_dim=m.v_head_dim,
+        rotary_base=args.rope_theta,
+        **rope,
     )
 
 
 def transformer_config(
     args: ModelArgs, ps: ParallelState, dtype: torch.dtype, options: TrainingOptions = TrainingOptions()
 ):
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
-    return TransformerConfig(
+    config_class = TransformerConfig if args.mla is None else MLATransformerConfig
+    return config_class(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,
@@ -187,6 +241,7 @@ def transformer_config(
         if options.recompute_granularity == "full"
         else None,
         **moe_config_kwargs(args, ps, options),
+        **mla_config_kwargs(args),
         **dict(options.transformer_overrides),
     )
 
@@ -219,16 +274,21 @@ def build_model(
     config = transformer_config(args, ps, dtype, options)
 
     def layer_spec(num_experts: int | None):
+        mla = args.mla is not None
         layer = get_gpt_layer_local_spec(
             num_experts=num_experts,
             moe_grouped_gemm=False,
-            qk_layernorm=args.qk_norm,
+            qk_layernorm=args.qk_norm or mla,  # MLA: the norms of the q and kv latents
+            multi_latent_attention=mla,
             normalization="RMSNorm",
         )
         sub = layer.submodules
         sub.input_layernorm = sub.pre_mlp_layernorm = RMSNorm
-        if args.qk_norm:
-            sub.self_attention.submodules.q_layernorm = sub.self_attention.submodules.k_layernorm = RMSNorm
+        attn = sub.self_attention.submodules
+        if mla:
+            attn.q_layernorm = attn.kv_layernorm = RMSNorm
+        elif args.qk_norm:
+            attn.q_layernorm = attn.k_layernorm = RMSNorm
         if sdpa:
             sub.self_attention.submodules.core_attention = SDPAttention
         if num_experts and options.moe_grouped_gemm:
@@ -257,7 +317,7 @@ def build_model(
             post_process=ps.is_last_stage,
             share_embeddings_and_output_weights=tie,
             position_embedding_type="rope",
-            rotary_percent=1.0,
+            rotary_percent=args.rotary_percent,
             rotary_base=int(args.rope_theta),
             rope_scaling=args.rope_scaling,
             rope_scaling_factor=args.rope_scaling_factor,
@@ -308,6 +368,8 @@ def named_global_params(model: nn.Module) -> dict[str, torch.Tensor]:
     from megatron_rl.models.experts import GroupedExperts
 
     local: dict[str, torch.Tensor] = dict(model.named_parameters())
+    # sigmoid routing's expert-score bias: a buffer (trained by load balancing, not by gradients)
+    local.update({n: b for n, b in model.named_buffers() if n.endswith("router.expert_bias")})
     for prefix, module in model.named_modules():
         if isinstance(module, GroupedExperts):
             del local[f"{prefix}.weight1"], local[f"{prefix}.weight2"]

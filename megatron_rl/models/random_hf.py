@@ -22,6 +22,9 @@ ARCH_CLASSES = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
 }
 SEQ_CLS_CLASSES = {
     arch: f"{cfg[: -len('Config')]}ForSequenceClassification" for arch, (cfg, _) in ARCH_CLASSES.items()
@@ -47,6 +50,55 @@ TINY_MOE = {
         decoder_sparse_step=1,
     ),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    # a shared expert with its sigmoid gate; softmax top-k weights as they are (norm_topk_prob=False)
+    "qwen2_moe": dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        shared_expert_intermediate_size=64,
+        norm_topk_prob=False,
+    ),
+    # sigmoid routing with the expert-score bias, a shared expert, layer 0 dense, half-rotary heads,
+    # q/k/v biases and q/k norms
+    "glm4_moe": dict(
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=1.5,
+        partial_rotary_factor=0.5,
+        attention_bias=True,
+        use_qk_norm=True,
+        head_dim=16,
+    ),
+    # multi-latent attention (q through a low-rank bottleneck), YaRN RoPE with mscale, grouped top-k
+    # (4 groups of 2 experts, top-4 in the 2 best groups), a shared expert, layer 0 dense
+    "deepseek_v3": dict(
+        n_routed_experts=8,
+        num_experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        q_lora_rank=32,
+        kv_lora_rank=24,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        num_key_value_heads=4,
+        rope_scaling=dict(
+            rope_type="yarn",
+            factor=4.0,
+            original_max_position_embeddings=64,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+        ),
+    ),
 }
 
 QWEN25_1_5B = dict(
@@ -125,6 +177,9 @@ def random_hf_model(
                 p.copy_(0.5 + torch.rand(p.shape, generator=g))
         if init == "o1":
             model.get_input_embeddings().weight.mul_(kw["hidden_size"] ** 0.5)  # embeddings ~ N(0, 1)
+            for name, b in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):  # of the order of the sigmoid scores
+                    b.copy_(torch.randn(b.shape, generator=g) * 0.3)
     return model.eval()
 
 

@@ -27,6 +27,7 @@ translated by the caller (:func:`global_layer_name`, :func:`global_expert_name`)
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -71,6 +72,24 @@ class ArchTable:
     expert e is [gate_e; up_e] (checkpoints keep one tensor per expert, ``expert_gate`` / ``expert_up``)."""
     module_experts_down: str = "model.layers.{i}.mlp.experts.down_proj"
     """The fused down projections [E, hidden, moe_ffn] (expert e's is ``expert_down``)."""
+    shared_gate: str = "model.layers.{i}.mlp.shared_experts.gate_proj.weight"
+    """The shared expert of an MoE layer (DeepSeek-V3, GLM-4.5; Qwen2-MoE says ``shared_expert``)."""
+    shared_up: str = "model.layers.{i}.mlp.shared_experts.up_proj.weight"
+    shared_down: str = "model.layers.{i}.mlp.shared_experts.down_proj.weight"
+    shared_expert_gate: str = "model.layers.{i}.mlp.shared_expert_gate.weight"
+    """Qwen2-MoE's sigmoid gate on the shared expert's output [1, hidden]."""
+    router_bias: str = "model.layers.{i}.mlp.gate.e_score_correction_bias"
+    """The expert-score bias [E] of sigmoid routing (a buffer in transformers, fp32)."""
+    q_a: str = "model.layers.{i}.self_attn.q_a_proj.weight"
+    """Multi-latent attention: the query's down projection [q_lora_rank, hidden] ..."""
+    q_a_norm: str = "model.layers.{i}.self_attn.q_a_layernorm.weight"
+    q_b: str = "model.layers.{i}.self_attn.q_b_proj.weight"
+    """... and its up projection [heads * (nope + rope), q_lora_rank] (``q_proj`` without the rank)."""
+    kv_a: str = "model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight"
+    """[kv_lora_rank + rope, hidden]: the latent, then the rotary key shared by all heads."""
+    kv_a_norm: str = "model.layers.{i}.self_attn.kv_a_layernorm.weight"
+    kv_b: str = "model.layers.{i}.self_attn.kv_b_proj.weight"
+    """[heads * (nope + v), kv_lora_rank]: per head its key's non-rotary part, then its value."""
     score: str = "score.weight"
     """``...ForSequenceClassification``'s head: nn.Linear(hidden, num_labels, bias=False), [1, hidden]
     for a reward model (the Megatron reward model's ``output_layer.weight``, replicated over TP)."""
@@ -93,6 +112,13 @@ TABLES: dict[str, ArchTable] = {
         expert_up="model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight",
         expert_down="model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight",
     ),
+    "qwen2_moe": ArchTable(  # + q/k/v biases; the shared expert and its gate
+        shared_gate="model.layers.{i}.mlp.shared_expert.gate_proj.weight",
+        shared_up="model.layers.{i}.mlp.shared_expert.up_proj.weight",
+        shared_down="model.layers.{i}.mlp.shared_expert.down_proj.weight",
+    ),
+    "glm4_moe": LLAMA,  # + q/k/v biases, q/k norms (options); sigmoid router's bias, shared expert
+    "deepseek_v3": LLAMA,  # multi-latent attention; sigmoid router's bias, shared expert
 }
 
 
@@ -119,6 +145,9 @@ class ParamLayout:
     expert: int | None = None
     """Global expert index of an expert's parameter: its shards are over the expert TP group (ETP
     ranks), and it lives only on the EP rank that owns the expert."""
+    width: int = 0
+    """Columns of the HF matrix when they are not ``hidden_size`` (multi-latent attention's up
+    projections read the latent)."""
 
     def shard_rank(self, tp_rank: int, etp_rank: int) -> int:
         """Which entry of ``pieces`` a rank holds."""
@@ -159,7 +188,6 @@ def param_layouts(args: ModelArgs, tp: int, role: str = "actor", etp: int | None
     """
     etp = tp if etp is None else etp
     t = TABLES[args.arch]
-    hd, g, qpg = args.head_dim, args.num_kv_heads, args.heads_per_group
     h, f = args.hidden_size, args.ffn_hidden_size
     vp = args.padded_vocab(tp)
     out: list[ParamLayout] = []
@@ -175,41 +203,14 @@ def param_layouts(args: ModelArgs, tp: int, role: str = "actor", etp: int | None
     out.append(vocab(t.embed, "embedding.word_embeddings.weight"))
     for i in range(args.num_layers):
         p = f"decoder.layers.{i}."
-        q_off = k_off = v_off = 0
-        if t.qkv_fused:
-            qn = kn = vn = t.qkv_fused.format(i=i)
-            k_off, v_off = args.num_heads * hd, (args.num_heads + g) * hd
+        if args.mla is not None:
+            out += _mla(args, t, i, tp, p)
         else:
-            qn, kn, vn = (x.format(i=i) for x in (t.q, t.k, t.v))
-        for suffix in ("weight", "bias") if args.qkv_bias else ("weight",):
-            groups_per_rank = g // tp
-            pieces = []
-            for r in range(tp):
-                rank_pieces = []
-                for gi in range(r * groups_per_rank, (r + 1) * groups_per_rank):
-                    rank_pieces += [
-                        _rows(f"{qn}.{suffix}", q_off + gi * qpg * hd, q_off + (gi + 1) * qpg * hd),
-                        _rows(f"{kn}.{suffix}", k_off + gi * hd, k_off + (gi + 1) * hd),
-                        _rows(f"{vn}.{suffix}", v_off + gi * hd, v_off + (gi + 1) * hd),
-                    ]
-                pieces.append(tuple(rank_pieces))
-            rows = groups_per_rank * (qpg + 2) * hd
-            out.append(ParamLayout(f"{p}self_attention.linear_qkv.{suffix}", 0, rows, tuple(pieces)))
-        out.append(
-            _split(t.o.format(i=i), args.num_heads * hd, tp, 1, f"{p}self_attention.linear_proj.weight")
-        )
-        if args.qk_norm:
-            out.append(_split(t.q_norm.format(i=i), hd, tp, None, f"{p}self_attention.q_layernorm.weight"))
-            out.append(_split(t.k_norm.format(i=i), hd, tp, None, f"{p}self_attention.k_layernorm.weight"))
+            out += _gqa(args, t, i, tp, p)
         out.append(_split(t.input_norm.format(i=i), h, tp, None, f"{p}input_layernorm.weight"))
         out.append(_split(t.post_attn_norm.format(i=i), h, tp, None, f"{p}pre_mlp_layernorm.weight"))
         if args.is_moe_layer(i):
-            out.append(_split(t.router.format(i=i), args.num_experts, tp, None, f"{p}mlp.router.weight"))
-            for e in range(args.num_experts):
-                names = (x.format(i=i, e=e) for x in (t.expert_gate, t.expert_up, t.expert_down))
-                out += _swiglu(
-                    *names, 0, args.moe_ffn_hidden_size, etp, f"{p}mlp.experts.local_experts.{e}.", e
-                )
+            out += _moe(args, t, i, tp, etp, p)
             continue
         if t.gate_up_fused:
             gn = un = t.gate_up_fused.format(i=i)
@@ -226,6 +227,84 @@ def param_layouts(args: ModelArgs, tp: int, role: str = "actor", etp: int | None
     return out
 
 
+def _gqa(args: ModelArgs, t: ArchTable, i: int, tp: int, p: str) -> list[ParamLayout]:
+    """Grouped-query attention: the fused group-major ``linear_qkv`` (+ biases), ``linear_proj`` and
+    the per-head q/k norms."""
+    hd, g, qpg = args.head_dim, args.num_kv_heads, args.heads_per_group
+    out: list[ParamLayout] = []
+    q_off = k_off = v_off = 0
+    if t.qkv_fused:
+        qn = kn = vn = t.qkv_fused.format(i=i)
+        k_off, v_off = args.num_heads * hd, (args.num_heads + g) * hd
+    else:
+        qn, kn, vn = (x.format(i=i) for x in (t.q, t.k, t.v))
+    for suffix in ("weight", "bias") if args.qkv_bias else ("weight",):
+        groups_per_rank = g // tp
+        pieces = []
+        for r in range(tp):
+            rank_pieces = []
+            for gi in range(r * groups_per_rank, (r + 1) * groups_per_rank):
+                rank_pieces += [
+                    _rows(f"{qn}.{suffix}", q_off + gi * qpg * hd, q_off + (gi + 1) * qpg * hd),
+                    _rows(f"{kn}.{suffix}", k_off + gi * hd, k_off + (gi + 1) * hd),
+                    _rows(f"{vn}.{suffix}", v_off + gi * hd, v_off + (gi + 1) * hd),
+                ]
+            pieces.append(tuple(rank_pieces))
+        rows = groups_per_rank * (qpg + 2) * hd
+        out.append(ParamLayout(f"{p}self_attention.linear_qkv.{suffix}", 0, rows, tuple(pieces)))
+    out.append(_split(t.o.format(i=i), args.num_heads * hd, tp, 1, f"{p}self_attention.linear_proj.weight"))
+    if args.qk_norm:
+        out.append(_split(t.q_norm.format(i=i), hd, tp, None, f"{p}self_attention.q_layernorm.weight"))
+        out.append(_split(t.k_norm.format(i=i), hd, tp, None, f"{p}self_attention.k_layernorm.weight"))
+    return out
+
+
+def _mla(args: ModelArgs, t: ArchTable, i: int, tp: int, p: str) -> list[ParamLayout]:
+    """Multi-latent attention as megatron-core's local spec shards it: every projection column-parallel
+    (the down projections too: their outputs are gathered over TP before the norms), heads split
+    contiguously over TP, ``linear_proj`` row-parallel. The rotary dims stay interleaved as DeepSeek
+    stores them: megatron's MLA de-interleaves them before rotating, as transformers does."""
+    m, heads = args.mla, args.num_heads
+    assert m is not None
+    a = f"{p}self_attention."
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    out: list[ParamLayout] = []
+    if m.q_lora_rank is None:
+        out.append(_split(t.q.format(i=i) + ".weight", heads * qk, tp, 0, f"{a}linear_q_proj.weight"))
+    else:
+        r = m.q_lora_rank
+        out.append(_split(t.q_a.format(i=i), r, tp, 0, f"{a}linear_q_down_proj.weight"))
+        out.append(_split(t.q_a_norm.format(i=i), r, tp, None, f"{a}q_layernorm.weight"))
+        up = _split(t.q_b.format(i=i), heads * qk, tp, 0, f"{a}linear_q_up_proj.weight")
+        out.append(dataclasses.replace(up, width=r))
+    kv_rows = m.kv_lora_rank + m.qk_rope_head_dim
+    out.append(_split(t.kv_a.format(i=i), kv_rows, tp, 0, f"{a}linear_kv_down_proj.weight"))
+    out.append(_split(t.kv_a_norm.format(i=i), m.kv_lora_rank, tp, None, f"{a}kv_layernorm.weight"))
+    kv_up = _split(t.kv_b.format(i=i), heads * (m.qk_nope_head_dim + m.v_head_dim), tp, 0, "")
+    out.append(dataclasses.replace(kv_up, name=f"{a}linear_kv_up_proj.weight", width=m.kv_lora_rank))
+    out.append(_split(t.o.format(i=i), heads * m.v_head_dim, tp, 1, f"{a}linear_proj.weight"))
+    return out
+
+
+def _moe(args: ModelArgs, t: ArchTable, i: int, tp: int, etp: int, p: str) -> list[ParamLayout]:
+    """An MoE layer: the router (replicated; its expert-score bias with sigmoid routing), the experts
+    (over EP whole, over ETP in shards) and the shared expert (over TP, like a dense MLP)."""
+    e_count = args.num_experts
+    out = [_split(t.router.format(i=i), e_count, tp, None, f"{p}mlp.router.weight")]
+    if args.moe_expert_bias:
+        out.append(_split(t.router_bias.format(i=i), e_count, tp, None, f"{p}mlp.router.expert_bias"))
+    for e in range(e_count):
+        names = (x.format(i=i, e=e) for x in (t.expert_gate, t.expert_up, t.expert_down))
+        out += _swiglu(*names, 0, args.moe_ffn_hidden_size, etp, f"{p}mlp.experts.local_experts.{e}.", e)
+    if args.moe_shared_ffn_hidden_size:
+        names = (x.format(i=i) for x in (t.shared_gate, t.shared_up, t.shared_down))
+        out += _swiglu(*names, 0, args.moe_shared_ffn_hidden_size, tp, f"{p}mlp.shared_experts.")
+        if args.moe_shared_expert_gate:
+            gate = t.shared_expert_gate.format(i=i)
+            out.append(_split(gate, 1, tp, None, f"{p}mlp.shared_experts.gate_weight"))
+    return out
+
+
 def hf_shapes(args: ModelArgs, role: str = "actor") -> dict[str, tuple[int, ...]]:
     """Shape of every HF tensor (what an exported model directory holds)."""
     shapes: dict[str, tuple[int, ...]] = {}
@@ -235,9 +314,9 @@ def hf_shapes(args: ModelArgs, role: str = "actor") -> dict[str, tuple[int, ...]
         for pc in lay.pieces[0]:
             if lay.dim == 1:  # row-parallel: HF [hidden, in_features]
                 shapes[pc.hf_name] = (h, pc.stop)
-            else:  # every other matrix has in_features = hidden
+            else:  # every other matrix has in_features = hidden (or its layout's width)
                 rows = max(pc.stop, shapes.get(pc.hf_name, (0,))[0])
-                shapes[pc.hf_name] = (rows,) if vector else (rows, h)
+                shapes[pc.hf_name] = (rows,) if vector else (rows, lay.width or h)
     return shapes
 
 

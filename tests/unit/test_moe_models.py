@@ -1,10 +1,11 @@
-"""Mixture-of-experts models (Qwen3-MoE, Mixtral) from HF directories, in one process (TP1/EP1).
+"""Mixture-of-experts models (Qwen3-MoE, Mixtral, Qwen2-MoE, GLM-4.5, DeepSeek-V3) from HF
+directories, in one process (TP1/EP1).
 
 Logits parity with the HF model at O(1) random weights (each token's routing then depends on its
-hidden state and a wrong expert order changes the logits by O(1)); the negative control reads two
-experts' weights into each other's place and must fail. The config mapping (which layers are MoE,
-the softmax/top-k variant) and the expert-parallel split of the weight table are checked by hand.
-DeepSeek-V3 is refused in one line.
+hidden state and a wrong expert order changes the logits by O(1)); the negative controls read two
+experts' weights into each other's place, or zero the expert-score bias of sigmoid routing, and must
+fail. The config mapping (which layers are MoE, the routing variant, multi-latent attention) and the
+expert-parallel split of the weight table are checked by hand. gpt-oss is refused in one line.
 """
 
 import os
@@ -27,7 +28,18 @@ MODELS = {
     "qwen3_moe": ("qwen3_moe", dict(mlp_only_layers=[1])),  # norm_topk_prob, layer 1 dense
     "qwen3_moe_softmax_topk": ("qwen3_moe", dict(norm_topk_prob=False, decoder_sparse_step=2)),
     "mixtral": ("mixtral", {}),
+    "qwen2_moe": ("qwen2_moe", dict(mlp_only_layers=[2])),  # shared expert + gate, softmax top-k as is
+    "glm4_moe": ("glm4_moe", {}),  # sigmoid + bias, shared expert, dense layer 0, partial RoPE, biases
+    "deepseek_v3": ("deepseek_v3", {}),  # MLA with q LoRA, YaRN + mscale, grouped top-k, scaling
+    # q without its low-rank bottleneck, plain RoPE, one group, and a multi-token-prediction layer in
+    # the files (loaded and ignored, as the HF model does)
+    "deepseek_v3_q_proj": (
+        "deepseek_v3",
+        dict(q_lora_rank=None, rope_scaling=None, n_group=1, topk_group=1, num_nextn_predict_layers=1),
+    ),
 }
+SIGMOID = ("glm4_moe", "deepseek_v3", "deepseek_v3_q_proj")
+"""Models with the expert-score bias (its negative control zeroes it)."""
 
 
 def qwen3_moe_config(**overrides) -> dict:
@@ -69,12 +81,117 @@ def test_moe_layer_pattern_and_routing_are_read():
     assert m.moe_norm_topk_prob and not m.qk_norm
 
 
-def test_deepseek_v3_is_refused_in_one_line():
-    cfg = {**qwen3_moe_config(), "architectures": ["DeepseekV3ForCausalLM"], "kv_lora_rank": 512}
+def test_gpt_oss_is_refused_in_one_line():
+    cfg = {**qwen3_moe_config(), "architectures": ["GptOssForCausalLM"]}
     with pytest.raises(ValueError) as e:
-        model_args_from_hf_config(cfg, source="/models/DeepSeek-V3")
+        model_args_from_hf_config(cfg, source="/models/gpt-oss-20b")
     msg = str(e.value)
-    assert "\n" not in msg and "DeepseekV3ForCausalLM" in msg and "multi-latent attention" in msg
+    assert "\n" not in msg and "GptOssForCausalLM" in msg and "attention sinks" in msg
+
+
+def deepseek_v3_config(**overrides) -> dict:
+    """DeepSeek-V3's own config.json fields (its real widths), layer count cut to 5."""
+    cfg = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": 2048,
+        "num_hidden_layers": 5,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 128,
+        "n_shared_experts": 1,
+        "n_routed_experts": 256,
+        "routed_scaling_factor": 2.5,
+        "kv_lora_rank": 512,
+        "q_lora_rank": 1536,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "qk_nope_head_dim": 128,
+        "n_group": 8,
+        "topk_group": 4,
+        "num_experts_per_tok": 8,
+        "first_k_dense_replace": 3,
+        "moe_layer_freq": 1,
+        "norm_topk_prob": True,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "num_nextn_predict_layers": 1,
+        "vocab_size": 129280,
+        "max_position_embeddings": 163840,
+        "rope_theta": 10000,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 40,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+    }
+    cfg.update(overrides)
+    return cfg
+
+
+def test_deepseek_v3_glm4_moe_and_qwen2_moe_configs_are_read():
+    a = model_args_from_hf_config(deepseek_v3_config())
+    assert a.arch == "deepseek_v3" and a.mla is not None and a.mla.q_lora_rank == 1536
+    assert (a.mla.kv_lora_rank, a.mla.qk_nope_head_dim, a.mla.qk_rope_head_dim, a.mla.v_head_dim) == (
+        512,
+        128,
+        64,
+        128,
+    )
+    assert a.yarn is not None and a.yarn.factor == 40 and a.yarn.mscale_all_dim == 1.0
+    assert a.moe_layers == (False, False, False, True, True)
+    assert (a.moe_score_function, a.moe_expert_bias, a.moe_num_groups, a.moe_group_topk) == (
+        "sigmoid",
+        True,
+        8,
+        4,
+    )
+    assert a.moe_routed_scaling == 2.5 and a.moe_shared_ffn_hidden_size == 2048 and a.num_experts == 256
+    # one DeepSeek-V3 MoE layer: 187.1M attention weights, 256 routed + 1 shared experts of 44M
+    assert a.attention_params() == 187_105_280
+    glm = model_args_from_hf_config(
+        {
+            **qwen3_moe_config(),
+            "architectures": ["Glm4MoeForCausalLM"],
+            "n_routed_experts": 8,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 1,
+            "partial_rotary_factor": 0.5,
+            "attention_bias": True,
+            "use_qk_norm": False,
+        }
+    )
+    assert glm.arch == "glm4_moe" and glm.rotary_percent == 0.5 and glm.qkv_bias and not glm.qk_norm
+    assert glm.moe_layers[0] is False and all(glm.moe_layers[1:]) and glm.moe_expert_bias
+    assert glm.mla is None and glm.moe_num_groups == 0
+    q2 = model_args_from_hf_config(
+        {
+            **qwen3_moe_config(),
+            "architectures": ["Qwen2MoeForCausalLM"],
+            "shared_expert_intermediate_size": 48,
+        }
+    )
+    assert q2.qkv_bias and q2.moe_shared_ffn_hidden_size == 48 and q2.moe_shared_expert_gate
+    assert q2.moe_score_function == "softmax" and not q2.moe_expert_bias
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        ({"scoring_func": "softmax"}, "scoring_func='softmax'"),
+        ({"n_group": 8, "topk_group": 2}, "n_group=8, topk_group=2"),
+        ({"rope_interleave": False}, "rope_interleave=false"),
+        ({"norm_topk_prob": False}, "norm_topk_prob=false"),
+    ],
+)
+def test_deepseek_v3_variants_megatron_cannot_express_are_refused_in_one_line(overrides, match):
+    with pytest.raises(ValueError, match=match) as e:
+        model_args_from_hf_config(deepseek_v3_config(**overrides), source="/models/dsv3")
+    assert "\n" not in str(e.value) and "/models/dsv3" in str(e.value)
 
 
 def test_expert_parallel_split_of_the_table():
@@ -110,7 +227,23 @@ def hf_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe")
     for i, (name, (arch, dims)) in enumerate(MODELS.items()):
         save_random_hf_model(str(root / name), arch, seed=10 + i, **dims)
+    add_mtp_layer(root / "deepseek_v3_q_proj")
     return root
+
+
+def add_mtp_layer(path) -> None:
+    """Write a multi-token-prediction layer into the files as DeepSeek-V3's checkpoints hold it: layer
+    ``num_hidden_layers`` with its own projections and norms (no model class builds it)."""
+    from safetensors.torch import load_file, save_file
+
+    file = str(path / "model.safetensors")
+    tensors = load_file(file)
+    n = 4  # TINY's num_hidden_layers
+    tensors[f"model.layers.{n}.eh_proj.weight"] = torch.randn(64, 128)
+    tensors[f"model.layers.{n}.enorm.weight"] = torch.ones(64)
+    tensors[f"model.layers.{n}.hnorm.weight"] = torch.ones(64)
+    tensors[f"model.layers.{n}.self_attn.q_proj.weight"] = torch.randn(96, 64)
+    save_file(tensors, file, metadata={"format": "pt"})
 
 
 def test_table_names_every_hf_tensor(hf_dirs):
@@ -121,11 +254,14 @@ def test_table_names_every_hf_tensor(hf_dirs):
         args = model_args_from_hf_config(__import__("json").load(open(path / "config.json")))
         with safe_open(str(path / "model.safetensors"), "pt") as f:
             saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-        assert hf_shapes(args) == saved, name
+        mtp = {k for k in saved if k.startswith(f"model.layers.{args.num_layers}.")}
+        assert bool(mtp) == (name == "deepseek_v3_q_proj"), name
+        assert hf_shapes(args) == {k: v for k, v in saved.items() if k not in mtp}, name
 
 
-def _run_worker(tmp_path, jobs: list[tuple[str, str, bool]]) -> dict:
-    """Megatron logits of ``jobs`` [(name, path, swap_experts)] in a fresh process (a world of one)."""
+def _run_worker(tmp_path, jobs: list[tuple[str, str, str | None]]) -> dict:
+    """Megatron logits of ``jobs`` [(name, path, corruption)] in a fresh process (a world of one);
+    corruption: None, "swap" (experts 0 and 1 of every layer) or "zero_bias" (the expert-score bias)."""
     jobs_file, out_file = str(tmp_path / "jobs.pt"), str(tmp_path / "out.pt")
     torch.save(jobs, jobs_file)
     code = f"from {__name__} import _worker; _worker({jobs_file!r}, {out_file!r})"
@@ -153,12 +289,16 @@ def _worker(jobs_file: str, out_file: str) -> None:
     out = {}
     orig = tables.param_layouts
     for name, path, corrupt in torch.load(jobs_file):
-        if corrupt:
+        if corrupt == "swap":
             tables.param_layouts = lambda *a, **kw: [swap_experts(x) for x in orig(*a, **kw)]
         args = load_model_args(path)
         model = build_model(args, ps)
         load_hf_weights(model, path, ps)
         tables.param_layouts = orig
+        if corrupt == "zero_bias":
+            for n, b in model.named_buffers():
+                if n.endswith("router.expert_bias"):
+                    b.zero_()
         model.eval()
         ids = torch.randint(0, args.vocab_size, (3, 10), generator=g)
         mask = torch.ones_like(ids)
@@ -176,9 +316,11 @@ def _worker(jobs_file: str, out_file: str) -> None:
 def test_logits_match_hf_and_swapped_experts_do_not(hf_dirs, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    jobs = [(n, str(hf_dirs / n), False) for n in MODELS] + [
-        (f"{n}/swapped", str(hf_dirs / n), True) for n in MODELS
-    ]
+    jobs = (
+        [(n, str(hf_dirs / n), None) for n in MODELS]
+        + [(f"{n}/swapped", str(hf_dirs / n), "swap") for n in MODELS]
+        + [(f"{n}/zero_bias", str(hf_dirs / n), "zero_bias") for n in SIGMOID]
+    )
     got = _run_worker(tmp_path, jobs)
     for name, _, corrupt in jobs:
         path = hf_dirs / name.split("/")[0]
@@ -192,7 +334,7 @@ def test_logits_match_hf_and_swapped_experts_do_not(hf_dirs, tmp_path):
         diff = (ref - r["logits"])[real].abs().max().item()
         assert ref[real].abs().max().item() > 1.0, "weights too small to expose a layout bug"
         if corrupt:
-            assert diff > 100 * TOL, f"{name}: swapping experts 0 and 1 went unnoticed ({diff:.2e})"
+            assert diff > 100 * TOL, f"{name}: {corrupt} went unnoticed ({diff:.2e})"
         else:
             assert diff < TOL, f"{name}: max |logit diff| {diff:.2e}"
 
