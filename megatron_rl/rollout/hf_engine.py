@@ -139,10 +139,13 @@ class HFEngine:
     # -- weights ---------------------------------------------------------------------------------
 
     def _stream_targets(self) -> dict[str, torch.Tensor]:
-        """The model's parameters under the stream's (checkpoint) names: fused experts as per-expert views."""
+        """The model's parameters under the stream's (checkpoint) names: fused experts as per-expert views,
+        and the expert-score biases of sigmoid routers (buffers)."""
         from megatron_rl.weights.tables import module_param_views
 
-        return module_param_views(self.args, dict(self.model.named_parameters()))
+        params = dict(self.model.named_parameters())
+        params.update((n, b) for n, b in self.model.named_buffers() if n.endswith("e_score_correction_bias"))
+        return module_param_views(self.args, params)
 
     @torch.no_grad()
     def update_weights(self, buckets: Iterable[Bucket]) -> None:
@@ -286,8 +289,9 @@ class HFEngine:
 
 
 class _RoutingRecorder:
-    """Hooks on each MoE block's router (``layer.mlp.gate``, which returns (logits, scores, top-k ids) in
-    transformers' Qwen3-MoE and Mixtral) collecting the top-k ids of every forward of one decode."""
+    """Hooks on each MoE block's experts (``layer.mlp.experts``, called as ``experts(hidden, top-k ids,
+    top-k weights)`` by every transformers MoE block: Qwen3-MoE, Mixtral, Qwen2-MoE, GLM-4.5,
+    DeepSeek-V3) collecting the top-k ids of every forward of one decode."""
 
     def __init__(self, model) -> None:
         layers = model.model.layers
@@ -295,17 +299,17 @@ class _RoutingRecorder:
         self.k = 0
         self.handles = []
         for i, layer in enumerate(layers):
-            gate = getattr(getattr(layer, "mlp", None), "gate", None)
-            if gate is not None:
-                self.handles.append(gate.register_forward_hook(self._hook(i)))
+            experts = getattr(getattr(layer, "mlp", None), "experts", None)
+            if experts is not None:
+                self.handles.append(experts.register_forward_pre_hook(self._hook(i)))
         if not self.handles:
             raise ValueError(
-                "return_routed_experts: the transformers model has no MoE router (layer.mlp.gate)"
+                "return_routed_experts: the transformers model has no MoE experts (layer.mlp.experts)"
             )
 
     def _hook(self, i: int):
-        def record(module, args, out) -> None:
-            ids = out[2]  # [b * s, k]
+        def record(module, args) -> None:
+            ids = args[1]  # [b * s, k]
             self.k = ids.shape[-1]
             self.calls[i].append(ids.to(torch.int16).cpu())
 

@@ -4,7 +4,8 @@ ranks (experts data-parallel) and TP2 x EP2 on four, with the same rollouts; and
 megatron's SequentialMLP experts in place of the grouped ones (EP1, EP2, TP2 x EP2). After the update, every
 copy of a parameter (router and dense weights over the EP ranks, experts over their DP ranks,
 replicated weights over the TP ranks at TP2 x EP2) is bit-identical. Weights are compared as whole
-HF tensors."""
+HF tensors. A DeepSeek-V3 actor (multi-latent attention, sigmoid routing, shared expert) takes the same
+update at EP1 and EP2, including the auxiliary-loss-free balancing's move of the expert-score bias."""
 
 import pytest
 import torch
@@ -23,7 +24,11 @@ LAYOUTS = {
     "ep1_sequential": (1, 1, 1, 0.01, "ep1"),
     "ep2_sequential": (2, 1, 2, 0.01, "ep1"),
     "tp2ep2_sequential": (4, 2, 2, 0.0, "ep1_no_router_loss"),
+    "dsv3_ep1": (1, 1, 1, 0.0, None),
+    "dsv3_ep2": (2, 1, 2, 0.0, "dsv3_ep1"),
 }
+BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"
+"""A DeepSeek-V3 MoE layer's expert-score bias (layer 0 is dense)."""
 METRIC_RTOL = 1e-4
 WEIGHT_TOL = 5e-5  # fp32 summation order; the update moves weights by ~1e-3
 
@@ -34,11 +39,14 @@ def runs(tmp_path_factory):
     from tests.conftest import run_torchrun_runs
 
     root = tmp_path_factory.mktemp("moe_ppo")
-    model = save_random_hf_model(str(root / "qwen3_moe"), "qwen3_moe", seed=3, mlp_only_layers=[1])
+    qwen = save_random_hf_model(str(root / "qwen3_moe"), "qwen3_moe", seed=3, mlp_only_layers=[1])
+    dsv3 = dict(n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, num_hidden_layers=2)
+    deepseek = save_random_hf_model(str(root / "deepseek_v3"), "deepseek_v3", seed=4, **dsv3)
     launches: dict[int, list[list[str]]] = {}  # one per process count
     for name, (nproc, tp, ep, aux, _) in LAYOUTS.items():
         d = root / name
         d.mkdir()
+        model = deepseek if name.startswith("dsv3") else qwen
         flags = ["--model", model, "--tp", str(tp), "--ep", str(ep), "--aux", str(aux), "--out", str(d)]
         flags += ["--sequential-experts"] if name.endswith("_sequential") else []
         launches.setdefault(nproc, []).append(flags)
@@ -61,7 +69,7 @@ def merged(ranks: list[dict], key: str = "weights") -> tuple[dict[str, torch.Ten
 
 
 @pytest.mark.parametrize(
-    "layout", ["ep2", "dp2", "tp2ep2", "ep1_sequential", "ep2_sequential", "tp2ep2_sequential"]
+    "layout", ["ep2", "dp2", "tp2ep2", "ep1_sequential", "ep2_sequential", "tp2ep2_sequential", "dsv3_ep2"]
 )
 def test_update_is_invariant_to_the_expert_layout(runs, layout):
     (ref,) = runs[LAYOUTS[layout][4]]
@@ -79,7 +87,7 @@ def test_update_is_invariant_to_the_expert_layout(runs, layout):
         assert (w - ref["hf"][name]).abs().max().item() < WEIGHT_TOL, f"{name} at {layout}"
 
 
-@pytest.mark.parametrize("layout", ["ep2", "dp2", "tp2ep2"])
+@pytest.mark.parametrize("layout", ["ep2", "dp2", "tp2ep2", "dsv3_ep2"])
 def test_copies_stay_bit_identical(runs, layout):
     ranks = runs[layout]
     _, differ = merged(ranks)
@@ -93,6 +101,19 @@ def test_copies_stay_bit_identical(runs, layout):
     experts = {n for n in shared if "local_experts" in n}
     # EP2: each rank holds its own experts (TP2 x EP2: split over the TP pair), no whole copies
     assert bool(experts) == (layout == "dp2") or (layout == "tp2ep2" and all("@tp" in n for n in experts))
+
+
+def test_the_expert_score_bias_is_trained_by_expert_load(runs):
+    """Sigmoid routing's bias moves by the update rate (1e-3) against each expert's load at each of the
+    update's two optimizer steps, the same at EP1 and EP2 (the load counts every DP rank's tokens);
+    gradients leave it alone."""
+    (ref,) = runs["dsv3_ep1"]
+    moved = (ref["hf"][BIAS] - ref["initial"][BIAS]) / 1e-3  # in steps of the update rate
+    assert moved.abs().max().item() > 0.5
+    assert (moved - moved.round()).abs().max().item() < 1e-2  # fp32 rounding of the bias
+    assert moved.abs().max().item() < 2.01
+    for r in runs["dsv3_ep2"]:
+        assert torch.equal(r["hf"][BIAS], ref["hf"][BIAS])
 
 
 def test_router_metrics(runs):

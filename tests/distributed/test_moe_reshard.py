@@ -2,7 +2,9 @@
 expert TP 1 (torchrun/gloo).
 
 One run per layout (tests/distributed/workers/moe_reshard.py; the layouts of one process count share a
-launch) makes every check for Qwen3-MoE (with a dense layer) and Mixtral: engine logits == Megatron
+launch) makes every check for Qwen3-MoE (with a dense layer), Mixtral, Qwen2-MoE (a shared expert with
+its gate), GLM-4.5 and DeepSeek-V3 (sigmoid routing: the expert-score bias travels in the stream;
+DeepSeek-V3's multi-latent attention): engine logits == Megatron
 logits at O(1) random weights, the engine's fused experts == the checkpoint's per-expert tensors bit
 for bit, one-tensor buckets == default buckets, two swapped experts change the logits, and a dropped
 expert bucket fails the integrity check, naming it.
@@ -12,7 +14,7 @@ import pytest
 
 from tests.conftest import read_json
 
-ARCHS = ["qwen3_moe", "mixtral"]
+ARCHS = ["qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v3"]
 TOL = 1e-4
 
 
@@ -25,6 +27,11 @@ def hf_models(tmp_path_factory):
         str(root / "qwen3_moe"), "qwen3_moe", seed=5, mlp_only_layers=[1], num_hidden_layers=2
     )
     save_random_hf_model(str(root / "mixtral"), "mixtral", seed=6, num_hidden_layers=2)
+    save_random_hf_model(str(root / "qwen2_moe"), "qwen2_moe", seed=7, num_hidden_layers=2)
+    save_random_hf_model(str(root / "glm4_moe"), "glm4_moe", seed=8, num_hidden_layers=2)
+    # 4 experts in 2 groups (top-2 of the best group), like the others' expert split
+    dsv3 = dict(n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1)
+    save_random_hf_model(str(root / "deepseek_v3"), "deepseek_v3", seed=9, num_hidden_layers=2, **dsv3)
     return str(root)
 
 

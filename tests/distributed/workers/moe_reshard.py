@@ -28,7 +28,7 @@ from megatron_rl.parallel import destroy_parallel, init_parallel
 from megatron_rl.rollout import create_engine, reshard
 from megatron_rl.rollout.reshard import sync_weights
 from megatron_rl.weights import tables
-from megatron_rl.weights.tables import ParamLayout, Piece, module_param_views
+from megatron_rl.weights.tables import ParamLayout, Piece
 
 _EXPERT = re.compile(r"\.experts\.([01])\.")
 SMALL = 4096  # bytes: below one expert tensor of the tiny models, so each is a bucket of its own
@@ -62,9 +62,8 @@ def logits_diff(model, engine, ps, args, mb: MB) -> tuple[float, float]:
 
 
 def engine_weights(engine, args) -> dict[str, torch.Tensor]:
-    """The engine's weights under the checkpoint names (copies)."""
-    params = dict(engine.model.named_parameters())
-    return {k: v.detach().clone() for k, v in module_param_views(args, params).items()}
+    """The engine's weights under the checkpoint names (copies; the expert-score biases included)."""
+    return {k: v.detach().clone() for k, v in engine._stream_targets().items()}
 
 
 def zero_engine(engine) -> None:
