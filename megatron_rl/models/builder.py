@@ -289,7 +289,7 @@ def build_model(
             attn.q_layernorm = attn.kv_layernorm = RMSNorm
         elif args.qk_norm:
             attn.q_layernorm = attn.k_layernorm = RMSNorm
-        if sdpa:
+        if sdpa or mla:  # megatron's local DotProductAttention has no separate value width (MLA's)
             sub.self_attention.submodules.core_attention = SDPAttention
         if num_experts and options.moe_grouped_gemm:
             sub.mlp.submodules.experts = ModuleSpec(module=GroupedExperts)

@@ -11,6 +11,7 @@ pickle is vetted first (:mod:`megatron_rl.weights.safe_load`). Writing is
 from __future__ import annotations
 
 import re
+from collections.abc import Container
 
 import torch
 
@@ -26,24 +27,30 @@ from megatron_rl.weights.tables import ParamLayout, hf_shapes, layer_index, para
 _EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 
 
-def torch_dist_key(name: str, per_layer: bool = False) -> tuple[str, int | None]:
+def torch_dist_key(
+    name: str, per_layer: bool = False, keys: Container[str] | None = None
+) -> tuple[str, int | None]:
     """Global Megatron parameter name -> (dist_checkpointing key, index on the key's first axis).
 
     Dense models stack the layers: ``decoder.layers.<rest>`` [num_layers, ...], indexed by layer.
     Mixture-of-experts models (``per_layer``: megatron saves a per-layer MoE pattern layer by layer)
     have ``decoder.layers.{i}.<rest>``, and each layer's experts stacked as
     ``decoder.layers.{i}.mlp.experts.experts.<linear>`` [num_experts, ...], indexed by expert.
+    Norms are saved under Transformer Engine's fused names where the layer has the fused linear
+    (``linear_qkv``, ``linear_fc1``); multi-latent attention and MoE layers keep theirs: with ``keys``
+    (the checkpoint's) the name it holds is taken.
     """
     i = layer_index(name)
     if i is None:
         return name, None
     rest = name.split(".", 3)[3]
-    if not per_layer:
-        return "decoder.layers." + TE_NORM_NAMES.get(rest, rest), i
-    m = _EXPERT.search(name)
-    if m:
+    prefix = "decoder.layers." if not per_layer else f"decoder.layers.{i}."
+    if per_layer and (m := _EXPERT.search(name)):
         return f"decoder.layers.{i}.mlp.experts.experts.{name[m.end() :]}", int(m.group(1))
-    return f"decoder.layers.{i}." + TE_NORM_NAMES.get(rest, rest), None
+    key = prefix + TE_NORM_NAMES.get(rest, rest)
+    if keys is not None and key not in keys:
+        key = prefix + rest
+    return key, None if per_layer else i
 
 
 @torch.no_grad()
@@ -120,7 +127,7 @@ class TorchDistReader(LayerCachedReader):
         self._init_cache()
         self.per_layer = args.is_moe
         for lay in param_layouts(args, 1):
-            key, i = torch_dist_key(lay.name, self.per_layer)
+            key, i = torch_dist_key(lay.name, self.per_layer, self.tensors)
             if lay.name == "output_layer.weight" and args.tie_embeddings:
                 continue  # tied: stored once, as the embedding
             if key not in self.tensors:
@@ -142,7 +149,7 @@ class TorchDistReader(LayerCachedReader):
 
         sharded = {}
         for lay in self._groups[group]:
-            key, i = torch_dist_key(lay.name, self.per_layer)
+            key, i = torch_dist_key(lay.name, self.per_layer, self.tensors)
             md = self.tensors[key]
             size, dtype = tuple(md.size), md.properties.dtype
             # The whole tensor, or the slice [i:i+1] of the [num_layers, ...] stack. No fragmentation
@@ -159,7 +166,7 @@ class TorchDistReader(LayerCachedReader):
         for lay in self._groups[group]:
             t = (
                 loaded[lay.name]
-                if torch_dist_key(lay.name, self.per_layer)[1] is None
+                if torch_dist_key(lay.name, self.per_layer, self.tensors)[1] is None
                 else loaded[lay.name][0]
             )
             self.bytes_read += t.numel() * t.element_size()

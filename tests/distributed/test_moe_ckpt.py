@@ -1,4 +1,5 @@
-"""ckpt_tools with a mixture-of-experts model: HF -> torch_dist at EP2 (each of the two ranks saves
+"""ckpt_tools with a mixture-of-experts model (Qwen3-MoE; DeepSeek-V3 with its multi-latent attention,
+expert-score biases and shared experts): HF -> torch_dist at EP2 (each of the two ranks saves
 its own experts) -> HF is bit-exact; ``verify --ep 2`` passes the checkpoint against its HF model and
 fails it against another; --ep that does not divide the experts stops in one line."""
 
@@ -30,14 +31,18 @@ def ckpt_tools(*args: str, expect: int = 0) -> subprocess.CompletedProcess:
     return proc
 
 
+DIMS = {"qwen3_moe": dict(mlp_only_layers=[2]), "deepseek_v3": {}}
+
+
 @pytest.mark.slow  # over 45 s: `make test-slow` (CI runs it)
-def test_hf_to_mcore_at_ep2_and_back_is_bit_exact(tmp_path):
+@pytest.mark.parametrize("arch", list(DIMS))
+def test_hf_to_mcore_at_ep2_and_back_is_bit_exact(tmp_path, arch):
     from safetensors.torch import load_file
 
     from megatron_rl.models.random_hf import save_random_hf_model
     from megatron_rl.weights.ckpt_format import METADATA_FILE
 
-    hf = save_random_hf_model(str(tmp_path / "hf"), "qwen3_moe", seed=5, mlp_only_layers=[2])
+    hf = save_random_hf_model(str(tmp_path / "hf"), arch, seed=5, **DIMS[arch])
     mcore, back = str(tmp_path / "mcore_ep2"), str(tmp_path / "back")
     ckpt_tools("hf-to-mcore", "--ep", "2", "--hf", hf, "--out", mcore)
     meta = __import__("json").load(open(os.path.join(mcore, METADATA_FILE)))
@@ -54,7 +59,7 @@ def test_hf_to_mcore_at_ep2_and_back_is_bit_exact(tmp_path):
 
     ok = ckpt_tools("verify", "--ep", "2", "--hf", hf, "--ckpt", mcore, "--tol", "1e-4")
     assert "EP=2" in ok.stdout + ok.stderr and "OK" in ok.stdout + ok.stderr
-    other = save_random_hf_model(str(tmp_path / "other"), "qwen3_moe", seed=6, mlp_only_layers=[2])
+    other = save_random_hf_model(str(tmp_path / "other"), arch, seed=6, **DIMS[arch])
     bad = ckpt_tools("verify", "--ep", "2", "--hf", other, "--ckpt", mcore, "--tol", "1e-4", expect=1)
     assert "FAILED" in bad.stdout + bad.stderr
 
