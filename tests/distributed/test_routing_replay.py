@@ -5,6 +5,7 @@
 Each token's recorded experts travel engine -> Generation -> RolloutBatch -> (compacted) micro-batches ->
 each router of the actor; a layout slip (token order, sequence-parallel chunk, compaction, left
 padding) would make the trainer's own routing disagree with the replayed one, which the router counts.
+A DeepSeek-V3 actor (sigmoid routing with the expert-score bias, grouped top-k) replays at EP2 too.
 """
 
 import pytest
@@ -15,15 +16,26 @@ TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def hf_model(tmp_path_factory):
+def hf_model(tmp_path_factory) -> dict[str, str]:
+    """{arch: path}: Qwen3-MoE with layer 1 dense, DeepSeek-V3 with layer 0 dense (4 experts, top-2)."""
     from megatron_rl.models.random_hf import save_random_hf_model
 
-    path = tmp_path_factory.mktemp("hf_moe_replay") / "qwen3_moe"
-    save_random_hf_model(str(path), "qwen3_moe", seed=11, mlp_only_layers=[1], num_hidden_layers=4)
-    return str(path)
+    root = tmp_path_factory.mktemp("hf_moe_replay")
+    qwen, dsv3 = str(root / "qwen3_moe"), str(root / "deepseek_v3")
+    save_random_hf_model(qwen, "qwen3_moe", seed=11, mlp_only_layers=[1], num_hidden_layers=4)
+    dims = dict(n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, num_hidden_layers=4)
+    save_random_hf_model(dsv3, "deepseek_v3", seed=13, **dims)
+    return {"qwen3_moe": qwen, "deepseek_v3": dsv3}
 
 
-LAYOUTS = {"ep2": (1, 2, 1, 2), "tp2ep2_sp": (2, 2, 1, 4), "pp2": (1, 1, 2, 2)}  # id: (tp, ep, pp, nproc)
+# id: (tp, ep, pp, nproc, arch)
+LAYOUTS = {
+    "ep2": (1, 2, 1, 2, "qwen3_moe"),
+    "tp2ep2_sp": (2, 2, 1, 4, "qwen3_moe"),
+    "pp2": (1, 1, 2, 2, "qwen3_moe"),
+    "dsv3_ep2": (1, 2, 1, 2, "deepseek_v3"),
+}
+DENSE = {"qwen3_moe": [1], "deepseek_v3": [0]}
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +45,10 @@ def results(hf_model, tmp_path_factory) -> dict[str, list[dict]]:
 
     root = tmp_path_factory.mktemp("replay")
     launches: dict[int, list[list[str]]] = {}
-    for name, (tp, ep, pp, nproc) in LAYOUTS.items():
+    for name, (tp, ep, pp, nproc, arch) in LAYOUTS.items():
         layout = ["--tp", str(tp), "--ep", str(ep), "--pp", str(pp)]
         launches.setdefault(nproc, []).append(
-            ["--model", hf_model, *layout, "--out", str(root / f"{name}.json")]
+            ["--model", hf_model[arch], *layout, "--out", str(root / f"{name}.json")]
         )
     for nproc, runs in launches.items():
         run_torchrun_runs("routing_replay", nproc, runs)
@@ -45,14 +57,14 @@ def results(hf_model, tmp_path_factory) -> dict[str, list[dict]]:
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_replay_uses_the_recorded_routing(results, layout):
-    tp, ep, pp, nproc = LAYOUTS[layout]
+    tp, ep, pp, nproc, arch = LAYOUTS[layout]
     ranks = results[layout]
     assert len(ranks) == nproc
     for r in ranks:
-        where = f"TP{tp} EP{ep} PP{pp} rank {r['rank']}"
+        where = f"{arch} TP{tp} EP{ep} PP{pp} rank {r['rank']}"
         b, s, layers, k = r["shape"]
         assert (b, layers, k) == (4, 4, 2), where
-        assert r["dense_layers"] == [1] and r["dense_all_none"], where
+        assert r["dense_layers"] == DENSE[arch] and r["dense_all_none"], where
         assert r["unrecorded_all_none"] and r["recorded_all_set"], where
         assert len(set(r["response_lengths"])) > 1, f"{where}: every response has one length"
         # the KV-cached decode routed every token as one forward of the whole sequence does

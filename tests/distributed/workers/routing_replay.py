@@ -47,13 +47,13 @@ def full_forward_routing(path: str, batch: RolloutBatch, layers: int, k: int) ->
     out = torch.full((b, s, layers, k), -1, dtype=torch.int16)
     hooks = []
     for i, layer in enumerate(hf.model.layers):
-        gate = getattr(layer.mlp, "gate", None)
-        if gate is not None:
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is not None:  # every transformers MoE block calls experts(hidden, top-k ids, weights)
 
-            def hook(mod, args, res, i=i):
-                out[:, :, i] = res[2].view(b, s, k).to(torch.int16)
+            def hook(mod, args, i=i):
+                out[:, :, i] = args[1].view(b, s, k).to(torch.int16)
 
-            hooks.append(gate.register_forward_hook(hook))
+            hooks.append(experts.register_forward_pre_hook(hook))
     mask = batch.attention_mask
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
