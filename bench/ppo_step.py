@@ -71,17 +71,23 @@ OFFLOAD_KEYS = [
     "actor_rollout_ref.ref.megatron.param_offload",
 ]
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-MODELS = ("qwen2.5-1.5b", "qwen3-30b-a3b", "tiny", "tiny-moe")
+MODELS = ("qwen2.5-1.5b", "qwen3-30b-a3b", "deepseek-v3", "tiny", "tiny-moe")
 MOE_LAYERS = 4  # --layers of qwen3-30b-a3b by default
 
 
 def model_shape(model: str, layers: int | None) -> tuple[str, dict]:
     """(architecture, HF config dims) of a --model; ``layers`` overrides num_hidden_layers."""
-    from megatron_rl.models.random_hf import QWEN3_30B_A3B, QWEN25_1_5B, TINY, TINY_MOE
+    from megatron_rl.models.random_hf import DEEPSEEK_V3, QWEN3_30B_A3B, QWEN25_1_5B, TINY, TINY_MOE
 
     arch, dims = {
         "qwen2.5-1.5b": ("qwen2", QWEN25_1_5B),
         "qwen3-30b-a3b": ("qwen3_moe", {**QWEN3_30B_A3B, "num_hidden_layers": MOE_LAYERS}),
+        # DeepSeek-V3's widths (attention, expert and dense MLP, vocabulary), cut to one GPU: a dense
+        # layer and an MoE layer of 16 routed experts (8 groups of 2, top-8 from 4 groups) + the shared one
+        "deepseek-v3": (
+            "deepseek_v3",
+            {**DEEPSEEK_V3, "num_hidden_layers": 2, "first_k_dense_replace": 1, "n_routed_experts": 16},
+        ),
         "tiny": ("qwen2", {**TINY, "vocab_size": 512}),
         "tiny-moe": ("qwen3_moe", {**TINY, **TINY_MOE["qwen3_moe"], "vocab_size": 512}),
     }[model]

@@ -133,6 +133,44 @@ QWEN3_30B_A3B = dict(
     tie_word_embeddings=False,
 )
 
+# DeepSeek-V3 (arch deepseek_v3; Kimi-K2 has its layout with 384 experts): multi-latent attention (q rank
+# 1536, kv rank 512), 256 routed experts of 2048 in 8 groups (top-8 from the 4 best groups), one shared
+# expert, the first 3 of 61 layers dense; ~671B parameters, ~37B active.
+DEEPSEEK_V3 = dict(
+    hidden_size=7168,
+    intermediate_size=18432,
+    moe_intermediate_size=2048,
+    num_hidden_layers=61,
+    num_attention_heads=128,
+    num_key_value_heads=128,
+    n_shared_experts=1,
+    n_routed_experts=256,
+    routed_scaling_factor=2.5,
+    kv_lora_rank=512,
+    q_lora_rank=1536,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    qk_nope_head_dim=128,
+    n_group=8,
+    topk_group=4,
+    num_experts_per_tok=8,
+    first_k_dense_replace=3,
+    norm_topk_prob=True,
+    vocab_size=129280,
+    max_position_embeddings=163840,
+    rope_theta=10000.0,
+    rope_scaling=dict(
+        rope_type="yarn",
+        factor=40.0,
+        original_max_position_embeddings=4096,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+    ),
+    tie_word_embeddings=False,
+)
+
 
 def random_hf_model(
     arch: str, seed: int = 0, init: str = "o1", dtype=torch.float32, head: str = "lm", **dims

@@ -1,4 +1,6 @@
-"""A Qwen3-MoE actor streamed into SGLang on one GPU: the routed experts travel as stacked runs and
+"""An MoE actor (Qwen3-MoE; Qwen2-MoE with its gated shared expert; GLM-4.5 and DeepSeek-V3 with sigmoid
+routing, the expert-score bias and a shared expert, DeepSeek-V3's multi-latent attention) streamed into
+SGLang on one GPU: the routed experts travel as stacked runs and
 are copied into SGLang's fused expert weights (megatron_rl.rollout.sglang_loader). The engine's
 greedy outputs must be what transformers computes on the same weights (the oracle of test_sglang.py;
 its criteria, with a wider allowance for near-ties of the router), with buckets small enough that a
@@ -29,6 +31,21 @@ DIMS = dict(
     vocab_size=512,
     max_position_embeddings=512,
 )
+# Each family's own fields on top of DIMS (8 routed experts, top-2, a dense first layer where the
+# family has one).
+FAMILIES = {
+    "qwen3_moe": {},
+    "qwen2_moe": dict(shared_expert_intermediate_size=256, norm_topk_prob=False),
+    "glm4_moe": dict(
+        n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=1, partial_rotary_factor=0.5,
+        attention_bias=True, head_dim=64, routed_scaling_factor=1.5,
+    ),
+    "deepseek_v3": dict(
+        n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+        routed_scaling_factor=2.5, q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=64,
+        qk_rope_head_dim=32, v_head_dim=64, num_key_value_heads=4, rope_scaling=None,
+    ),
+}  # fmt: skip
 ROUTING_TIE = 1.0
 """logits: a bf16 rounding that flips a near-tie of the router picks another expert for a token, which
 moves its logits by more than a dense model's near-ties (test_sglang.TIE); the token-level criteria
@@ -41,7 +58,8 @@ def assert_greedy_ok(res: dict) -> None:
     assert res["exact"] >= 0.5, res
 
 
-def test_moe_sync_through_fused_experts_matches_transformers(tmp_path):
+@pytest.mark.parametrize("arch", list(FAMILIES))
+def test_moe_sync_through_fused_experts_matches_transformers(tmp_path, arch):
     from megatron_rl.config import RolloutConfig
     from megatron_rl.model_args import load_model_args
     from megatron_rl.models.builder import build_model, load_hf_weights
@@ -50,8 +68,11 @@ def test_moe_sync_through_fused_experts_matches_transformers(tmp_path):
     from megatron_rl.rollout import SamplingParams, create_engine
     from megatron_rl.rollout.reshard import plan_buckets, sync_weights
 
-    a = save_random_hf_model(str(tmp_path / "a"), "qwen3_moe", seed=1, **DIMS)
-    b = save_random_hf_model(str(tmp_path / "b"), "qwen3_moe", seed=2, **DIMS)
+    dims = {**DIMS, **FAMILIES[arch]}
+    if arch in ("glm4_moe", "deepseek_v3"):
+        dims.pop("num_experts")
+    a = save_random_hf_model(str(tmp_path / "a"), arch, seed=1, **dims)
+    b = save_random_hf_model(str(tmp_path / "b"), arch, seed=2, **dims)
     ps = init_parallel(1, 1, device="cuda")
     args = load_model_args(a)
     model = build_model(args, ps, dtype=torch.bfloat16)
