@@ -16,8 +16,9 @@ Data flow:
     PromptDataset(files, tokenizer, max_prompt_length)
         reads every file with pyarrow, renders and tokenizes all prompts up front (so an overlong or
         malformed row fails at start-up, not hours into a run), then drops or truncates overlong prompts
-    ResumableDistributedSampler(len(dataset), train_batch_size, dp_rank, dp_size, seed)
-        yields, per step, this data-parallel rank's slice of the global batch of row positions;
+    ResumableDistributedSampler(len(dataset), train_batch_size, dp_rank, dp_size, seed, group_size=n)
+        yields, per step, this data-parallel rank's slice of the global batch of row positions (whole
+        prompts, or one entry per sample when the prompts do not divide over the ranks);
         state_dict()/load_state_dict() resume mid-epoch at the exact next batch
     collate_left_pad([dataset[i] for i in indices], pad_token_id)
         -> input_ids [B, P], attention_mask [B, P], left padded so generation appends on the right
@@ -282,8 +283,15 @@ class ResumableDistributedSampler:
     """Per-step index batches for one data-parallel rank, resumable mid-epoch.
 
     Each step has a global batch of ``batch_size`` row positions, taken in order from a permutation of
-    ``range(num_rows)`` that depends only on (seed, epoch); rank r gets the r-th contiguous slice of
-    ``batch_size // dp_size`` positions, so the ranks' slices are disjoint and together form the batch.
+    ``range(num_rows)`` that depends only on (seed, epoch). Each prompt stands for ``group_size`` samples
+    (rollout.n), sample j of the step being one of prompt j // group_size; the batch_size x group_size
+    samples are cut into ``dp_size`` equal contiguous slices, rank r taking the r-th (verl's rule: the
+    samples, not the prompts, must divide). When the prompts divide too, rank r's slice is the whole
+    prompts ``batch_size // dp_size`` positions from r x that, and a step yields those positions (each
+    generates group_size samples: ``per_draw == group_size``); otherwise a step yields one position per
+    sample of the slice, a prompt repeated for each of its samples there (``per_draw == 1``), so the
+    samples of one prompt may span ranks (with 8 ranks, batch_size 4 and group_size 8: rank 0 holds 4
+    of prompt 0's samples, rank 1 the other 4).
 
     ``iter(sampler)`` is an endless stream of steps that crosses epoch boundaries, so a trainer can call
     ``next()`` once per step for any number of steps; ``iter_epoch()`` yields only the rest of the current
@@ -301,13 +309,15 @@ class ResumableDistributedSampler:
         seed: int,
         shuffle: bool = True,
         drop_last: bool = True,
+        group_size: int = 1,
     ) -> None:
         if dp_size < 1 or not 0 <= dp_rank < dp_size:
             raise ValueError(f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}")
-        if batch_size < 1 or batch_size % dp_size != 0:
+        if batch_size < 1 or group_size < 1 or (batch_size * group_size) % dp_size != 0:
             raise ValueError(
-                f"data.train_batch_size={batch_size} must be a positive multiple of the data-parallel "
-                f"size {dp_size}, so every rank gets the same number of prompts"
+                f"data.train_batch_size x actor_rollout_ref.rollout.n = {batch_size} x {group_size} samples "
+                f"must be a positive multiple of the data-parallel size {dp_size}, so every rank gets the "
+                "same number of samples"
             )
         if num_rows < 1 or (drop_last and num_rows < batch_size):
             raise ValueError(
@@ -321,9 +331,18 @@ class ResumableDistributedSampler:
         self.seed = seed
         self.shuffle = shuffle
         self.drop_last = drop_last
-        self.per_rank = batch_size // dp_size
+        self.group_size = group_size
+        self.per_draw = group_size if batch_size % dp_size == 0 else 1
+        """Samples each yielded position stands for: group_size (whole prompts) or 1 (one per sample)."""
+        self.per_rank = batch_size * group_size // (dp_size * self.per_draw)
+        """Positions a rank gets per step."""
         self.epoch = 0
         self.position = 0
+
+    def rank_slice(self, batch: list[int]) -> list[int]:
+        """This rank's positions of a global batch (class docstring)."""
+        start, k, n = self.dp_rank * self.per_rank, self.per_draw, self.group_size
+        return [batch[(start + e) * k // n] for e in range(self.per_rank)]
 
     def __len__(self) -> int:
         if self.drop_last:
@@ -369,8 +388,7 @@ class ResumableDistributedSampler:
             # Advanced before yielding: a checkpoint taken while the caller works on this batch must
             # not replay it.
             self.position = step + 1
-            start = self.dp_rank * self.per_rank
-            yield batch[start : start + self.per_rank]
+            yield self.rank_slice(batch)
         self._normalize()
 
     def _normalize(self) -> None:
@@ -400,6 +418,17 @@ class ResumableDistributedSampler:
                 )
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
+
+
+def regroup_samples(prompts: list[int], gens: list[list], per_draw: int) -> tuple[list[int], list[list]]:
+    """A step's queued prompts (in DP order) and each one's generations, regrouped so that each entry
+    holds ``per_draw`` samples: rollout.n (whole prompts) or 1 (one per sample), whichever a rank of the
+    current layout draws (ResumableDistributedSampler.per_draw); the samples keep their order."""
+    if all(len(g) == per_draw for g in gens):
+        return list(prompts), list(gens)
+    flat = [(p, s) for p, g in zip(prompts, gens, strict=True) for s in g]
+    entries = [flat[i : i + per_draw] for i in range(0, len(flat), per_draw)]
+    return [e[0][0] for e in entries], [[s for _, s in e] for e in entries]
 
 
 def collate_left_pad(

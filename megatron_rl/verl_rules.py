@@ -365,7 +365,12 @@ RULES: tuple[Rule, ...] = (
     _ignored("trainer.validation_data_dir", "validation generations are not dumped"),
     _ignored("trainer.esi_redundant_time", "checkpoints are saved every trainer.save_freq steps"),
     _ignored("trainer.del_local_ckpt_after_load", "checkpoints are kept (trainer.max_ckpt_to_keep prunes)"),
-    _ignored("trainer.balance_batch", "prompts are split evenly over data-parallel ranks"),
+    _ignored(
+        "trainer.balance_batch",
+        "the data.train_batch_size x rollout.n samples are split evenly over data-parallel ranks in batch "
+        "order (verl's rule: the samples, not the prompts, must divide; a prompt's samples may span ranks), "
+        "not reordered by length",
+    ),
     _ignored("trainer.ray_*", NO_RAY),
     _ignored("trainer.*", "not used by this trainer"),
     _ignored("global_profiler.*", "no built-in profiler hooks"),

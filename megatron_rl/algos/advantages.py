@@ -10,7 +10,10 @@ the mean and variance are then reduced over the group, so every rank gets exactl
 whitening the concatenation of all ranks' data. All ranks of the group must call the function together.
 
 Outcome estimators that compare samples of one prompt (GRPO, RLOO, REINFORCE++-baseline, GPG) group rows
-by ``index`` locally; all samples of a prompt must therefore live on the same rank.
+by ``index``. Given a process group they take the groups over every rank's rows, so a prompt's samples
+may be spread over data-parallel ranks (verl's rule: the train_batch_size x rollout.n samples, not the
+prompts, divide over the ranks); a group whose rows all lie on one rank gets the statistics it gets
+alone, and when no group spans ranks nothing but the uids is exchanged.
 """
 
 from __future__ import annotations
@@ -190,6 +193,33 @@ def _group_mean_std(
     return mean[gid], std[gid], counts[gid]
 
 
+def _group_stats(
+    scores: torch.Tensor, index: Sequence[Hashable] | Any, group: ProcessGroup | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_group_mean_std` of this rank's rows [B], the groups (rows of equal ``index``) taken over
+    every rank of ``group``: the scores of a group that spans ranks come from all of them."""
+    if isinstance(index, torch.Tensor):
+        index = index.tolist()
+    gid, num_groups = _group_ids(index, scores.shape[0], scores.device)
+    if group is None or dist.get_world_size(group) == 1:
+        return _group_mean_std(scores, gid, num_groups)
+    parts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, (list(index), scores.detach().cpu()), group=group)
+    owners: dict[Hashable, set[int]] = {}
+    for r, (uids, _) in enumerate(parts):
+        for uid in uids:
+            owners.setdefault(uid, set()).add(r)
+    if all(len(ranks) == 1 for ranks in owners.values()):  # every group on one rank: as alone
+        return _group_mean_std(scores, gid, num_groups)
+    me = dist.get_rank(group)
+    first = sum(len(uids) for uids, _ in parts[:me])
+    everyone = torch.cat([t.to(scores.device, scores.dtype) for _, t in parts])
+    all_gid, all_groups = _group_ids([u for uids, _ in parts for u in uids], everyone.shape[0], scores.device)
+    mean, std, counts = _group_mean_std(everyone, all_gid, all_groups)
+    mine = slice(first, first + scores.shape[0])
+    return mean[mine], std[mine], counts[mine]
+
+
 def _sequence_scores(token_level_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     # [B, T] -> [B]: outcome score = sum of the rewards on real tokens, accumulated in >= float32.
     dtype = _stats_dtype(token_level_rewards)
@@ -203,6 +233,7 @@ def compute_grpo_outcome_advantage(
     index: Sequence[Hashable],
     norm_adv_by_std_in_grpo: bool = True,
     epsilon: float = 1e-6,
+    group: ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO outcome advantage (``algorithm.adv_estimator=grpo``).
 
@@ -215,13 +246,13 @@ def compute_grpo_outcome_advantage(
         token_level_rewards: [B, T].
         response_mask: [B, T].
         index: B prompt uids (any hashables); rows with equal uids form a group.
+        group: process group over whose ranks' rows the groups are taken (None: this rank only).
 
     Returns:
         (advantages, returns), both [B, T] and identical, 0 on padding.
     """
     scores = _sequence_scores(token_level_rewards, response_mask)
-    gid, num_groups = _group_ids(index, scores.shape[0], scores.device)
-    mean, std, _ = _group_mean_std(scores, gid, num_groups)
+    mean, std, _ = _group_stats(scores, index, group)
     adv = scores - mean
     if norm_adv_by_std_in_grpo:
         adv = adv / (std + epsilon)
@@ -234,18 +265,19 @@ def compute_rloo_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
     index: Sequence[Hashable],
+    group: ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RLOO outcome advantage (``algorithm.adv_estimator=rloo``).
 
     ``score_i - mean(score_j for j != i in the group)``, computed as ``n/(n-1) * (score_i - group_mean)``.
-    A group of size 1 has no baseline: its advantage is the raw score.
+    A group of size 1 has no baseline: its advantage is the raw score. With ``group`` the prompt groups
+    are taken over every rank's rows.
 
     Returns:
         (advantages, returns), both [B, T] and identical, 0 on padding.
     """
     scores = _sequence_scores(token_level_rewards, response_mask)
-    gid, num_groups = _group_ids(index, scores.shape[0], scores.device)
-    mean, _, n = _group_mean_std(scores, gid, num_groups)
+    mean, _, n = _group_stats(scores, index, group)
     # For n == 1 mean is 0 and the factor is replaced by 1, leaving the raw score.
     factor = torch.where(n > 1, n / (n - 1).clamp_min(1), torch.ones_like(n))
     adv = (scores - mean) * factor
@@ -294,14 +326,14 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
     """REINFORCE++ with a group-mean baseline (``algorithm.adv_estimator=reinforce_plus_plus_baseline``).
 
     ``score - group_mean`` (a group of size 1 keeps its raw score), broadcast over the response tokens,
-    then whitened over all masked tokens of the batch (across ``group`` when given).
+    then whitened over all masked tokens of the batch; with ``group`` both the prompt groups and the
+    whitening span every rank.
 
     Returns:
         (advantages, returns), both [B, T] and identical, 0 on padding.
     """
     scores = _sequence_scores(token_level_rewards, response_mask)
-    gid, num_groups = _group_ids(index, scores.shape[0], scores.device)
-    mean, _, _ = _group_mean_std(scores, gid, num_groups)
+    mean, _, _ = _group_stats(scores, index, group)
     mask = response_mask.to(scores.dtype)
     adv = (scores - mean).unsqueeze(-1) * mask
     adv = (masked_whiten(adv, mask, group=group) * mask).to(token_level_rewards.dtype)
@@ -327,14 +359,14 @@ def compute_gpg_outcome_advantage(
         token_level_rewards: [B, T].
         response_mask: [B, T].
         index: B prompt uids (any hashables); rows with equal uids form a group.
-        group: process group over which B and the nonzero count are summed (None: this rank only).
+        group: process group over which B and the nonzero count are summed and the prompt groups
+            taken (None: this rank only).
 
     Returns:
         (advantages, returns), both [B, T] and identical, 0 on padding.
     """
     scores = _sequence_scores(token_level_rewards, response_mask)  # [B]
-    gid, num_groups = _group_ids(index, scores.shape[0], scores.device)
-    mean, _, _ = _group_mean_std(scores, gid, num_groups)
+    mean, _, _ = _group_stats(scores, index, group)
     # counts: [sequences, sequences with a nonzero score]. verl counts nonzero scores, not nonzero
     # advantages: a group whose samples all score 1 still counts, one whose samples all score 0 does not.
     counts = torch.stack([scores.new_tensor(float(scores.shape[0])), (scores != 0).sum().to(scores.dtype)])

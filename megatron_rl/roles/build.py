@@ -180,7 +180,13 @@ def read_inputs(cfg: Config, ps: ParallelState, rewards_by_rule: bool) -> RunInp
     train = dataset(cfg.data.train_files)
     val = dataset(cfg.data.val_files) if cfg.data.val_files else None
     sampler = ResumableDistributedSampler(
-        len(train), cfg.data.train_batch_size, ps.dp_rank, ps.dp_size, cfg.data.seed, shuffle=cfg.data.shuffle
+        len(train),
+        cfg.data.train_batch_size,
+        ps.dp_rank,
+        ps.dp_size,
+        cfg.data.seed,
+        shuffle=cfg.data.shuffle,
+        group_size=arr.rollout.n,
     )
     if len(sampler) == 0:
         raise ValueError(

@@ -39,6 +39,8 @@ import torch.distributed as dist
 
 from megatron_rl.batch import RolloutBatch
 from megatron_rl.config import Config
+from megatron_rl.config.batch_sizes import samples_per_draw
+from megatron_rl.data import regroup_samples
 from megatron_rl.offload import HostParking
 from megatron_rl.parallel import ParallelState
 from megatron_rl.roles.transport import from_plain, to_plain
@@ -98,18 +100,18 @@ def start_engine(cfg: Config, ps: ParallelState, model_args):
 
 
 def sampling_params(
-    cfg: Config, stop_ids: list[int], step: int, validate: bool, logprobs: bool
+    cfg: Config, stop_ids: list[int], step: int, validate: bool, logprobs: bool, dp_size: int = 1
 ) -> SamplingParams:
     """Sampling of step ``step``'s rollout (or of validation), seeded by (rollout.seed, step, validate); the
     engines derive each row's seed from these, its DP rank (colocated) or slice (separate) and its row
-    (rollout.base.sample_seed)."""
+    (rollout.base.sample_seed); a training prompt gets config.batch_sizes.samples_per_draw of them."""
     rollout = cfg.actor_rollout_ref.rollout
     if validate:
         vk = rollout.val_kwargs
         n, temperature, top_p, top_k, greedy = vk.n, vk.temperature, vk.top_p, vk.top_k, not vk.do_sample
     else:
         n, temperature, top_p, top_k = rollout.n, rollout.temperature, rollout.top_p, rollout.top_k
-        greedy = not rollout.do_sample
+        n, greedy = samples_per_draw(cfg, dp_size), not rollout.do_sample
     return SamplingParams(
         n=n,
         temperature=temperature,
@@ -167,7 +169,8 @@ class _Queue:
         raise NotImplementedError
 
     def sampling(self, step: int, validate: bool) -> SamplingParams:
-        return sampling_params(self.cfg, self.data.stop_ids, step, validate, self.data.keep_log_probs)
+        keep = self.data.keep_log_probs
+        return sampling_params(self.cfg, self.data.stop_ids, step, validate, keep, self.ps.dp_size)
 
     def batch(
         self, step: int, prompt_indices: list[int], timer: Timer, validate: bool = False
@@ -230,31 +233,28 @@ class _Queue:
         mine = {k: (self.asked[k][0], to_plain(self.ready[k]), self.asked[k][1]) for k in sorted(self.asked)}
         parts: list = [None] * self.ps.dp_size
         dist.all_gather_object(parts, mine, group=self.ps.dp_group)
+        gather = {"prompts": 0, "gens": 1}  # every DP rank's, in DP order
         return {
-            k: {
-                "prompts": [i for p in parts for i in p[k][0]],
-                "gens": [g for p in parts for g in p[k][1]],
-                "version": mine[k][2],
-            }
+            k: {**{f: [x for p in parts for x in p[k][j]] for f, j in gather.items()}, "version": mine[k][2]}
             for k in mine
         }
 
     def load_queue(self, state: dict | None) -> None:
-        """This DP rank's share of a saved queue (the DP size may have changed since)."""
-        ps = self.ps
+        """This DP rank's share of a saved queue (DP size and samples per prompt may have changed)."""
+        ps, per_draw = self.ps, samples_per_draw(self.cfg, self.ps.dp_size)
         for k, q in (state or {}).items():
-            per = len(q["prompts"]) // ps.dp_size
+            prompts, gens = regroup_samples(q["prompts"], q["gens"], per_draw)
+            per = len(prompts) // ps.dp_size
             lo, hi = ps.dp_rank * per, (ps.dp_rank + 1) * per
-            self.asked[int(k)] = (list(q["prompts"][lo:hi]), int(q["version"]))
-            self.ready[int(k)] = from_plain(q["gens"][lo:hi])
+            self.asked[int(k)] = (prompts[lo:hi], int(q["version"]))
+            self.ready[int(k)] = from_plain(gens[lo:hi])
 
     def step_metrics(self, step: int) -> dict[str, float]:
         """Metrics of the role for step ``step`` (the separate rollout's engine time)."""
         return {}
 
     def _queued(self, tag: str) -> tuple[list[list[Generation]], int] | None:
-        """A training step's generations and their version if they are ready (the step leaves the queue
-        either way)."""
+        """A training step's generations and their version if ready (the step leaves the queue anyway)."""
         if not tag.startswith("train/"):
             return None
         step = int(tag.split("/")[1])

@@ -115,7 +115,12 @@ def test_gpg_alpha_is_taken_over_every_rank(monkeypatch):
         calls.append(group)
         t += other.to(t.dtype)
 
+    def fake_all_gather_object(out, obj, group=None):  # the groups' uids: none spans the two ranks
+        out[:] = [obj, (list(GPG_INDEX[4:]), torch.zeros(4))]
+
     monkeypatch.setattr(advantages_module.dist, "all_reduce", fake_all_reduce)
+    monkeypatch.setattr(advantages_module.dist, "all_gather_object", fake_all_gather_object)
+    monkeypatch.setattr(advantages_module.dist, "get_world_size", lambda group=None: 2)
     rank0, _ = compute_gpg_outcome_advantage(GPG_REWARDS[:4], GPG_MASK[:4], GPG_INDEX[:4], group="dp")
     assert calls == ["dp"]
     close(rank0, full[:4])  # alpha 8/7, as on the whole batch

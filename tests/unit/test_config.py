@@ -69,11 +69,16 @@ def test_bad_override_syntax():
 @pytest.mark.parametrize(
     "overrides,world,match",
     [
-        (["data.train_batch_size=10"], 4, r"data\.train_batch_size=10 must be a positive multiple of 4"),
+        (
+            ["data.train_batch_size=10"],
+            4,
+            r"data\.train_batch_size x actor_rollout_ref\.rollout\.n = 10 x 1 = 10 samples must be a "
+            r"multiple of the data-parallel size 4",
+        ),
         (
             ["actor_rollout_ref.actor.ppo_mini_batch_size=6", "data.train_batch_size=12"],
             4,
-            r"ppo_mini_batch_size=6",
+            r"ppo_mini_batch_size x actor_rollout_ref\.rollout\.n = 6 x 1",
         ),
         (
             ["data.train_batch_size=24", "actor_rollout_ref.actor.ppo_mini_batch_size=16"],

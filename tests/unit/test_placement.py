@@ -34,7 +34,9 @@ def test_a_critic_of_its_own_leaves_the_rest_to_the_actor_and_has_its_own_batch_
     assert p.world_of(2) == (1, 2, 3) and p.world_of(0) == (0,) and p.world_of(4) == (4,)
     # the critic's data-parallel size is 3: its mini-batch of 256 prompts (the default) does not split
     with pytest.raises(
-        ConfigError, match=r"critic\.ppo_mini_batch_size=256 must be a positive multiple of 3"
+        ConfigError,
+        match=r"critic\.ppo_mini_batch_size x actor_rollout_ref\.rollout\.n = 256 x 1 = 256 samples must "
+        r"be a multiple of the data-parallel size 3 of the critic's ranks",
     ):
         validate(cfg, world_size=5, model_dims=DIMS)
     validate(cfg_with("trainer.placement.critic=[2, 3]"), world_size=4, model_dims=DIMS)
@@ -48,9 +50,11 @@ def test_the_file_replaces_the_keys(tmp_path):
 
 
 def test_batch_sizes_are_checked_against_the_actor_ranks_only():
-    # 3 actor ranks: data-parallel size 3 (TP=1), so 16 prompts do not split evenly
+    # 3 actor ranks: data-parallel size 3 (TP=1), so 16 prompts x rollout.n=1 do not split evenly
     cfg = cfg_with("trainer.placement.rollout=[3]", "data.train_batch_size=16")
-    with pytest.raises(ConfigError, match=r"data\.train_batch_size=16 must be a positive multiple of 3"):
+    with pytest.raises(
+        ConfigError, match=r"= 16 x 1 = 16 samples must be a multiple of the data-parallel size 3"
+    ):
         validate(cfg, world_size=4, model_dims=DIMS)
     validate(cfg_with("trainer.placement.rollout=[2, 3]"), world_size=4, model_dims=DIMS)
 
