@@ -61,6 +61,9 @@ class SeqMeta:
     """The prompt's chat messages (for a reward model that re-renders the conversation)."""
     reward_extras: dict[str, float] = field(default_factory=dict)
     """The numeric keys besides "score" that the reward function returned for this sequence."""
+    pred: Any = None
+    """The reward function's "pred" when it is not a number (a string answer, hashable): the vote
+    of validation's maj@k (reward.scoring.ValidationScores); a numeric pred is in reward_extras."""
     policy_version: int = 0
     """The step whose updated weights generated this sequence (0: the initial weights)."""
 

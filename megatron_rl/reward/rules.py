@@ -30,7 +30,7 @@ import queue
 import re
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -271,7 +271,7 @@ class RewardManager(RewardSource):
             extra_info=extra_info,
             **self.reward_kwargs,
         )
-        extras: dict[str, float] = {}
+        extras: dict[str, Any] = {}
         if isinstance(result, dict):
             if "score" not in result:
                 raise KeyError(f"reward function returned a dict without 'score': {sorted(result)}")
@@ -280,6 +280,9 @@ class RewardManager(RewardSource):
                 for k, v in result.items()
                 if k != "score" and isinstance(v, numbers.Real) and math.isfinite(float(v))
             }
+            pred = result.get("pred")  # a string answer: verl's majority vote (maj@k) counts it
+            if not isinstance(pred, numbers.Real) and isinstance(pred, Hashable) and pred is not None:
+                extras["pred"] = pred
             result = result["score"]
         if isinstance(result, torch.Tensor):
             result = result.item()
@@ -307,7 +310,7 @@ class RewardManager(RewardSource):
         texts = self.tokenizer.batch_decode([list(r) for r in response_ids], skip_special_tokens=True)
 
         scores = torch.zeros(n, dtype=torch.float32)
-        rows: list[dict[str, float]] = []
+        rows: list[dict[str, Any]] = []
         first_error: BaseException | None = None
         num_errors = 0
         for i, (text, source, truth, info) in enumerate(

@@ -134,9 +134,10 @@ def _reward_scores(
             mt.reward_extras = {k: float(v[i]) for k, v in extras.items()}
         return scores.to(ps.device), out.num_errors
     keys: list[str] = []
-    packed = None
+    packed, preds = None, None
     if _on_leader(ps):
         out = reward_fn.score_batch(batch, lengths)
+        preds = out.preds
         scores, extras = _overlong_shaped(out.scores, dict(out.extras), lengths, cfg)
         keys = sorted(extras)
         # [B + 1, 1 + K]: scores and the extras per row; the error count in the last row.
@@ -147,9 +148,9 @@ def _reward_scores(
         packed[-1, 0] = out.num_errors
     if ps.tp_size * ps.pp_size > 1:
         src = dist.get_global_rank(ps.mp_group, 0)
-        box = [keys]
+        box = [keys, preds]
         dist.broadcast_object_list(box, src=src, group=ps.mp_group)
-        keys = box[0]
+        keys, preds = box
         if packed is None:
             packed = torch.zeros(len(batch) + 1, 1 + len(keys))
         packed = packed.to(ps.device)
@@ -159,6 +160,7 @@ def _reward_scores(
         mt.reward_extras = {
             k: float(packed[i, 1 + j]) for j, k in enumerate(keys) if not math.isnan(packed[i, 1 + j])
         }
+        mt.pred = None if preds is None else preds[i]
     return packed[:-1, 0].to(ps.device), int(packed[-1, 0].item())
 
 
@@ -284,10 +286,11 @@ class ValidationScores:
     best@k/mean, /std       (n > 1, k in bootstrap_sizes(n)) over 1000 bootstrap subsets of k of the n
     worst@k/mean, /std      samples drawn with replacement: the mean and population std of the
                             subsets' max (best) or min (worst)
-    maj@k/mean, /std        (when the prompt's samples all carry a "pred" key, a number: the reward's
-                            extra keys are numeric) the same over the value of the majority vote on
-                            "pred": the subset's most frequent pred, ties going to the pred drawn
-                            first; the vote's value is the variable's value at that pred's first draw
+    maj@k/mean, /std        (when the prompt's samples all carry a "pred" key: a number, or any
+                            hashable such as a string answer) the same over the value of the majority
+                            vote on "pred": the subset's most frequent pred (equal as dict keys are),
+                            ties going to the pred drawn first; the vote's value is the variable's
+                            value at that pred's first draw. A string pred is not a variable itself.
 
     The draws reproduce verl's: before each bootstrap verl seeds numpy's global legacy RNG with 42 and
     takes ``np.random.choice(n, size=(1000, k), replace=True)``; an own ``np.random.RandomState(42)``
@@ -323,9 +326,11 @@ class ValidationScores:
             for i in rows:
                 for k, v in batch.meta[i].reward_extras.items():
                     variables.setdefault(k, []).append(v)
-            preds = variables.get("pred")
-            voted = preds is not None and len(preds) == self.n  # maj@k: every sample carries a pred
-            winners = self._majority(np.asarray(preds)) if voted else None
+            # maj@k: every sample carries a pred, a string one (meta.pred) or a number (an extra)
+            metas = [batch.meta[i] for i in rows]
+            preds = [m.reward_extras.get("pred") if m.pred is None else m.pred for m in metas]
+            voted = all(p is not None for p in preds)
+            winners = self._majority(preds) if voted else None
             for var, values in variables.items():
                 per_prompt = self._prompt_metrics(np.asarray(values, dtype=np.float64), winners)
                 for name, value in per_prompt.items():
@@ -333,9 +338,12 @@ class ValidationScores:
                     acc[0] += value
                     acc[1] += 1
 
-    def _majority(self, preds: np.ndarray) -> dict[int, np.ndarray]:
-        """k -> [n_bootstrap] the sample whose value each subset's majority vote on ``preds`` [n] reports."""
-        same = preds[:, None] == preds[None, :]  # [n, n]
+    def _majority(self, preds: list) -> dict[int, np.ndarray]:
+        """k -> [n_bootstrap] the sample whose value each subset's majority vote on ``preds`` (n hashables)
+        reports."""
+        ids: dict = {}  # each pred -> one id, keys equal as verl's vote dict has them (1 == 1.0 == True)
+        votes_of = np.asarray([ids.setdefault(p, len(ids)) for p in preds])
+        same = votes_of[:, None] == votes_of[None, :]  # [n, n]
         winners = {}
         for k, idx in self.draws.items():
             # [n_bootstrap, k]: how many draws of its subset share each draw's pred

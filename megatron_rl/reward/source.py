@@ -16,9 +16,11 @@ new source subclasses RewardSource and gets a branch in make_reward_fn.
 from __future__ import annotations
 
 import math
+import numbers
 from abc import ABC, abstractmethod
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -37,15 +39,24 @@ class RewardOutput:
     not return the key."""
     num_errors: int
     """Samples whose reward function raised or returned a non-number."""
+    preds: list[Hashable | None] | None = None
+    """Per sample, a "pred" that is not a number (a string answer such as "\\boxed{42}"): what verl's
+    majority vote (maj@k) counts; None where a sample returned none or a numeric one (that is an extra)."""
 
     @classmethod
-    def from_rows(cls, scores: torch.Tensor, rows: list[dict[str, float]], num_errors: int) -> RewardOutput:
-        """Per-sample extra keys (one dict per sample) -> one [B] column per key, NaN where absent."""
+    def from_rows(cls, scores: torch.Tensor, rows: list[dict[str, Any]], num_errors: int) -> RewardOutput:
+        """Per-sample extra keys (one dict per sample) -> one [B] column per key, NaN where absent; a
+        "pred" that is not a number goes to ``preds``."""
         extras: dict[str, torch.Tensor] = {}
+        preds: list[Hashable | None] | None = None
         for i, row in enumerate(rows):
             for k, v in row.items():
+                if k == "pred" and not isinstance(v, numbers.Real):
+                    preds = preds or [None] * len(rows)
+                    preds[i] = v
+                    continue
                 extras.setdefault(k, torch.full((len(rows),), math.nan))[i] = v
-        return cls(scores, extras, num_errors)
+        return cls(scores, extras, num_errors, preds)
 
 
 class RewardSource(ABC):
