@@ -405,6 +405,11 @@ def _mla_dims(hf: dict, where: str) -> MLADims:
             f"{where}: rope_interleave=false: megatron-core's multi-latent attention rotates the "
             "interleaved rotary dims of DeepSeek's checkpoints only."
         )
+    missing = [
+        k for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim") if k not in hf
+    ]
+    if missing:
+        raise ModelRefused(f"{where}: {', '.join(missing)} missing: multi-latent attention needs them.")
     return MLADims(
         q_lora_rank=hf.get("q_lora_rank"),
         kv_lora_rank=int(hf["kv_lora_rank"]),

@@ -76,9 +76,11 @@ FROM_THE_MODEL = (
     "override_transformer_config, recompute_*, the MoE router losses and dtype and moe_grouped_gemm are used"
 )
 MOE_KERNELS = (
-    "the MoE layers run megatron's top-k softmax router (aux loss from moe_aux_loss_coeff), alltoall "
+    "the MoE layers run megatron's top-k router as the model's config.json sets it (softmax, or sigmoid "
+    "with the expert-score bias and grouped top-k; aux loss from moe_aux_loss_coeff), alltoall "
     "dispatcher and grouped-matmul experts (moe_grouped_gemm), without TE permute fusion or DeepEP"
 )
+MLA = "multi-latent attention follows the model's config.json (DeepseekV3ForCausalLM: kv_lora_rank, ...)"
 UNEVEN_PP = "uneven pipeline stages are not implemented (the layers are split evenly over the stages)"
 NO_DISTILLATION = "distillation is not implemented"
 REMOVE_PADDING = (
@@ -131,16 +133,13 @@ RULES: tuple[Rule, ...] = (
     _refused("*.override_transformer_config.num_layers_in_*_pipeline_stage", UNEVEN_PP, None),
     _refused("*.override_transformer_config.pipeline_model_parallel_layout", UNEVEN_PP, None),
     _refused("*.override_transformer_config.account_for_*_in_pipeline_split", UNEVEN_PP, False, None),
-    _refused(
-        "*.override_transformer_config.multi_latent_attention",
-        "multi-latent attention is not implemented",
-        False,
-    ),
+    _ignored("*.override_transformer_config.multi_latent_attention", MLA),
     Rule("*.megatron.override_transformer_config.recompute_modules", "transformer"),
     Rule("*.megatron.override_transformer_config.moe_aux_loss_coeff", "transformer"),
     Rule("*.megatron.override_transformer_config.moe_z_loss_coeff", "transformer"),
     Rule("*.megatron.override_transformer_config.moe_router_dtype", "transformer"),
     Rule("*.megatron.override_transformer_config.moe_grouped_gemm", "transformer"),
+    Rule("*.megatron.override_transformer_config.moe_router_bias_update_rate", "transformer"),
     _ignored("*.override_transformer_config.moe_*", MOE_KERNELS),
     _ignored("*.override_transformer_config.*_fusion", NO_FUSIONS),
     _ignored("*.override_transformer_config.persist_layer_norm", NO_FUSIONS),

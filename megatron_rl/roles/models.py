@@ -72,8 +72,9 @@ def _model(
 
 def moe_options(mcfg: FrozenMegatronConfig) -> dict:
     """MoE settings from verl's ``*.megatron.override_transformer_config.moe_*`` keys, where the config
-    holds them: ``moe_aux_loss_coeff``, ``moe_z_loss_coeff``, ``moe_router_dtype`` (fp32 only) and
-    ``moe_grouped_gemm`` (grouped-matmul experts, the default; false: one MLP per expert)."""
+    holds them: ``moe_aux_loss_coeff``, ``moe_z_loss_coeff``, ``moe_router_dtype`` (fp32 only),
+    ``moe_grouped_gemm`` (grouped-matmul experts, the default; false: one MLP per expert) and
+    ``moe_router_bias_update_rate`` (sigmoid routing's expert-score bias; megatron's 1e-3 by default)."""
     override = getattr(mcfg, "override_transformer_config", None) or {}
     get = override.get if isinstance(override, dict) else lambda k, d=None: getattr(override, k, d)
     dtype = get("moe_router_dtype", None)
@@ -86,6 +87,7 @@ def moe_options(mcfg: FrozenMegatronConfig) -> dict:
         "moe_aux_loss_coeff": float(get("moe_aux_loss_coeff", 0.0) or 0.0),
         "moe_z_loss_coeff": float(get("moe_z_loss_coeff", 0.0) or 0.0),
         "moe_grouped_gemm": bool(get("moe_grouped_gemm", True)),
+        "moe_router_bias_update_rate": float(get("moe_router_bias_update_rate", 1e-3)),
     }
 
 

@@ -42,8 +42,8 @@ FAMILIES = {
     ),
     "deepseek_v3": dict(
         n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
-        routed_scaling_factor=2.5, q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=64,
-        qk_rope_head_dim=32, v_head_dim=64, num_key_value_heads=4, rope_scaling=None,
+        routed_scaling_factor=2.5, q_lora_rank=128, kv_lora_rank=512, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, num_key_value_heads=4, rope_scaling=None,
     ),
 }  # fmt: skip
 ROUTING_TIE = 1.0
@@ -66,7 +66,8 @@ def test_moe_sync_through_fused_experts_matches_transformers(tmp_path, arch):
     from megatron_rl.models.random_hf import save_random_hf_model
     from megatron_rl.parallel import destroy_parallel, init_parallel
     from megatron_rl.rollout import SamplingParams, create_engine
-    from megatron_rl.rollout.reshard import plan_buckets, sync_weights
+    from megatron_rl.rollout.bucket_plan import plan_buckets
+    from megatron_rl.rollout.reshard import sync_weights
 
     dims = {**DIMS, **FAMILIES[arch]}
     if arch in ("glm4_moe", "deepseek_v3"):

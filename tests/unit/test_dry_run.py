@@ -331,18 +331,18 @@ def test_a_config_with_several_kinds_of_problem_lists_them_all(demo, capsys):
 
 
 def test_an_architecture_the_trainer_refuses_is_refused_by_the_dry_run_in_one_line(tmp_path, demo, capsys):
-    """DeepSeek-V3 (not built): the dry run, ckpt_tools and the model loader all say so in one line."""
-    model = tmp_path / "dsv3"
+    """gpt-oss (not built): the dry run, ckpt_tools and the model loader all say so in one line."""
+    model = tmp_path / "gpt_oss"
     shutil.copytree(demo["model"], model)
     hf = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**hf, "architectures": ["DeepseekV3ForCausalLM"]}))
+    (model / "config.json").write_text(json.dumps({**hf, "architectures": ["GptOssForCausalLM"]}))
     rc, errors = problems_of(capsys, [DEMO, *demo_overrides(demo), f"actor_rollout_ref.model.path={model}"])
-    assert rc == 1 and len(errors) == 1 and "DeepseekV3ForCausalLM is not supported" in errors[0], errors
+    assert rc == 1 and len(errors) == 1 and "GptOssForCausalLM is not supported" in errors[0], errors
     from ckpt_tools.__main__ import main as ckpt_tools
 
     assert ckpt_tools(["hf-to-mcore", "--hf", str(model), "--out", str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "DeepseekV3ForCausalLM is not supported" in err[0], err
+    assert len(err) == 1 and "GptOssForCausalLM is not supported" in err[0], err
     from megatron_rl.errors import ModelRefused
     from megatron_rl.run.explain import explain
 

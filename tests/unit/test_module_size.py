@@ -14,7 +14,6 @@ LIMITS = {"megatron_rl/trainer.py": 300}
 OVER = {
     "megatron_rl/rollout/agent_loop.py": 764,
     "megatron_rl/config/schema.py": 583,
-    "megatron_rl/rollout/reshard.py": 557,
     "megatron_rl/config/checks.py": 558,
     "megatron_rl/roles/rollout.py": 517,
     "megatron_rl/optim.py": 517,

@@ -7,7 +7,7 @@ import torch
 
 from megatron_rl.model_args import model_args_from_hf_config
 from megatron_rl.models.random_hf import random_hf_model
-from megatron_rl.rollout.reshard import plan_buckets
+from megatron_rl.rollout.bucket_plan import plan_buckets
 from megatron_rl.weights.tables import hf_shapes, module_param_views
 
 ARCHS = {"qwen3_moe": dict(mlp_only_layers=[1]), "mixtral": {}}
@@ -74,7 +74,7 @@ def test_fused_experts_are_views_under_checkpoint_names(arch):
 def test_stacks_view_every_expert_in_an_engines_fused_layout(arch, bucket_bytes):
     """Each bucket's experts are laid out so that one view per layer and projection covers them:
     w13 [n, 2F, H] = [gate_e; up_e] per expert, w2 [n, H, F] = down_e; small buckets split a layer."""
-    from megatron_rl.rollout.reshard import make_bucket
+    from megatron_rl.rollout.bucket_plan import make_bucket
 
     _, args = tiny(arch)
     h, f = args.hidden_size, args.moe_ffn_hidden_size

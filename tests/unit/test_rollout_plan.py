@@ -8,7 +8,7 @@ from megatron_rl.config import RolloutConfig
 from megatron_rl.model_args import model_args_from_hf_config
 from megatron_rl.models.random_hf import QWEN25_1_5B, TINY
 from megatron_rl.rollout import create_engine
-from megatron_rl.rollout.reshard import plan_buckets
+from megatron_rl.rollout.bucket_plan import plan_buckets
 from megatron_rl.weights.tables import hf_shapes
 
 

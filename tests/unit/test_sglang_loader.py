@@ -11,7 +11,7 @@ import torch
 
 from megatron_rl.model_args import model_args_from_hf_config
 from megatron_rl.models.random_hf import random_hf_model
-from megatron_rl.rollout.reshard import make_bucket, plan_buckets
+from megatron_rl.rollout.bucket_plan import make_bucket, plan_buckets
 from megatron_rl.rollout.sglang_loader import bucket_header, load_bucket
 
 

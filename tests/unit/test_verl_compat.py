@@ -204,7 +204,6 @@ def test_override_transformer_config_keys():
     for bad, match in (
         (prefix + "context_parallel_size=2", "context parallelism is not implemented"),
         (prefix + "num_layers_in_last_pipeline_stage=6", "uneven pipeline stages are not implemented"),
-        (prefix + "multi_latent_attention=True", "multi-latent attention is not implemented"),
     ):
         with pytest.raises(ConfigError, match=match):
             load_config(None, [bad])
