@@ -72,3 +72,21 @@ def test_bad_bucket_size_and_engine_name_are_explained():
         create_engine(RolloutConfig(name="vllm", dtype="float32"), "", None, None, 0)
     with pytest.raises(ValueError, match="rollout.dtype"):
         create_engine(RolloutConfig(name="hf", dtype="fp8"), "", None, None, 0)
+
+
+def test_an_mla_layers_a_projections_share_a_bucket():
+    """SGLang fuses a DeepSeek-V3 layer's q_a_proj and kv_a_proj_with_mqa within one load call: even
+    with one-tensor buckets the two travel together (and everything else still one by one)."""
+    from megatron_rl.models.random_hf import TINY_MOE
+
+    hf = {**TINY, **TINY_MOE["deepseek_v3"], "architectures": ["DeepseekV3ForCausalLM"]}
+    args = model_args_from_hf_config(hf)
+    plan = plan_buckets(args, 1, 1, bucket_bytes=1, itemsize=2)
+    buckets = [{t.name for s in b.params for t in s.tensors} for b in plan]
+    for i in range(args.num_layers):
+        q_a, kv_a = (f"model.layers.{i}.self_attn.{x}.weight" for x in ("q_a_proj", "kv_a_proj_with_mqa"))
+        (holding,) = [b for b in buckets if q_a in b]
+        assert kv_a in holding, i
+        assert len(holding) == 4  # q_a, its norm, q_b, kv_a
+    # every other bucket holds one parameter (its HF tensors: gate and up for linear_fc1)
+    assert sum(len(b.params) == 1 for b in plan) == len(plan) - args.num_layers
