@@ -77,12 +77,12 @@ class Pending(Generic[T]):
 
     def __init__(self, wait: Callable[[], T]) -> None:
         self._wait: Callable[[], T] | None = wait
-        self._value: T | None = None
+        self._value: tuple[T, ...] = ()  # (the result,) once waited for
 
     def result(self) -> T:
         if self._wait is not None:
-            self._value, self._wait = self._wait(), None
-        return self._value  # type: ignore[return-value]
+            self._value, self._wait = (self._wait(),), None
+        return self._value[0]
 
 
 @runtime_checkable

@@ -82,7 +82,8 @@ a CheckpointException, which is a BaseException, not an Exception."""
 def rng_state() -> dict[str, Any]:
     from megatron.core.tensor_parallel import random as mrandom
 
-    np_state = np.random.get_state()
+    np_state = np.random.get_state(legacy=True)  # the global RandomState's MT19937: a tuple
+    assert isinstance(np_state, tuple), type(np_state)
     state = {
         "python": random.getstate(),
         "numpy": (np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]),

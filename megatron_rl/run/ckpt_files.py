@@ -110,7 +110,7 @@ def is_disk_full(exc: BaseException | None, path: str) -> bool:
     """True for ENOSPC anywhere in the exception's chain (or in torch DCP's per-rank failures), or
     when the filesystem of ``path`` is left with under 1 MiB (writers that drop the errno)."""
     seen: list[BaseException] = []
-    todo = [exc] if exc is not None else []
+    todo: list[BaseException | None] = [exc]
     while todo:
         e = todo.pop()
         if e is None or any(e is s for s in seen):

@@ -27,7 +27,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, overload
 
 from megatron_rl.config import ConfigError, DataError
 from megatron_rl.errors import COLLATERAL, LaunchError
@@ -43,6 +43,10 @@ _LAUNCH_ENV = {
 }
 
 
+@overload
+def _env(key: str) -> str | None: ...
+@overload
+def _env(key: str, default: str) -> str: ...
 def _env(key: str, default: str | None = None) -> str | None:
     """os.environ[key], else its value at start-up (see _LAUNCH_ENV), else ``default``."""
     return os.environ.get(key, _LAUNCH_ENV.get(key, default))
@@ -97,7 +101,7 @@ def _rank(ctx: _Ctx) -> str:
     return f"rank {ctx.rank}" if ctx.rank is not None else "a rank"
 
 
-def _timeout(ctx: _Ctx, ms: str) -> str:
+def _timeout(ctx: _Ctx, ms: str | int) -> str:
     return (
         f"{_rank(ctx)} timed out in {_in(ctx)} after {_duration(ms)}: likely a rank died or is stuck; "
         "see its log (the first rank that failed holds the cause); if the step is legitimately that slow, "
@@ -119,7 +123,7 @@ def _oom(ctx: _Ctx, m: re.Match) -> str:
     )
 
 
-def _init_timeout(ctx: _Ctx, ms: str) -> str:
+def _init_timeout(ctx: _Ctx, ms: str | int) -> str:
     ctx = dataclasses.replace(ctx, op=ctx.op or "init_process_group")
     return (
         f"{_rank(ctx)} timed out in {_in(ctx)} after {_duration(ms)} waiting for the other ranks: a rank did "

@@ -12,6 +12,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator
+from typing import TextIO
 
 import torch
 import torch.distributed as dist
@@ -77,9 +78,9 @@ def _reduced_stats(named: list[tuple[str, torch.Tensor]], group) -> dict[str, fl
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(s, group=group)
         dist.all_reduce(e, op=dist.ReduceOp.MAX, group=group)
-    s, e = s.view(-1, 2).tolist(), e.view(-1, 2).tolist()
+    pairs, extreme_pairs = s.view(-1, 2).tolist(), e.view(-1, 2).tolist()
     out: dict[str, float] = {}
-    for (name, _), (total, count), (mx, neg_mn) in zip(named, s, e, strict=True):
+    for (name, _), (total, count), (mx, neg_mn) in zip(named, pairs, extreme_pairs, strict=True):
         out[f"{name}/mean"] = total / max(count, 1.0)
         out[f"{name}/max"] = mx
         out[f"{name}/min"] = -neg_mn
@@ -90,6 +91,13 @@ def _num_turns(batch: RolloutBatch) -> torch.Tensor:
     """[B] turns per sequence: extra_info["num_turns"] of a multi-turn episode, else 1."""
     turns = [(m.extra_info or {}).get("num_turns", 1) for m in batch.meta]
     return torch.tensor(turns, dtype=torch.float64)
+
+
+def _set(field: torch.Tensor | None, name: str) -> torch.Tensor:
+    """A field of the step's batch that data_metrics reads: set by the step before it is called."""
+    if field is None:
+        raise ValueError(f"data_metrics: batch.{name} is not set (compute it before the metrics)")
+    return field
 
 
 def data_metrics(
@@ -104,15 +112,18 @@ def data_metrics(
     ``critic/vf_explained_var`` is 1 - Var[returns - values] / Var[returns] over the response tokens
     of all data-parallel ranks (its moments ride along as five more "mean" statistics).
     """
+    scores = _set(batch.token_level_scores, "token_level_scores")
+    rewards = _set(batch.token_level_rewards, "token_level_rewards")
+    advantages, returns = _set(batch.advantages, "advantages"), _set(batch.returns, "returns")
     keep = batch.response_mask.bool()  # the tokens trained on (rollout rejection may have removed some)
     p = batch.prompts.shape[1]
     resp_len = batch.attention_mask[:, p:].sum(-1).double()
     prompt_len = batch.attention_mask[:, :p].sum(-1).double()
     named = [
-        ("critic/score", batch.token_level_scores.sum(-1)),
-        ("critic/rewards", batch.token_level_rewards.sum(-1)),
-        ("critic/advantages", batch.advantages[keep]),
-        ("critic/returns", batch.returns[keep]),
+        ("critic/score", scores.sum(-1)),
+        ("critic/rewards", rewards.sum(-1)),
+        ("critic/advantages", advantages[keep]),
+        ("critic/returns", returns[keep]),
         ("response_length", resp_len),
         ("response_length/clip", (resp_len >= max_response_length).double()),
         ("prompt_length", prompt_len),
@@ -124,7 +135,7 @@ def data_metrics(
         ("training/num_turns", _num_turns(batch).to(resp_len)),
     ]
     if batch.values is not None:
-        ret, res = batch.returns[keep].double(), (batch.returns - batch.values)[keep].double()
+        ret, res = returns[keep].double(), (returns - batch.values)[keep].double()
         named += [("critic/values", batch.values[keep])]
         named += [(f"ev/{k}", v) for k, v in (("r", ret), ("r2", ret * ret), ("e", res), ("e2", res * res))]
     stats = _reduced_stats(named, dp_group)
@@ -248,7 +259,8 @@ class MetricsLogger:
         self.sinks = sinks
         self.log_dir = log_dir
         self.block_freq = block_freq
-        self._jsonl = self._tb = self._wandb = None
+        self._jsonl: TextIO | None = None
+        self._tb = self._wandb = None
         if not enabled:
             return
         os.makedirs(log_dir, exist_ok=True)

@@ -60,9 +60,10 @@ def perf_metrics(
         if f"timing_s/{phase}" in metrics:
             per = responses if phase == "gen" else total
             out[f"timing_per_token_ms/{phase}"] = metrics[f"timing_s/{phase}"] * 1000 / max(per, 1.0)
-    trained = [("actor", actor_args, cfg.actor_rollout_ref.actor.ppo_epochs, True)]
-    if critic_args is not None:  # the critic trains on these ranks
-        trained.append(("critic", critic_args, cfg.critic.ppo_epochs, False))
+    actor_epochs = cfg.actor_rollout_ref.actor.ppo_epochs
+    trained = [("actor", actor_args, actor_epochs, True)]
+    if critic_args is not None:  # the critic trains on these ranks (unset, its epochs are the actor's)
+        trained.append(("critic", critic_args, cfg.critic.ppo_epochs or actor_epochs, False))
     for role, args, epochs, lm_head in trained:
         upd = metrics.get(f"timing_s/update_{role}")
         if upd and peak_flops:
@@ -77,7 +78,8 @@ def perf_metrics(
         out["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved(ps.device) / 2**30
         # The engine allocates outside torch's caching allocator: device-level use is the true peak.
         out["perf/max_device_memory_used_gb"] = timer.max_device_used / 2**30
-        out["perf/peak_tflops"] = peak_flops / 1e12
+        if peak_flops is not None:  # measured on every GPU (measure_peak_flops)
+            out["perf/peak_tflops"] = peak_flops / 1e12
     else:
         import resource
 

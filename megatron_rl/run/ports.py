@@ -30,7 +30,7 @@ def check_port(host: str, port: int) -> str | None:
     is not reported) and checks that ``host`` names this machine.
     """
     try:
-        addrs = {ai[4][0] for ai in socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)}
+        addrs = {str(ai[4][0]) for ai in socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)}
     except socket.gaierror as e:
         return (
             f"rendezvous host {host!r} (MASTER_ADDR) does not resolve on this node ({e.strerror}): "

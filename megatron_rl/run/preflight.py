@@ -16,6 +16,7 @@ Each check raises a one-line :class:`~megatron_rl.errors.LaunchError` or ``Confi
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import os
 import re
@@ -302,7 +303,7 @@ def dry_run(
             "config error: data.train_files is empty: give one or more verl-format parquet files."
         )
     for key in ("data.train_files", "data.val_files"):
-        problems += _problems_of(lambda key=key: _check_data_files(cfg, key))
+        problems += _problems_of(functools.partial(_check_data_files, cfg, key))
     return problems
 
 
@@ -369,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     notices: list[str] = []
     argv = hydra_config_args(argv, notices)  # Hydra's --config-path/--config-name, as verl's scripts
     opts: dict[str, Any] = {"--check": False, "--no-device": False, "--nproc": None, "--nnodes": None}
-    yaml_path, overrides = None, []
+    yaml_path: str | None = None
+    overrides: list[str] = []
     it = iter(argv)
     for arg in it:
         name, eq, value = arg.partition("=")

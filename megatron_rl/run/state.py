@@ -169,6 +169,6 @@ class StateRegistry:
                 e.obj.load_state_dict(state[e.name])
         for e in self._where(SHARED):
             e.obj.load_state_dict(state.get("shared", {}).get(e.name))
-        for f in self.files.values():
-            f.load_files(path)
+        for files in self.files.values():
+            files.load_files(path)
         return state
