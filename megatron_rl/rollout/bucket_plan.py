@@ -28,6 +28,11 @@ class HFSlot:
     shape: tuple[int, ...]
     offset: int
     """Element offset in the bucket's flat buffer."""
+    fp32: bool = False
+    """Travels in float32 whatever the bucket's dtype (sigmoid routing's expert-score bias: rounded to
+    bf16 it would route other tokens than the trainer's), over ``span`` elements of the buffer."""
+    span: int = 0
+    """Elements of the flat buffer the tensor covers (its numel unless ``fp32`` in a narrower dtype)."""
 
     @property
     def numel(self) -> int:
@@ -86,12 +91,16 @@ class Bucket(list):
 
 def make_bucket(b: BucketPlan, flat: torch.Tensor) -> Bucket:
     """Bucket ``b``'s tensors as views of ``flat`` (its buffer, at least ``b.numel`` long)."""
-    bucket = Bucket(
-        (t.name, flat[t.offset : t.offset + t.numel].view(t.shape)) for s in b.params for t in s.tensors
-    )
+    bucket = Bucket((t.name, _slot_view(flat, t)) for s in b.params for t in s.tensors)
     bucket.flat = flat[: b.numel]
     bucket.stacks = [(st, flat[st.offset : st.offset + st.numel].view(st.shape)) for st in b.stacks]
     return bucket
+
+
+def _slot_view(flat: torch.Tensor, t: HFSlot) -> torch.Tensor:
+    if not t.fp32:
+        return flat[t.offset : t.offset + t.numel].view(t.shape)
+    return flat[t.offset : t.offset + t.span].view(torch.float32).view(t.shape)
 
 
 def plan_buckets(
@@ -117,20 +126,25 @@ def plan_buckets(
             entries = [(lay, hf_names(lay)) for lay in unit]
             size = sum(math.prod(shapes[x]) for _, names in entries for x in names)
             if pending and (used + size) * itemsize > bucket_bytes:
-                plan.append(_place(stage, pending, shapes))
+                plan.append(_place(stage, pending, shapes, itemsize))
                 pending, used = [], 0
             pending += entries
             used += size
         if pending:
-            plan.append(_place(stage, pending, shapes))
+            plan.append(_place(stage, pending, shapes, itemsize))
     return plan
 
 
-def _place(stage: int, pending: list[tuple[ParamLayout, list[str]]], shapes: dict) -> BucketPlan:
+def _place(
+    stage: int, pending: list[tuple[ParamLayout, list[str]]], shapes: dict, itemsize: int = 4
+) -> BucketPlan:
     """Lay a bucket's HF tensors out in its flat buffer: in table order, except that each MoE layer's
     routed experts are grouped at the place of its first expert parameter, every expert's gate and
     up (fc1) first, then every expert's down (fc2), experts ascending. Each projection's run is then
-    one [experts, rows, cols] view (:class:`ExpertStack`): what a fused-experts engine loads at once."""
+    one [experts, rows, cols] view (:class:`ExpertStack`): what a fused-experts engine loads at once.
+    A float32 tensor (``ParamLayout.fp32``) in a buffer of ``itemsize`` < 4 takes 4 / itemsize
+    elements per value, aligned to 4 bytes."""
+    wide = max(1, 4 // itemsize)  # buffer elements per float32 value
     first_of_layer: dict[int, int] = {}
 
     def order(i: int) -> tuple[int, int, int]:
@@ -141,13 +155,17 @@ def _place(stage: int, pending: list[tuple[ParamLayout, list[str]]], shapes: dic
         return (block, int(".linear_fc2." in lay.name), lay.expert)
 
     offsets: dict[str, int] = {}
+    spans: dict[str, int] = {}
     used = 0
     for i in sorted(range(len(pending)), key=order):
+        fp32 = pending[i][0].fp32
         for x in pending[i][1]:
-            offsets[x] = used
-            used += math.prod(shapes[x])
+            if fp32:
+                used = -(-used // wide) * wide
+            offsets[x], spans[x] = used, math.prod(shapes[x]) * (wide if fp32 else 1)
+            used += spans[x]
     slots = tuple(
-        ParamSlot(lay, tuple(HFSlot(x, tuple(shapes[x]), offsets[x]) for x in names))
+        ParamSlot(lay, tuple(HFSlot(x, tuple(shapes[x]), offsets[x], lay.fp32, spans[x]) for x in names))
         for lay, names in pending
     )
     stacks = []

@@ -50,9 +50,13 @@ def bucket_header(bucket) -> str:
 
     stacks = getattr(bucket, "stacks", [])
     covered = {n for st, _ in stacks for n in st.names}
+
+    def entry(n: str, t: torch.Tensor) -> list:  # a float32 tensor in a narrower buffer says so
+        return [n, list(t.shape), offset(t)] + ([str(t.dtype)] if t.dtype != flat.dtype else [])
+
     return json.dumps(
         {
-            "tensors": [[n, list(t.shape), offset(t)] for n, t in bucket if n not in covered],
+            "tensors": [entry(n, t) for n, t in bucket if n not in covered],
             "stacks": [
                 [st.layer, st.proj, st.first, list(st.shape), offset(v), list(st.names)] for st, v in stacks
             ],
@@ -60,15 +64,21 @@ def bucket_header(bucket) -> str:
     )
 
 
-def _view(flat: torch.Tensor, offset: int, shape: list[int]) -> torch.Tensor:
-    return flat[offset : offset + math.prod(shape)].view(shape)
+def _view(flat: torch.Tensor, offset: int, shape: list[int], dtype: str | None = None) -> torch.Tensor:
+    """The tensor at ``offset`` (in elements of ``flat``); ``dtype`` ("torch.float32") when it is wider
+    than the buffer's."""
+    if dtype is None:
+        return flat[offset : offset + math.prod(shape)].view(shape)
+    wide = getattr(torch, dtype.removeprefix("torch."))
+    span = wide.itemsize // flat.element_size() * math.prod(shape)
+    return flat[offset : offset + span].view(wide).view(shape)
 
 
 def load_bucket(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
     """SGLang's custom weight loader: ``named_tensors`` is ``[(header, flat)]``."""
     ((header, flat),) = named_tensors
     h = json.loads(header)
-    rest = [(name, _view(flat, off, shape)) for name, shape, off in h["tensors"]]
+    rest = [(t[0], _view(flat, t[2], t[1], *t[3:])) for t in h["tensors"]]
     for layer, proj, first, shape, off, names in h["stacks"]:
         stack = _view(flat, off, shape)
         experts = fused_experts(model, layer, proj, first, stack)
@@ -79,6 +89,23 @@ def load_bucket(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> No
             copy_stack(experts, proj, first, stack)
     if rest:
         model.load_weights(rest)
+    refresh_cached_copies(model, [name for name, _ in rest])
+
+
+def refresh_cached_copies(model: Any, names: list[str]) -> None:
+    """Derived copies SGLang keeps of a weight, made again from it in place (a CUDA graph captured the
+    copy's memory): GLM-4.5's router caches its weight in fp32 (``MoEGate._weight_fp32``) at its first
+    forward and never reads the weight again."""
+    for name in names:
+        if not name.endswith(".mlp.gate.weight"):
+            continue
+        try:
+            gate = _module_of(model, name)
+        except AttributeError:
+            continue
+        cached = getattr(gate, "_weight_fp32", None)
+        if isinstance(cached, torch.Tensor):
+            cached.copy_(gate.weight.data)
 
 
 def unstack(proj: str, stack: torch.Tensor, names: list[str]) -> list[tuple[str, torch.Tensor]]:

@@ -148,6 +148,8 @@ class ParamLayout:
     width: int = 0
     """Columns of the HF matrix when they are not ``hidden_size`` (multi-latent attention's up
     projections read the latent)."""
+    fp32: bool = False
+    """Kept in float32 whatever the model's dtype (sigmoid routing's expert-score bias)."""
 
     def shard_rank(self, tp_rank: int, etp_rank: int) -> int:
         """Which entry of ``pieces`` a rank holds."""
@@ -292,7 +294,8 @@ def _moe(args: ModelArgs, t: ArchTable, i: int, tp: int, etp: int, p: str) -> li
     e_count = args.num_experts
     out = [_split(t.router.format(i=i), e_count, tp, None, f"{p}mlp.router.weight")]
     if args.moe_expert_bias:
-        out.append(_split(t.router_bias.format(i=i), e_count, tp, None, f"{p}mlp.router.expert_bias"))
+        bias = _split(t.router_bias.format(i=i), e_count, tp, None, f"{p}mlp.router.expert_bias")
+        out.append(dataclasses.replace(bias, fp32=True))
     for e in range(e_count):
         names = (x.format(i=i, e=e) for x in (t.expert_gate, t.expert_up, t.expert_down))
         out += _swiglu(*names, 0, args.moe_ffn_hidden_size, etp, f"{p}mlp.experts.local_experts.{e}.", e)

@@ -91,3 +91,53 @@ def test_other_layouts_load_expert_by_expert(args, overrides):
     for n, t in model.loaded.items():
         assert torch.equal(t, sent[n]), n
     assert not model.model.layers[0].mlp.experts.w13_weight.any()  # nothing written directly
+
+
+def test_the_expert_score_bias_travels_in_float32_in_a_bf16_bucket():
+    """A bf16 stream carries sigmoid routing's bias as float32 values (rounded to bf16 it would route
+    other tokens than the trainer's): the bucket's view and the loader's view of the header both read
+    the exact float32 values; every other tensor is bf16."""
+    model = random_hf_model("deepseek_v3", seed=2, num_hidden_layers=2)
+    dsv3 = model_args_from_hf_config({**model.config.to_dict(), "architectures": [type(model).__name__]})
+    got, sent = {}, {}
+    recorder = SimpleNamespace(model=SimpleNamespace(layers=[]), load_weights=lambda n: got.update(n))
+    for b in plan_buckets(dsv3, 1, 1, 1 << 14, itemsize=2):
+        flat = torch.zeros(b.numel, dtype=torch.bfloat16)
+        bucket = make_bucket(b, flat)
+        for name, t in bucket:  # what the stream's scatter does: a copy into each view
+            value = torch.randn(t.shape, dtype=torch.float64) * 0.3 + 0.123456789
+            t.copy_(value)
+            sent[name] = value.to(t.dtype)
+        load_bucket(recorder, [(bucket_header(bucket), bucket.flat)])
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert sent[bias].dtype == torch.float32 and got[bias].dtype == torch.float32
+    assert torch.equal(got[bias], sent[bias])
+    assert not torch.equal(sent[bias], sent[bias].to(torch.bfloat16).float())  # bf16 would round it
+    others = [n for n in sent if n != bias and "e_score" not in n]
+    assert all(got[n].dtype == torch.bfloat16 and torch.equal(got[n], sent[n]) for n in others)
+
+
+def test_glm_routers_cached_fp32_weight_follows_the_update():
+    """SGLang's GLM-4.5 router computes with an fp32 copy of its weight made at its first forward: the
+    loader makes it again in place after loading the router (the CUDA graph keeps its memory)."""
+    gate = torch.nn.Module()
+    gate.weight = torch.nn.Parameter(torch.zeros(4, 8, dtype=torch.bfloat16), requires_grad=False)
+    gate._weight_fp32 = torch.zeros(4, 8)
+    cached = gate._weight_fp32
+    root = torch.nn.Module()
+    root.model = torch.nn.Module()
+    root.model.layers = torch.nn.ModuleList([torch.nn.Module()])
+    root.model.layers[0].mlp = torch.nn.Module()
+    root.model.layers[0].mlp.gate = gate
+
+    def load_weights(named):
+        for name, t in named:
+            root.get_parameter(name).data.copy_(t)
+
+    root.load_weights = load_weights
+    new = torch.randn(4, 8).to(torch.bfloat16)
+    bucket = [("model.layers.0.mlp.gate.weight", new)]
+    flat = new.reshape(-1)
+    header = __import__("json").dumps({"tensors": [[bucket[0][0], [4, 8], 0]], "stacks": []})
+    load_bucket(root, [(header, flat)])
+    assert gate._weight_fp32 is cached and torch.equal(cached, new.float())
