@@ -41,7 +41,7 @@ TINY = dict(
 )
 
 # Mixture-of-experts dims on top of TINY: 4 experts, top-2, experts narrower than the dense MLP.
-TINY_MOE = {
+TINY_MOE: dict[str, dict] = {
     "qwen3_moe": dict(
         num_experts=4,
         num_experts_per_tok=2,

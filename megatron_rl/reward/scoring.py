@@ -318,11 +318,11 @@ class ValidationScores:
 
     def add(self, batch: RolloutBatch, scores: torch.Tensor, real_rows: int) -> None:
         """Rows 0..real_rows-1 of ``batch`` (n adjacent samples per prompt) with their scores [B]."""
-        scores = scores.cpu().tolist()
+        row_scores: list[float] = scores.cpu().tolist()
         for start in range(0, real_rows, self.n):
             rows = range(start, start + self.n)
             source = batch.meta[start].data_source
-            variables: dict[str, list[float]] = {"reward": [scores[i] for i in rows]}
+            variables: dict[str, list[float]] = {"reward": [row_scores[i] for i in rows]}
             for i in rows:
                 for k, v in batch.meta[i].reward_extras.items():
                     variables.setdefault(k, []).append(v)
@@ -376,9 +376,9 @@ class ValidationScores:
 
     def _stats(self, keys: list[str]) -> torch.Tensor:
         """[K, 2] float64: this rank's (sum, prompts) for each "source\\tvar\\tmetric" key."""
-        return torch.tensor(
-            [self.sums.get(tuple(k.split("\t")), [0.0, 0.0]) for k in keys], dtype=torch.float64
-        ).reshape(len(keys), 2)
+        return torch.tensor([self.sums.get(_key(k), [0.0, 0.0]) for k in keys], dtype=torch.float64).reshape(
+            len(keys), 2
+        )
 
     def _named(self, keys: list[str], stats: torch.Tensor) -> dict[str, float]:
         """The DP-reduced ``stats`` [K, 2] of ``keys`` under verl's val-core / val-aux names."""
@@ -434,3 +434,9 @@ def validation_metrics(
         batch = generate(idx)
         scores.add(batch, reward_scores(reward_fn, batch, ps, cfg)[0], real)
     return scores.metrics(ps)
+
+
+def _key(joined: str) -> tuple[str, str, str]:
+    """A "source\tvar\tmetric" key back into its three parts."""
+    source, var, metric = joined.split("\t")
+    return source, var, metric

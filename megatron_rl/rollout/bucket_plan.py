@@ -151,7 +151,7 @@ def _place(
         lay = pending[i][0]
         if lay.expert is None:
             return (i, 0, 0)
-        block = first_of_layer.setdefault(tables.layer_index(lay.name), i)
+        block = first_of_layer.setdefault(_layer(lay), i)
         return (block, int(".linear_fc2." in lay.name), lay.expert)
 
     offsets: dict[str, int] = {}
@@ -173,7 +173,7 @@ def _place(
         for proj, fc in (("w13", ".linear_fc1."), ("w2", ".linear_fc2.")):
             run = sorted(
                 (s for s in slots if s.layout.expert is not None and fc in s.layout.name),
-                key=lambda s: s.layout.expert,
+                key=lambda s: _expert(s.layout),
             )
             run = [s for s in run if tables.layer_index(s.layout.name) == layer]
             if not run or len(run[0].tensors) != (2 if proj == "w13" else 1):
@@ -185,13 +185,24 @@ def _place(
                 ExpertStack(
                     layer,
                     proj,
-                    run[0].layout.expert,
+                    _expert(run[0].layout),
                     run[0].tensors[0].offset,
                     (len(run), *per_expert),
                     names,
                 )
             )
     return BucketPlan(stage, slots, used, tuple(stacks))
+
+
+def _layer(lay: ParamLayout) -> int:
+    i = tables.layer_index(lay.name)
+    assert i is not None, lay.name  # an expert's parameter is in a decoder layer
+    return i
+
+
+def _expert(lay: ParamLayout) -> int:
+    assert lay.expert is not None, lay.name
+    return lay.expert
 
 
 _HOLD = (".linear_q_down_proj.weight", ".q_layernorm.weight", ".linear_q_up_proj.weight")

@@ -143,6 +143,7 @@ class HFEngine:
         and the expert-score biases of sigmoid routers (buffers)."""
         from megatron_rl.weights.tables import module_param_views
 
+        assert self.model is not None  # the DP leader's
         params = dict(self.model.named_parameters())
         params.update((n, b) for n, b in self.model.named_buffers() if n.endswith("e_score_correction_bias"))
         return module_param_views(self.args, params)

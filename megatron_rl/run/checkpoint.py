@@ -418,11 +418,8 @@ class CheckpointManager:
             shutil.rmtree(doomed, ignore_errors=True)
             os.rename(os.path.join(self.root, d), doomed)
             shutil.rmtree(doomed, ignore_errors=True)
-            log.info(
-                "removed checkpoint %s (trainer.max_ckpt_to_keep=%d)",
-                os.path.join(self.root, d),
-                self.max_to_keep,
-            )
+            where = os.path.join(self.root, d)
+            log.info("removed checkpoint %s (trainer.max_ckpt_to_keep=%d)", where, self.max_to_keep)
         return left
 
     def load(

@@ -160,7 +160,7 @@ def _rows(name: str, start: int, stop: int) -> Piece:
     return Piece(name, start, stop)
 
 
-def _split(name: str, total: int, tp: int, dim: int, mname: str) -> ParamLayout:
+def _split(name: str, total: int, tp: int, dim: int | None, mname: str) -> ParamLayout:
     """A tensor split evenly over TP along ``dim`` (or replicated when dim is None)."""
     if dim is None:
         return ParamLayout(mname, None, total, ((_rows(name, 0, total),),) * tp)
@@ -168,7 +168,9 @@ def _split(name: str, total: int, tp: int, dim: int, mname: str) -> ParamLayout:
     return ParamLayout(mname, dim, n, tuple((_rows(name, r * n, (r + 1) * n),) for r in range(tp)))
 
 
-def _swiglu(gn: str, un: str, dn: str, u_off: int, f: int, tp: int, p: str, expert=None) -> list[ParamLayout]:
+def _swiglu(
+    gn: str, un: str, dn: str, u_off: int, f: int, tp: int, p: str, expert: int | None = None
+) -> list[ParamLayout]:
     """linear_fc1 ([gate_r; up_r] per shard) and linear_fc2 (row-parallel) of one SwiGLU MLP."""
     n = f // tp
     fc1 = tuple(
@@ -297,11 +299,13 @@ def _moe(args: ModelArgs, t: ArchTable, i: int, tp: int, etp: int, p: str) -> li
         bias = _split(t.router_bias.format(i=i), e_count, tp, None, f"{p}mlp.router.expert_bias")
         out.append(dataclasses.replace(bias, fp32=True))
     for e in range(e_count):
-        names = (x.format(i=i, e=e) for x in (t.expert_gate, t.expert_up, t.expert_down))
-        out += _swiglu(*names, 0, args.moe_ffn_hidden_size, etp, f"{p}mlp.experts.local_experts.{e}.", e)
+        gate, up, down = (x.format(i=i, e=e) for x in (t.expert_gate, t.expert_up, t.expert_down))
+        out += _swiglu(
+            gate, up, down, 0, args.moe_ffn_hidden_size, etp, f"{p}mlp.experts.local_experts.{e}.", e
+        )
     if args.moe_shared_ffn_hidden_size:
-        names = (x.format(i=i) for x in (t.shared_gate, t.shared_up, t.shared_down))
-        out += _swiglu(*names, 0, args.moe_shared_ffn_hidden_size, tp, f"{p}mlp.shared_experts.")
+        gate, up, down = (x.format(i=i) for x in (t.shared_gate, t.shared_up, t.shared_down))
+        out += _swiglu(gate, up, down, 0, args.moe_shared_ffn_hidden_size, tp, f"{p}mlp.shared_experts.")
         if args.moe_shared_expert_gate:
             gate = t.shared_expert_gate.format(i=i)
             out.append(_split(gate, 1, tp, None, f"{p}mlp.shared_experts.gate_weight"))

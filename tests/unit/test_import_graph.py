@@ -40,7 +40,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("parallel",),
     ("weights",),
     ("models",),
-    ("rollout", "ppo", "reward"),
+    ("rollout", "ppo", "ppo_loop", "reward"),
     ("run",),
     ("roles",),
     ("trainer",),
