@@ -81,7 +81,10 @@ MOE_KERNELS = (
     "dispatcher and grouped-matmul experts (moe_grouped_gemm), without TE permute fusion or DeepEP"
 )
 MLA = "multi-latent attention follows the model's config.json (DeepseekV3ForCausalLM: kv_lora_rank, ...)"
-UNEVEN_PP = "uneven pipeline stages are not implemented (the layers are split evenly over the stages)"
+UNEVEN_PP = (
+    "pipelines split the decoder layers evenly, or by num_layers_in_first/last_pipeline_stage; a "
+    "per-stage layout string and counting the embedding or the loss as layers are not implemented"
+)
 NO_DISTILLATION = "distillation is not implemented"
 REMOVE_PADDING = (
     "padding is removed without a flag: with use_dynamic_bsz each micro-batch is compacted (real tokens "
@@ -130,7 +133,8 @@ RULES: tuple[Rule, ...] = (
         1,
         None,
     ),
-    _refused("*.override_transformer_config.num_layers_in_*_pipeline_stage", UNEVEN_PP, None),
+    Rule("*.megatron.override_transformer_config.num_layers_in_first_pipeline_stage", "transformer"),
+    Rule("*.megatron.override_transformer_config.num_layers_in_last_pipeline_stage", "transformer"),
     _refused("*.override_transformer_config.pipeline_model_parallel_layout", UNEVEN_PP, None),
     _refused("*.override_transformer_config.account_for_*_in_pipeline_split", UNEVEN_PP, False, None),
     _ignored("*.override_transformer_config.multi_latent_attention", MLA),

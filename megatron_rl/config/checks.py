@@ -18,6 +18,7 @@ from megatron_rl.config.layout import (
     check_layout_against_model,
     check_router_replay,
     parallel_sizes,
+    uneven_stages,
 )
 from megatron_rl.config.load import known_keys
 from megatron_rl.config.model_sections import FrozenMegatronConfig
@@ -391,11 +392,10 @@ def validate(cfg: Config, world_size: int, model_dims: dict[str, int] | None = N
             f"{'reward_model.enable=True' if cfg.reward_model.enable else 'custom_reward_function.path'}: "
             "rewards come from one source; unset one of them."
         )
-
     if model_dims is None:
         model_dims = _read_model_dims(arr.model.path)
     if model_dims:
-        check_layout_against_model(model_dims, tp, pp, rtp)
+        check_layout_against_model(model_dims, tp, pp, rtp, *uneven_stages(arr.actor.megatron))
     if not placement.separate_rollout and rollout.name == "sglang":  # hf: a model on each DP leader only
         idle = placement.idle_colocated_engines(tp, pp, rtp)
         if idle:

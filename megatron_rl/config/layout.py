@@ -46,11 +46,14 @@ def check_layout_against_model(
     tp: int,
     pp: int,
     rollout_tp: int | None = None,
+    first: int | None = None,
+    last: int | None = None,
     tp_key: str = TP_KEY,
     pp_key: str = PP_KEY,
 ) -> None:
-    """TP (and the rollout's TP) must divide the attention and key/value heads, PP the layers. The
-    trainer's config check; ``ckpt_tools`` runs it too, naming its own ``--tp``/``--pp``."""
+    """TP (and the rollout's TP) must divide the attention and key/value heads, PP the layers (or the
+    layers the first / last stage do not take: ``first``, ``last``). The trainer's config check;
+    ``ckpt_tools`` runs it too, naming its own ``--tp``/``--pp``."""
     heads, kv, layers = dims["num_attention_heads"], dims["num_key_value_heads"], dims["num_layers"]
     sizes = [(tp_key, tp)] + (
         [] if rollout_tp is None else [("actor_rollout_ref.rollout.tensor_model_parallel_size", rollout_tp)]
@@ -61,7 +64,12 @@ def check_layout_against_model(
                 f"{key}={size} must divide the model's attention heads ({heads}) and key/value heads ({kv}); "
                 f"choose one of {[d for d in range(1, kv + 1) if heads % d == 0 and kv % d == 0]}."
             )
-    if layers % pp:
+    if first is not None or last is not None:
+        try:
+            pipeline_split(layers, pp, first, last)
+        except ValueError as e:
+            raise ConfigError(str(e).replace("*.", "actor_rollout_ref.actor.")) from None
+    elif layers % pp:
         raise ConfigError(f"{pp_key}={pp} must divide the model's {layers} layers.")
 
 
@@ -165,3 +173,71 @@ def check_router_replay(cfg, separate_rollout: bool) -> None:
             f"{REPLAY_KEY}=R3 runs with the colocated engine only: drop trainer.placement.rollout, or "
             "use R2 (the old-log-prob pass's routing)."
         )
+
+
+FIRST_STAGE = "*.megatron.override_transformer_config.num_layers_in_first_pipeline_stage"
+LAST_STAGE = "*.megatron.override_transformer_config.num_layers_in_last_pipeline_stage"
+
+
+def pipeline_split(
+    num_layers: int, pp: int, first: int | None = None, last: int | None = None
+) -> tuple[int, ...]:
+    """Decoder layers of each pipeline stage, as megatron-core splits them: ``first`` on stage 0 and
+    ``last`` on the last stage where given (``num_layers_in_first/last_pipeline_stage``), the others
+    evenly over the remaining stages. A ValueError names the key to change."""
+    given = [x for x in (first, last) if x is not None]
+    if any(x < 1 for x in given):
+        raise ValueError(
+            f"{FIRST_STAGE} / {LAST_STAGE} = {first} / {last}: a pipeline stage needs >= 1 layer"
+        )
+    if given and pp == 1:
+        raise ValueError(f"{FIRST_STAGE} / {LAST_STAGE} need pipeline_model_parallel_size > 1")
+    others, rest = pp - len(given), num_layers - sum(given)
+    if (others == 0 and rest) or (others and (rest < others or rest % others)):
+        if not given:
+            raise ValueError(
+                f"{pp} pipeline stages do not divide the model's {num_layers} layers: choose "
+                "*.megatron.pipeline_model_parallel_size dividing them, or set "
+                f"{FIRST_STAGE} / {LAST_STAGE}"
+            )
+        raise ValueError(
+            f"{FIRST_STAGE} / {LAST_STAGE} = {first} / {last} leave {rest} of the model's {num_layers} "
+            f"layers for {others} other stage(s): they must split evenly (>= 1 each)"
+        )
+    middle = rest // others if others else 0
+    split = [middle] * pp
+    if first is not None:
+        split[0] = first
+    if last is not None:
+        split[-1] = last
+    return tuple(split)
+
+
+# the sections whose models run the model at each path (they share its layer count)
+_SECTIONS = {
+    "actor_rollout_ref.model.path": ("actor_rollout_ref.actor", "actor_rollout_ref.ref"),
+    "critic.model.path": ("critic",),
+    "reward_model.model.path": ("reward_model",),
+}
+
+
+def check_pipeline_split(cfg, num_layers: int, key: str) -> None:
+    """Every section running the model at ``key`` (``num_layers`` decoder layers) splits it over its
+    pipeline stages: the pre-flight and the dry run read the model's config for it; models.builder
+    splits the same way."""
+    for name in _SECTIONS.get(key, ()):
+        section = cfg
+        for part in name.split("."):
+            section = getattr(section, part)
+        m = section.megatron
+        try:
+            pipeline_split(num_layers, m.pipeline_model_parallel_size or 1, *uneven_stages(m))
+        except ValueError as e:
+            raise ConfigError(str(e).replace("*.", f"{name}.")) from None
+
+
+def uneven_stages(megatron) -> tuple[int | None, int | None]:
+    """A ``*.megatron`` section's (num_layers_in_first_pipeline_stage, num_layers_in_last_pipeline_stage)
+    from its override_transformer_config (verl's keys; None where unset)."""
+    o = megatron.override_transformer_config or {}
+    return o.get("num_layers_in_first_pipeline_stage"), o.get("num_layers_in_last_pipeline_stage")

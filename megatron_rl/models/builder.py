@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_rl import cpu_bridge
+from megatron_rl.config.layout import pipeline_split
 from megatron_rl.model_args import ModelArgs
 from megatron_rl.parallel import ParallelState
 from megatron_rl.weights.hf_io import HFReader, assemble_shard
@@ -297,11 +298,15 @@ def build_model(
 
     dense = layer_spec(None)
     sparse = layer_spec(args.num_experts) if args.is_moe else None
-    if args.num_layers % ps.pp_size:
-        raise ValueError(f"{ps.pp_size} pipeline stages do not divide the model's {args.num_layers} layers")
-    per_stage = args.num_layers // ps.pp_size
-    layer_offset = ps.pp_rank * per_stage
-    layers = [sparse if args.is_moe_layer(layer_offset + j) else dense for j in range(per_stage)]
+    # uneven pipelines: megatron's num_layers_in_first/last_pipeline_stage (override_transformer_config)
+    split = pipeline_split(
+        args.num_layers,
+        ps.pp_size,
+        config.num_layers_in_first_pipeline_stage,
+        config.num_layers_in_last_pipeline_stage,
+    )
+    layer_offset = sum(split[: ps.pp_rank])
+    layers = [sparse if args.is_moe_layer(layer_offset + j) else dense for j in range(split[ps.pp_rank])]
     spec = ModuleSpec(
         module=TransformerBlock,
         submodules=TransformerBlockSubmodules(layer_specs=layers, layer_norm=RMSNorm),
@@ -328,6 +333,7 @@ def build_model(
     model.args = args
     model.role = role
     model.layer_offset = layer_offset
+    model.stage_layers = split  # decoder layers of each pipeline stage
     model.expert_offset = ps.ep_rank * (args.num_experts // ps.ep_size) if args.is_moe else 0
     mark_tensor_parallel(model, ps)
     return model.to(ps.device)
@@ -355,7 +361,15 @@ def stage_layouts(model: nn.Module, ps: ParallelState) -> list:
     """The table's layouts of the parameters this rank holds (its stage, its experts)."""
     return list(
         iter_stage_layouts(
-            model.args, ps.tp_size, ps.pp_size, ps.pp_rank, model.role, ps.ep_size, ps.ep_rank, ps.etp_size
+            model.args,
+            ps.tp_size,
+            ps.pp_size,
+            ps.pp_rank,
+            model.role,
+            ps.ep_size,
+            ps.ep_rank,
+            ps.etp_size,
+            stage_layers=getattr(model, "stage_layers", None),
         )
     )
 

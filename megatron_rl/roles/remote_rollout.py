@@ -57,14 +57,9 @@ from megatron_rl.roles.transport import (
     to_plain,
 )
 from megatron_rl.rollout.base import Generation, SamplingParams, is_dp_leader
+from megatron_rl.rollout.bucket_plan import Bucket, make_bucket, plan_buckets
 from megatron_rl.rollout.checksums import first_mismatch, tensor_checksum
-from megatron_rl.rollout.reshard import (
-    Bucket,
-    WeightSyncError,
-    iter_hf_buckets,
-    make_bucket,
-    plan_buckets,
-)
+from megatron_rl.rollout.reshard import WeightSyncError, iter_hf_buckets, unwrap
 
 
 @dataclass(frozen=True)
@@ -75,6 +70,8 @@ class WeightsPlan:
     pp: int
     bucket_bytes: int
     dtype: str
+    stage_layers: tuple[int, ...] = ()
+    """The decoder layers of each pipeline stage of an uneven pipeline (empty: even)."""
 
 
 MESSAGE_TYPES = (WeightsPlan, SamplingParams)
@@ -107,7 +104,8 @@ class RolloutClient:
         have finished the requests posted before (they load weights between generations)."""
         ps = self.ps
         name = next(k for k, v in DTYPES.items() if v == dtype)
-        plan = WeightsPlan(ps.tp_size, ps.pp_size, int(bucket_megabytes * 2**20), name)
+        split = tuple(getattr(unwrap(actor), "stage_layers", ()))
+        plan = WeightsPlan(ps.tp_size, ps.pp_size, int(bucket_megabytes * 2**20), name, split)
         index = self.posted
         self._post({"kind": "weights", "plan": plan})
         if self.leader and self._group is None:
@@ -209,7 +207,9 @@ class RolloutServer:
         if not getattr(self.engine, "checks_weights", False):
             return
         itemsize = torch.empty((), dtype=DTYPES[plan.dtype]).element_size()
-        buckets = plan_buckets(self.args, plan.tp, plan.pp, plan.bucket_bytes, itemsize)
+        buckets = plan_buckets(
+            self.args, plan.tp, plan.pp, plan.bucket_bytes, itemsize, stage_layers=plan.stage_layers
+        )
         names = [(k, t.name, t.numel) for k, b in enumerate(buckets) for s in b.params for t in s.tensors]
         got = self.engine.weight_checksums([n for _, n, _ in names])
         numel = torch.tensor([k for _, _, k in names])
@@ -232,7 +232,9 @@ class RolloutServer:
             )
         dtype = DTYPES[plan.dtype]  # the actor's side chose it (fp32 on CPU)
         itemsize = torch.empty((), dtype=dtype).element_size()
-        buckets = plan_buckets(self.args, plan.tp, plan.pp, plan.bucket_bytes, itemsize)
+        buckets = plan_buckets(
+            self.args, plan.tp, plan.pp, plan.bucket_bytes, itemsize, stage_layers=plan.stage_layers
+        )
         flat = torch.empty(max(b.numel for b in buckets), dtype=dtype, device=ps.device)
         for b in buckets:
             broadcast_root(self._group, flat[: b.numel])

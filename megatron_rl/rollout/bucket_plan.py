@@ -9,7 +9,7 @@ MoE layer's routed experts are laid out projection by projection (:class:`Expert
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -104,11 +104,18 @@ def _slot_view(flat: torch.Tensor, t: HFSlot) -> torch.Tensor:
 
 
 def plan_buckets(
-    args: ModelArgs, tp: int, pp: int, bucket_bytes: int, itemsize: int, etp: int | None = None
+    args: ModelArgs,
+    tp: int,
+    pp: int,
+    bucket_bytes: int,
+    itemsize: int,
+    etp: int | None = None,
+    stage_layers: Sequence[int] | None = None,
 ) -> list[BucketPlan]:
     """The bucket plan of the actor at TP x PP (a pure function of the tables). Every expert of a
     mixture-of-experts model is in it, whatever EP; ``etp`` (expert TP, default TP) only changes how
-    an expert's shards map onto its HF tensors, not the buckets."""
+    an expert's shards map onto its HF tensors, not the buckets; ``stage_layers``: an uneven pipeline's
+    decoder layers per stage."""
     if bucket_bytes <= 0:
         raise ValueError(
             f"bucket size {bucket_bytes} bytes must be > 0 "
@@ -119,7 +126,7 @@ def plan_buckets(
     for stage in range(pp):
         pending: list[tuple[ParamLayout, list[str]]] = []
         used = 0
-        layouts = tables.iter_stage_layouts(args, tp, pp, stage, "actor", etp=etp)
+        layouts = tables.iter_stage_layouts(args, tp, pp, stage, "actor", etp=etp, stage_layers=stage_layers)
         # tied: the last stage's copy of the embedding is not sent (HF ties lm_head itself)
         tied = args.tie_embeddings
         for unit in _units(lay for lay in layouts if not (tied and lay.name.startswith("output_layer"))):

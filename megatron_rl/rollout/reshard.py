@@ -169,7 +169,8 @@ def iter_hf_buckets(
     args: ModelArgs = model.args
     tp, pp = ps.tp_size, ps.pp_size
     itemsize = torch.empty((), dtype=dtype).element_size()
-    plan = plan_buckets(args, tp, pp, bucket_bytes, itemsize, ps.etp_size if args.is_moe else None)
+    etp = ps.etp_size if args.is_moe else None
+    plan = plan_buckets(args, tp, pp, bucket_bytes, itemsize, etp, getattr(model, "stage_layers", None))
     from megatron_rl.models.builder import named_global_params
 
     params = named_global_params(model)  # iter_hf_buckets runs under no_grad: no detach needed

@@ -178,7 +178,7 @@ def _check_models(cfg: Any) -> None:
     plus response longer than the model's positions, or routing replay on a dense actor, is one line
     here rather than after the process groups start. A legacy Megatron-LM checkpoint (its args sit in
     a weights file) is read when it loads."""
-    from megatron_rl.config.layout import check_expert_count, check_replay_model
+    from megatron_rl.config.layout import check_expert_count, check_pipeline_split, check_replay_model
     from megatron_rl.models.loading import detect_format, load_model_args_any
 
     for key, path in _model_paths(cfg):
@@ -189,6 +189,7 @@ def _check_models(cfg: Any) -> None:
             continue  # the model paths check says why
         args = load_model_args_any(path)
         check_expert_count(cfg, args.num_experts, path)
+        check_pipeline_split(cfg, args.num_layers, key)
         _check_context(cfg, args.max_position_embeddings, key, path)
         if key == "actor_rollout_ref.model.path":
             check_replay_model(cfg, args.is_moe)

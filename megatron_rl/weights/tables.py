@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -378,11 +378,14 @@ def iter_stage_layouts(
     ep: int = 1,
     ep_rank: int = 0,
     etp: int | None = None,
+    stage_layers: Sequence[int] | None = None,
 ) -> Iterator[ParamLayout]:
     """The layouts of the parameters that live on one pipeline stage (and, of the experts, those
-    of EP rank ``ep_rank``)."""
-    per_stage = args.num_layers // pp
-    lo, hi = pp_rank * per_stage, (pp_rank + 1) * per_stage
+    of EP rank ``ep_rank``); ``stage_layers``: the decoder layers of each stage (an uneven pipeline;
+    None: ``num_layers / pp`` each)."""
+    split = list(stage_layers) if stage_layers else [args.num_layers // pp] * pp
+    lo = sum(split[:pp_rank])
+    hi = lo + split[pp_rank]
     per_rank = args.num_experts // ep if args.is_moe else 0
     layouts = param_layouts(args, tp, role) if etp in (None, tp) else param_layouts(args, tp, role, etp)
     for lay in layouts:

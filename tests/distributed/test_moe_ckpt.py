@@ -1,7 +1,8 @@
 """ckpt_tools with a mixture-of-experts model (Qwen3-MoE; DeepSeek-V3 with its multi-latent attention,
-expert-score biases and shared experts): HF -> torch_dist at EP2 (each of the two ranks saves
-its own experts) -> HF is bit-exact; ``verify --ep 2`` passes the checkpoint against its HF model and
-fails it against another; --ep that does not divide the experts stops in one line."""
+expert-score biases and shared experts; GLM-4.5; Qwen2-MoE with its gated shared expert): HF ->
+torch_dist at EP2 (each of the two ranks saves its own experts) -> HF is bit-exact; ``verify --ep 2``
+passes the checkpoint against its HF model and fails it against another; --ep that does not divide
+the experts stops in one line."""
 
 import os
 import subprocess
@@ -31,7 +32,7 @@ def ckpt_tools(*args: str, expect: int = 0) -> subprocess.CompletedProcess:
     return proc
 
 
-DIMS = {"qwen3_moe": dict(mlp_only_layers=[2]), "deepseek_v3": {}}
+DIMS = {"qwen3_moe": dict(mlp_only_layers=[2]), "deepseek_v3": {}, "glm4_moe": {}, "qwen2_moe": {}}
 
 
 @pytest.mark.slow  # over 45 s: `make test-slow` (CI runs it)

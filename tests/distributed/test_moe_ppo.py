@@ -4,8 +4,9 @@ ranks (experts data-parallel) and TP2 x EP2 on four, with the same rollouts; and
 megatron's SequentialMLP experts in place of the grouped ones (EP1, EP2, TP2 x EP2). After the update, every
 copy of a parameter (router and dense weights over the EP ranks, experts over their DP ranks,
 replicated weights over the TP ranks at TP2 x EP2) is bit-identical. Weights are compared as whole
-HF tensors. A DeepSeek-V3 actor (multi-latent attention, sigmoid routing, shared expert) takes the same
-update at EP1 and EP2, including the auxiliary-loss-free balancing's move of the expert-score bias."""
+HF tensors. DeepSeek-V3 (multi-latent attention, sigmoid routing, shared expert), GLM-4.5 and Qwen2-MoE
+(gated shared expert, router losses on) actors take the same update at EP1 and EP2, DeepSeek-V3's
+including the auxiliary-loss-free balancing's move of the expert-score bias."""
 
 import pytest
 import torch
@@ -26,7 +27,13 @@ LAYOUTS = {
     "tp2ep2_sequential": (4, 2, 2, 0.0, "ep1_no_router_loss"),
     "dsv3_ep1": (1, 1, 1, 0.0, None),
     "dsv3_ep2": (2, 1, 2, 0.0, "dsv3_ep1"),
+    "glm4_ep1": (1, 1, 1, 0.0, None),
+    "glm4_ep2": (2, 1, 2, 0.0, "glm4_ep1"),
+    "qwen2moe_ep1": (1, 1, 1, 0.01, None),
+    "qwen2moe_ep2": (2, 1, 2, 0.01, "qwen2moe_ep1"),
 }
+FAMILY = {"dsv3": "deepseek_v3", "glm4": "glm4_moe", "qwen2moe": "qwen2_moe"}
+"""Layouts of another family than the Qwen3-MoE actor: the prefix of their name."""
 BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"
 """A DeepSeek-V3 MoE layer's expert-score bias (layer 0 is dense)."""
 METRIC_RTOL = 1e-4
@@ -40,13 +47,20 @@ def runs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("moe_ppo")
     qwen = save_random_hf_model(str(root / "qwen3_moe"), "qwen3_moe", seed=3, mlp_only_layers=[1])
-    dsv3 = dict(n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, num_hidden_layers=2)
-    deepseek = save_random_hf_model(str(root / "deepseek_v3"), "deepseek_v3", seed=4, **dsv3)
+    dsv3 = dict(n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1)
+    models = {
+        "deepseek_v3": save_random_hf_model(
+            str(root / "deepseek_v3"), "deepseek_v3", seed=4, num_hidden_layers=2, **dsv3
+        ),
+        "glm4_moe": save_random_hf_model(str(root / "glm4_moe"), "glm4_moe", seed=5, num_hidden_layers=2),
+        "qwen2_moe": save_random_hf_model(str(root / "qwen2_moe"), "qwen2_moe", seed=6, num_hidden_layers=2),
+    }
     launches: dict[int, list[list[str]]] = {}  # one per process count
     for name, (nproc, tp, ep, aux, _) in LAYOUTS.items():
         d = root / name
         d.mkdir()
-        model = deepseek if name.startswith("dsv3") else qwen
+        family = FAMILY.get(name.split("_")[0])
+        model = models[family] if family else qwen
         flags = ["--model", model, "--tp", str(tp), "--ep", str(ep), "--aux", str(aux), "--out", str(d)]
         flags += ["--sequential-experts"] if name.endswith("_sequential") else []
         launches.setdefault(nproc, []).append(flags)
@@ -69,7 +83,9 @@ def merged(ranks: list[dict], key: str = "weights") -> tuple[dict[str, torch.Ten
 
 
 @pytest.mark.parametrize(
-    "layout", ["ep2", "dp2", "tp2ep2", "ep1_sequential", "ep2_sequential", "tp2ep2_sequential", "dsv3_ep2"]
+    "layout",
+    ["ep2", "dp2", "tp2ep2", "ep1_sequential", "ep2_sequential", "tp2ep2_sequential"]
+    + ["dsv3_ep2", "glm4_ep2", "qwen2moe_ep2"],
 )
 def test_update_is_invariant_to_the_expert_layout(runs, layout):
     (ref,) = runs[LAYOUTS[layout][4]]
@@ -87,7 +103,7 @@ def test_update_is_invariant_to_the_expert_layout(runs, layout):
         assert (w - ref["hf"][name]).abs().max().item() < WEIGHT_TOL, f"{name} at {layout}"
 
 
-@pytest.mark.parametrize("layout", ["ep2", "dp2", "tp2ep2", "dsv3_ep2"])
+@pytest.mark.parametrize("layout", ["ep2", "dp2", "tp2ep2", "dsv3_ep2", "glm4_ep2", "qwen2moe_ep2"])
 def test_copies_stay_bit_identical(runs, layout):
     ranks = runs[layout]
     _, differ = merged(ranks)

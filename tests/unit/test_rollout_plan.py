@@ -90,3 +90,18 @@ def test_an_mla_layers_a_projections_share_a_bucket():
         assert len(holding) == 4  # q_a, its norm, q_b, kv_a
     # every other bucket holds one parameter (its HF tensors: gate and up for linear_fc1)
     assert sum(len(b.params) == 1 for b in plan) == len(plan) - args.num_layers
+
+
+def test_an_uneven_pipelines_buckets_hold_each_stages_own_layers():
+    """Stages of 1 and 3 layers: every tensor once, and each bucket's layers are its stage's."""
+    from megatron_rl.weights.tables import layer_index
+
+    args = args_of("LlamaForCausalLM")  # 4 layers
+    plan = plan_buckets(args, 1, 2, 20_000, itemsize=2, stage_layers=(1, 3))
+    names = [t.name for b in plan for s in b.params for t in s.tensors]
+    assert len(names) == len(set(names)) and set(names) == set(hf_shapes(args))
+    for b in plan:
+        layers = {layer_index(s.layout.name) for s in b.params} - {None}
+        assert layers <= ({0} if b.stage == 0 else {1, 2, 3}), (b.stage, layers)
+    even = plan_buckets(args, 1, 2, 20_000, itemsize=2)
+    assert {layer_index(s.layout.name) for b in even if b.stage == 0 for s in b.params} - {None} == {0, 1}

@@ -203,7 +203,7 @@ def test_override_transformer_config_keys():
     assert "compacted" in why["use_remove_padding"] and "forward only" in why["forward_only"]
     for bad, match in (
         (prefix + "context_parallel_size=2", "context parallelism is not implemented"),
-        (prefix + "num_layers_in_last_pipeline_stage=6", "uneven pipeline stages are not implemented"),
+        (prefix + "pipeline_model_parallel_layout=Et*3|t*3L", "a per-stage layout string"),
     ):
         with pytest.raises(ConfigError, match=match):
             load_config(None, [bad])
@@ -223,3 +223,21 @@ def test_icepop_threshold_form_validates():
     cfg.algorithm.rollout_correction.rollout_is_threshold = "2.0_0.5"
     with pytest.raises(ConfigError, match=r"rollout_is_threshold='2.0_0.5'.*lower <= upper"):
         validate(cfg, world_size=1, model_dims=QWEN_05B)
+
+
+def test_uneven_pipeline_stages_are_read_and_checked_against_the_layers():
+    """verl's num_layers_in_first/last_pipeline_stage split the 28 layers; a split that leaves the other
+    stages an uneven share is one line naming the keys."""
+    from megatron_rl.config import validate
+    from megatron_rl.config.layout import pipeline_split
+    from tests.unit.test_config import DIMS, cfg_with
+
+    prefix = "actor_rollout_ref.actor.megatron."
+    pp4 = [prefix + "pipeline_model_parallel_size=4"]
+    key = prefix + "override_transformer_config.num_layers_in_"
+    validate(cfg_with(*pp4, key + "first_pipeline_stage=4", key + "last_pipeline_stage=6"), 4, DIMS)
+    assert pipeline_split(28, 4, 4, 6) == (4, 9, 9, 6) and pipeline_split(28, 4) == (7, 7, 7, 7)
+    with pytest.raises(ConfigError) as e:
+        validate(cfg_with(*pp4, key + "first_pipeline_stage=5"), 4, DIMS)
+    msg = str(e.value)
+    assert "\n" not in msg and key + "first_pipeline_stage" in msg and "23" in msg, msg
