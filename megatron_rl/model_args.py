@@ -162,6 +162,13 @@ class ModelArgs:
         """Vocabulary rounded up so that it splits evenly over ``tp`` ranks (padding rows are 0)."""
         return -(-self.vocab_size // tp) * tp
 
+    @property
+    def attention_head_dim(self) -> float:
+        """A head's width in attention's FLOPs: the mean of its query-key and value widths (the head
+        dim, or multi-latent attention's nope + rope and v dims)."""
+        m = self.mla
+        return self.head_dim if m is None else (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) / 2
+
     def attention_params(self) -> int:
         """Weights of one attention block (matrices only)."""
         h, m = self.hidden_size, self.mla

@@ -105,7 +105,7 @@ def train_flops(
     so MFU compares the FLOPs actually done with the peak."""
     head = args.vocab_size * args.hidden_size  # the embedding lookup itself costs no FLOPs
     body = args.num_active_params() - head * (1 if args.tie_embeddings else 2)
-    attention = 6 * args.num_layers * args.num_heads * args.head_dim * sum_sq_lens
+    attention = 6 * args.num_layers * args.num_heads * args.attention_head_dim * sum_sq_lens
     return 6 * body * tokens + (6 * head * response_tokens if lm_head else 0) + attention
 
 

@@ -153,6 +153,10 @@ def test_deepseek_v3_glm4_moe_and_qwen2_moe_configs_are_read():
     assert a.moe_routed_scaling == 2.5 and a.moe_shared_ffn_hidden_size == 2048 and a.num_experts == 256
     # one DeepSeek-V3 MoE layer: 187.1M attention weights, 256 routed + 1 shared experts of 44M
     assert a.attention_params() == 187_105_280
+    assert a.attention_head_dim == (128 + 64 + 128) / 2  # scores over nope + rope dims, values over v
+    # DeepSeek-V3 whole: ~671B parameters (without its MTP layer), ~37B active
+    full = model_args_from_hf_config(deepseek_v3_config(num_hidden_layers=61))
+    assert 670e9 < full.num_params() < 672e9 and 37e9 < full.num_active_params() < 38e9
     glm = model_args_from_hf_config(
         {
             **qwen3_moe_config(),
