@@ -5,11 +5,14 @@ for features this trainer does not build, every refusal naming its feature."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from megatron_rl.config import ConfigError, load_config, validate
 from megatron_rl.config.load import ConfigErrors
 from megatron_rl.verl_compat import hydra_config_args
+from tests.conftest import ROOT
 
 # A 48-layer GQA model: the layouts of these scripts divide it (the model itself is never loaded).
 # The Ray workers' interpreter, as the scripts set it when they run under uv.
@@ -1083,3 +1086,21 @@ def test_the_script_check_can_fail():
     argv = list(SCRIPTS[0].values[0]) + ["actor_rollout_ref.actor.ppo_mini_batchsize=8"]
     problems = _resolve(argv)
     assert len(problems) == 1 and "ppo_mini_batchsize" in problems[0], problems
+
+
+def test_the_docs_list_every_line_with_its_status():
+    """docs/verl_scripts.md has a row per line of SCRIPTS: "resolves" for the lines that resolve, the
+    refusing features for the others."""
+    with open(os.path.join(ROOT, "docs", "verl_scripts.md")) as f:
+        doc = f.read()
+    rows = {
+        line.split("|")[1].strip().strip("`"): line for line in doc.splitlines() if line.startswith("| `")
+    }
+    assert set(rows) == {p.id for p in SCRIPTS}
+    for p in SCRIPTS:
+        status = rows[p.id].split("|")[3]
+        refused = p.values[1]
+        if refused is None:
+            assert status.strip().startswith("resolves"), p.id
+        else:
+            assert "refused" in status and all(feature in status for feature in refused), p.id
