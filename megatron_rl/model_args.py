@@ -242,7 +242,7 @@ def _sliding_window(hf: dict, arch: str, num_layers: int) -> int | None:
     window = hf.get("sliding_window", _DEFAULT_SLIDING_WINDOW.get(arch))
     if window is None or arch == "llama":
         return None
-    if arch in ("qwen2", "qwen3", "qwen3_moe"):
+    if arch in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe"):
         if not hf.get("use_sliding_window", False):
             return None
         layer_types = hf.get("layer_types")

@@ -181,6 +181,17 @@ def test_deepseek_v3_glm4_moe_and_qwen2_moe_configs_are_read():
     )
     assert q2.qkv_bias and q2.moe_shared_ffn_hidden_size == 48 and q2.moe_shared_expert_gate
     assert q2.moe_score_function == "softmax" and not q2.moe_expert_bias
+    # transformers 5 writes sliding_window=0 beside use_sliding_window=false: full attention
+    off = {"sliding_window": 0, "use_sliding_window": False}
+    q2 = model_args_from_hf_config(
+        {
+            **qwen3_moe_config(),
+            "architectures": ["Qwen2MoeForCausalLM"],
+            "shared_expert_intermediate_size": 48,
+            **off,
+        }
+    )
+    assert q2.sliding_window is None
 
 
 @pytest.mark.parametrize(
