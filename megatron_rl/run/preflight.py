@@ -175,10 +175,11 @@ def _check_model_paths(cfg: Any) -> None:
 def _check_models(cfg: Any) -> None:
     """The models the run loads are ones this project builds and this run fits, read from their config
     (no weights): an architecture it does not build, an EP that does not divide the experts, a prompt
-    plus response longer than the model's positions, or routing replay on a dense actor, is one line
-    here rather than after the process groups start. A legacy Megatron-LM checkpoint (its args sit in
+    plus response longer than the model's positions or its sliding window, or routing replay on a dense
+    actor, is one line here rather than after the process groups start. A legacy Megatron-LM checkpoint (its args sit in
     a weights file) is read when it loads."""
     from megatron_rl.config.layout import check_expert_count, check_pipeline_split, check_replay_model
+    from megatron_rl.model_args import check_sliding_window
     from megatron_rl.models.loading import detect_format, load_model_args_any
 
     for key, path in _model_paths(cfg):
@@ -193,6 +194,7 @@ def _check_models(cfg: Any) -> None:
         _check_context(cfg, args.max_position_embeddings, key, path)
         if key == "actor_rollout_ref.model.path":
             check_replay_model(cfg, args.is_moe)
+            check_sliding_window(args, cfg.data.max_prompt_length + cfg.data.max_response_length, path)
 
 
 def _check_tools(cfg: Any) -> None:

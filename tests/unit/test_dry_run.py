@@ -395,3 +395,18 @@ def test_values_only_the_model_or_a_file_can_refuse_are_one_line_each(moe_demo, 
         assert all(w in lines[0] for w in wanted), (override, lines[0])
     rc, lines = problems_of(capsys, [DEMO_MOE, *base])  # the same launch without them passes
     assert rc == 0 and not lines, lines
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe", "qwen2_moe"])
+def test_every_moe_familys_demo_passes_the_dry_run(arch, tmp_path, capsys):
+    """What the trainer checks from a model's config (architecture, experts, positions, sliding window,
+    pipeline split) passes for each MoE family's demo model as transformers writes it."""
+    from megatron_rl.demo import prepare
+
+    demo = prepare(str(tmp_path / "demo"), moe=True, moe_arch=arch)
+    argv = [
+        DEMO_MOE, "--check", "--nproc", "2", f"actor_rollout_ref.model.path={demo[f'model_{arch}']}",
+        f"data.train_files={demo['train']}", f"data.val_files={demo['test']}",
+    ]  # fmt: skip
+    rc, lines = problems_of(capsys, argv)
+    assert rc == 0 and lines == [], lines
