@@ -68,6 +68,12 @@ class ParallelState:
     """The :func:`generation` of megatron's parallel state this object was built in (init_parallel sets
     it); None: a hand-built state whose groups this module does not track."""
 
+    @property
+    def is_dp_leader(self) -> bool:
+        """The first rank of its model replica (TP rank 0 of the first stage): the one that speaks for
+        the replica (generates on the transformers engine, scores rewards, posts its prompts)."""
+        return self.tp_rank == 0 and self.pp_rank == 0
+
     def check_current(self) -> None:
         """Raise if megatron's parallel state was destroyed or re-initialized since this state was built:
         its groups are then destroyed ones (collectives on them hang or fail far from the cause)."""

@@ -65,10 +65,6 @@ def make_reward_fn(
     return RewardManager(tokenizer, compute_score, crf.reward_kwargs, crf.timeout_s, crf.max_error_fraction)
 
 
-def _on_leader(ps: ParallelState) -> bool:
-    return ps.tp_rank == 0 and ps.pp_rank == 0
-
-
 def reward_scores(
     reward_fn: RewardSource, batch: RolloutBatch, ps: ParallelState, cfg: Config
 ) -> tuple[torch.Tensor, int]:
@@ -135,7 +131,7 @@ def _reward_scores(
         return scores.to(ps.device), out.num_errors
     keys: list[str] = []
     packed, preds = None, None
-    if _on_leader(ps):
+    if ps.is_dp_leader:
         out = reward_fn.score_batch(batch, lengths)
         preds = out.preds
         scores, extras = _overlong_shaped(out.scores, dict(out.extras), lengths, cfg)

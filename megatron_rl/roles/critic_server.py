@@ -143,7 +143,7 @@ class CriticServer:
         mine.values = ppo.compute_values(self.model, ps, mine, self.passes.values)  # [b, R]
         # rank 0 collects every DP replica's slice and hands each actor DP rank its part
         slices: list = []
-        if ps.tp_rank == 0 and ps.pp_rank == 0:  # no pickle: the store's wire format over the group
+        if ps.is_dp_leader:  # no pickle: the store's wire format over the group
             slices = all_gather_objects(mine.values.cpu(), ps.dp_group, ps.device)
         if ps.rank == 0:
             values, first = torch.cat(slices), 0  # [B, R]

@@ -56,7 +56,7 @@ from megatron_rl.roles.transport import (
     slice_bounds,
     to_plain,
 )
-from megatron_rl.rollout.base import Generation, SamplingParams, is_dp_leader
+from megatron_rl.rollout.base import Generation, SamplingParams
 from megatron_rl.rollout.bucket_plan import Bucket, make_bucket, plan_buckets
 from megatron_rl.rollout.checksums import first_mismatch, tensor_checksum
 from megatron_rl.rollout.reshard import WeightSyncError, iter_hf_buckets, unwrap
@@ -127,7 +127,7 @@ class RolloutClient:
         rank's ``prompts`` (TP/PP peers pass the same); returns at once."""
         ps = self.ps
         everyone: list = []
-        if ps.tp_rank == 0 and ps.pp_rank == 0:  # every DP rank's prompts, in DP order (no pickle)
+        if ps.is_dp_leader:  # every DP rank's prompts, in DP order (no pickle)
             everyone = all_gather_objects(prompts, ps.dp_group, ps.device)
         if self.leader:
             flat = [p for part in everyone for p in part]
@@ -247,5 +247,5 @@ class RolloutServer:
         start = time.perf_counter()
         gens = self.engine.generate(msg["prompts"][a:b], params) if b > a else []
         seconds = time.perf_counter() - start
-        if is_dp_leader(ps):
+        if ps.is_dp_leader:
             self.box.put(f"res/{msg['tag']}/{ps.dp_rank}", (to_plain(gens), seconds))

@@ -176,8 +176,8 @@ def _check_models(cfg: Any) -> None:
     """The models the run loads are ones this project builds and this run fits, read from their config
     (no weights): an architecture it does not build, an EP that does not divide the experts, a prompt
     plus response longer than the model's positions or its sliding window, or routing replay on a dense
-    actor, is one line here rather than after the process groups start. A legacy Megatron-LM checkpoint (its args sit in
-    a weights file) is read when it loads."""
+    actor, is one line here rather than after the process groups start. A legacy Megatron-LM checkpoint
+    (its args sit in a weights file) is read when it loads."""
     from megatron_rl.config.layout import check_expert_count, check_pipeline_split, check_replay_model
     from megatron_rl.model_args import check_sliding_window
     from megatron_rl.models.loading import detect_format, load_model_args_any
