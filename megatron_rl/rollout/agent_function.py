@@ -14,6 +14,7 @@ engine restarted in place and this call made again, every episode of the step fr
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import math
@@ -136,7 +137,7 @@ def run_agent_episodes(
                 url = server.base_url(eid)
                 running[(i, j)] = (
                     eid,
-                    pool.submit(lambda it=items[i], url=url: agent_fn(it, url)),
+                    pool.submit(functools.partial(agent_fn, items[i], url)),
                     time.monotonic(),
                 )
             server.pump(0.01)

@@ -33,9 +33,11 @@ import queue
 import re
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, NoReturn
+from functools import partial
+from typing import TYPE_CHECKING, Any, Literal, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -43,11 +45,7 @@ import torch.distributed as dist
 from megatron_rl.errors import LaunchError, NonFiniteRewardError
 from megatron_rl.rollout import tools as tl
 from megatron_rl.rollout.base import Generation, SamplingParams, gloo_twin, is_dp_leader
-from megatron_rl.rollout.tool_formats import (
-    ToolCall,
-    looks_like_a_call,
-    parse_tool_calls,
-)
+from megatron_rl.rollout.tool_formats import ToolCall, looks_like_a_call, parse_tool_calls
 
 if TYPE_CHECKING:
     from megatron_rl.config.schema import MultiTurnConfig
@@ -58,10 +56,19 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 _TURN_SEED_STRIDE = 7919  # each turn samples from its own stream
 _MARK = "MRLASSISTANTMARK"  # the assistant content of the probe conversation (found again in its text)
+T = TypeVar("T")
 
 
 class ToolRefused(RuntimeError):
     """A call the pool refused at once: too many timed-out calls are still running."""
+
+
+class ToolFuture(Future[T]):
+    """A pool job's Future: when it began running (time.monotonic), whether it returned or was abandoned."""
+
+    started: float | None = None
+    finished = False
+    abandoned = False
 
 
 class ToolPool:
@@ -77,7 +84,7 @@ class ToolPool:
     """
 
     def __init__(self, workers: int, max_abandoned: int | None = None) -> None:
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[ToolFuture[Any], Callable[[], Any]] | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self.workers = workers
         self.max_abandoned = workers if max_abandoned is None else max_abandoned
@@ -118,6 +125,7 @@ class ToolPool:
             fut, fn = item
             if not fut.set_running_or_notify_cancel():
                 continue
+            fut.started = time.monotonic()
             try:
                 result, exc = fn(), None
             except BaseException as e:  # the caller reports it as the tool's error
@@ -125,7 +133,7 @@ class ToolPool:
             leave = False
             with self._lock:
                 fut.finished = True
-                if getattr(fut, "abandoned", False):
+                if fut.abandoned:
                     # back from an abandoned job: its place went to a fresh worker, so this one goes,
                     # unless the cap left the pool short of workers
                     self._abandoned -= 1
@@ -139,24 +147,24 @@ class ToolPool:
             if leave:
                 return
 
-    def submit(self, fn) -> Future:
-        fut: Future = Future()
+    def submit(self, fn: Callable[[], T]) -> ToolFuture[T]:
+        fut: ToolFuture[T] = ToolFuture()
         if self.abandoned >= self.max_abandoned:
             fut.set_exception(ToolRefused(self.refused()))
             return fut
         self._jobs.put((fut, fn))
         return fut
 
-    def abandon(self, fut: Future) -> bool:
+    def abandon(self, fut: ToolFuture[Any]) -> bool:
         """Stop waiting for ``fut``'s job: its thread runs on, another takes its place while the
         abandoned are fewer than ``max_abandoned``. False when the job has just finished (the caller
         reads its result instead)."""
         with self._lock:
-            if getattr(fut, "finished", False):
+            if fut.finished:
                 return False
-            if getattr(fut, "abandoned", False):
+            if fut.abandoned:
                 return True
-            fut.abandoned = True  # type: ignore[attr-defined]
+            fut.abandoned = True
             self._abandoned += 1
             if self._threads < self.workers + self.max_abandoned:
                 self._spawn()
@@ -171,7 +179,7 @@ class ToolPool:
             f"(multi_turn.max_abandoned_tool_calls={self.max_abandoned})"
         )
 
-    def refuse_queued(self, fut: Future) -> bool:
+    def refuse_queued(self, fut: ToolFuture[Any]) -> bool:
         """Cancel ``fut`` if it has not started and every thread is inside an abandoned job (none is
         left to start it until a hung call returns); True when cancelled."""
         return self.live == 0 and fut.cancel()
@@ -253,7 +261,7 @@ class Episode:
     logprobs: list[float] = field(default_factory=list)
     assistant_turns: int = 0
     user_turns: int = 0
-    finish: str | None = None
+    finish: Literal["stop", "length"] | None = None
     calls: list[ToolCall] = field(default_factory=list)
     stats: dict[str, float] = field(
         default_factory=lambda: {"tool_calls": 0, "tool_errors": 0, "tool_timeouts": 0, "dropped_calls": 0}
@@ -310,16 +318,15 @@ class AgentLoop:
             messages = list(getattr(items[i], "messages", None) or []) if items else []
             ikw = _clean(extra.get("interaction_kwargs") or {})
             name = ikw.get("name") if self.interactions else None
+            row = getattr(items[i], "index", i) if items else i
             if self.interactions and name not in self.interactions:
                 if len(self.interactions) == 1 and name is None:
                     name = next(iter(self.interactions))
                 else:
                     raise ValueError(
-                        f"prompt row {getattr(items[i], 'index', i)}: "
-                        f"extra_info.interaction_kwargs.name={name!r} "
+                        f"prompt row {row}: extra_info.interaction_kwargs.name={name!r} "
                         f"names none of the interactions {sorted(self.interactions)}"
                     )
-            row = getattr(items[i], "index", i) if items else i
             for j in range(params.n):
                 e = Episode(list(p), list(messages), _clean(extra.get("tools_kwargs") or {}), name, ikw)
                 e.where = f"prompt row {row}, sample {j}"
@@ -367,9 +374,7 @@ class AgentLoop:
         cfg = self.cfg
         room = budget - len(e.tokens)
         toks = list(g.token_ids[:room])
-        capped = (
-            bool(cfg.max_tokens_per_turn) and cfg.max_tokens_per_turn < room
-        )  # the turn's cap, not the budget
+        capped = bool(cfg.max_tokens_per_turn and cfg.max_tokens_per_turn < room)  # the turn's cap binds
         cut = len(toks) < len(g.token_ids) or (g.finish_reason == "length" and not capped)
         e.tokens += toks
         e.mask += [1] * len(toks)
@@ -400,7 +405,7 @@ class AgentLoop:
 
     def _observe(self, eps: list[Episode], budget: int) -> None:
         """Every waiting episode gets its tool replies or its user's answer appended (or ends)."""
-        results = None
+        results: list[dict[str, Any]] | tuple[bool, str] | None = None
         if self.leader:
             try:
                 results = self._environment(eps)
@@ -412,6 +417,7 @@ class AgentLoop:
             results = box[0]
         if isinstance(results, tuple):
             _raise(results)
+        assert results is not None  # the leader's, computed above or received by broadcast
         for e, r in zip(eps, results, strict=True):
             e.calls = []
             for k, v in r["stats"].items():
@@ -434,19 +440,19 @@ class AgentLoop:
             if r["terminate"]:
                 e.finish = "stop"
 
-    def _environment(self, eps: list[Episode]) -> list[dict]:
+    def _environment(self, eps: list[Episode]) -> list[dict[str, Any]]:
         """Run the tools / interactions of ``eps``: per episode, the messages to append and what they
         scored. Calls of one episode to one tool run in order in one job (they share its instance);
         everything else runs at once. A failing tool is a message to the model naming the tool (and a
         log line naming the episode); a non-finite reward stops the rollout naming the tool and row."""
         cfg = self.cfg
-        results = [
+        results: list[dict[str, Any]] = [
             {"stats": {}, "tool_rewards": [], "turn_scores": [], "messages": [], "terminate": False}
             for _ in eps
         ]
         replies: list[list] = [[] for _ in eps]  # per episode, per call: (status, value)
         names: list[list[str]] = [[] for _ in eps]  # per episode, per call: the tool called
-        jobs: list[tuple[int, list[int], Any]] = []  # (episode, its call positions, future or ready list)
+        jobs: list[tuple[int, list[int], ToolFuture[Any]]] = []  # (episode, its call positions, future)
         for i, e in enumerate(eps):
             if not e.calls:
                 jobs.append((i, [], self._submit_interaction(e)))
@@ -539,7 +545,7 @@ class AgentLoop:
                     f"{type(again).__name__}: {again}"
                 ) from None
 
-    def _submit(self, e: Episode, name: str, calls: list[ToolCall]) -> Future:
+    def _submit(self, e: Episode, name: str, calls: list[ToolCall]) -> ToolFuture[Any]:
         """One job: the episode's calls of tool ``name`` in order, on its instance (created first if the
         episode has none) -> ([(status, (text, reward) | message)], instance id)."""
         tool = self.tools[name]
@@ -561,7 +567,8 @@ class AgentLoop:
 
         return self._timed(job)
 
-    def _submit_interaction(self, e: Episode):
+    def _submit_interaction(self, e: Episode) -> ToolFuture[Any]:
+        assert e.interaction is not None  # an episode with no tool call and no interaction has ended
         inter = self.interactions[e.interaction]
         iid = e.interaction_id
         messages = list(e.messages)
@@ -574,24 +581,18 @@ class AgentLoop:
 
         return self._timed(job)
 
-    def _timed(self, job) -> Future:
-        box: dict[str, float] = {}
+    def _timed(self, job: Callable[[], Any]) -> ToolFuture[Any]:
+        assert self._pool is not None  # tools and interactions run on the DP leader, which has the pool
+        return self._pool.submit(job)  # its future says when the job started (the timeout counts from it)
 
-        def run():
-            box["start"] = time.monotonic()
-            return job()
-
-        fut = self._pool.submit(run)
-        fut.started = box  # type: ignore[attr-defined]
-        return fut
-
-    def _collect(self, items: list) -> list[tuple[str, Any]]:
+    def _collect(self, items: list[ToolFuture[Any]]) -> list[tuple[str, Any]]:
         """Wait for the futures, each up to tool_timeout_s from when it started running. A timed-out
         job is abandoned to the pool (its thread runs on, its result is dropped); a job the pool refused
         (:class:`ToolPool`'s cap) comes back at once as an error."""
         limit, pool = self.cfg.tool_timeout_s, self._pool
-        out: list[tuple[str, Any] | None] = [None if isinstance(x, Future) else x for x in items]
-        pending = {i for i, x in enumerate(items) if isinstance(x, Future)}
+        assert pool is not None  # only the DP leader runs jobs, and it has the pool
+        out: dict[int, tuple[str, Any]] = {}
+        pending = set(range(len(items)))
         while pending:
             now = time.monotonic()
             for i in list(pending):
@@ -605,25 +606,25 @@ class AgentLoop:
                     else:
                         out[i] = ("error", f"{type(exc).__name__}: {exc}")
                     pending.discard(i)
-                elif "start" in f.started and now - f.started["start"] > limit:
+                elif f.started is not None and now - f.started > limit:
                     if pool.abandon(f):  # else it has just finished: read on the next pass
                         out[i] = ("timeout", None)
                         pending.discard(i)
-                elif "start" not in f.started and pool.refuse_queued(f):
+                elif f.started is None and pool.refuse_queued(f):
                     out[i] = ("error", pool.refused())
                     pending.discard(i)
             if pending:
-                starts = [items[i].started.get("start") for i in pending]
+                starts = [items[i].started for i in pending]
                 nearest = min((s + limit - now for s in starts if s is not None), default=limit)
                 if pool.live == 0:  # queued jobs wait for no one: look again soon
                     nearest = min(nearest, 0.05)
                 wait([items[i] for i in pending], timeout=max(0.001, nearest), return_when=FIRST_COMPLETED)
-        return out  # type: ignore[return-value]
+        return [out[i] for i in range(len(items))]
 
     def _finish(self, episodes: list[Episode]) -> None:
         """calc_reward and release of every tool instance, finalize of every interaction (leader),
         then the rewards to the peers (or, when one is not finite, the error: every peer raises it)."""
-        scores: list[dict] | tuple | None = None
+        scores: list[dict[str, float]] | tuple[bool, str] | None = None
         if self.leader:
             try:
                 scores = self._final_rewards(episodes)
@@ -637,12 +638,14 @@ class AgentLoop:
                 e.stats = s
         if isinstance(scores, tuple):
             _raise(scores)
+        assert scores is not None  # the leader's, computed above or received by broadcast
         for e, s in zip(episodes, scores, strict=True):
             e.reward_scores = s
 
-    def _final_rewards(self, episodes: list[Episode]) -> list[dict]:
+    def _final_rewards(self, episodes: list[Episode]) -> list[dict[str, float]]:
         """Per episode, {tool: calc_reward} (leader); a failed calc_reward counts as a tool error."""
-        jobs, where = [], []
+        jobs: list[ToolFuture[Any]] = []
+        where: list[tuple[int, str | None]] = []
         for k, e in enumerate(episodes):
             for name, iid in e.instances.items():
                 tool = self.tools[name]
@@ -656,20 +659,17 @@ class AgentLoop:
                 jobs.append(self._timed(job))
                 where.append((k, name))
             if e.interaction_id is not None:
+                assert e.interaction is not None  # an interaction id comes from the episode's interaction
                 inter = self.interactions[e.interaction]
-                jobs.append(
-                    self._timed(
-                        lambda inter=inter, iid=e.interaction_id: tl.call(inter.finalize_interaction, iid)
-                    )
-                )
+                jobs.append(self._timed(partial(tl.call, inter.finalize_interaction, e.interaction_id)))
                 where.append((k, None))
-        scores: list[dict] = [{} for _ in episodes]
-        for (k, name), out in zip(where, self._collect(jobs), strict=True):
-            if name is None:
+        scores: list[dict[str, float]] = [{} for _ in episodes]
+        for (k, tool_name), out in zip(where, self._collect(jobs), strict=True):
+            if tool_name is None:
                 continue
             if out[0] == "ok":
-                at = f"tool {name!r} (its calc_reward) on {episodes[k].where}"
-                scores[k][name] = finite_reward(out[1], at, "tool_config_path")
+                at = f"tool {tool_name!r} (its calc_reward) on {episodes[k].where}"
+                scores[k][tool_name] = finite_reward(out[1], at, "tool_config_path")
             else:
                 episodes[k].stats["tool_errors"] += 1
         return scores
@@ -750,7 +750,7 @@ class EpisodeStats:
         if ps.dp_size > 1:
             dist.all_reduce(stats, group=ps.dp_group)
             dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=ps.dp_group)
-        self.__init__()
+        EpisodeStats.__init__(self)  # the step's episodes are reduced: start the next step's
         total = max(stats[0].item(), 1.0)
         out = {
             "multi_turn/num_turns/mean": stats[1].item() / total,

@@ -45,7 +45,7 @@ _SEED_STRIDE = 1_000_003  # unseeded requests: engine seed * stride + call numbe
 
 def build_hf_model(
     args: ModelArgs, dtype: torch.dtype, device: torch.device, attn_implementation: str = "sdpa"
-):
+) -> torch.nn.Module:
     """An HF causal LM of ``args``' architecture from its config.json contents (random weights)."""
     import transformers
 
@@ -144,7 +144,7 @@ class HFEngine:
         from megatron_rl.weights.tables import module_param_views
 
         assert self.model is not None  # the DP leader's
-        params = dict(self.model.named_parameters())
+        params: dict[str, torch.Tensor] = dict(self.model.named_parameters())
         params.update((n, b) for n, b in self.model.named_buffers() if n.endswith("e_score_correction_bias"))
         return module_param_views(self.args, params)
 
@@ -261,6 +261,7 @@ class HFEngine:
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """KV-cached sampling from left-padded ``ids`` [b, plen]: the tokens and log-probs of each step
         ([b] each), until every row has stopped or max_new_tokens."""
+        assert self.model is not None  # generation runs only where the model is hosted (_generate_local)
         b = ids.shape[0]
         pos = (mask.cumsum(-1) - 1).clamp(min=0)  # positions count real tokens only, as HF generate does
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
@@ -322,7 +323,7 @@ class _RoutingRecorder:
 
     def result(self, b: int) -> torch.Tensor:
         """[b, tokens read, L, k]: prefill columns, then one per decode step; -1 on dense layers."""
-        per_layer = []
+        per_layer: list[torch.Tensor | None] = []
         for calls in self.calls:
             if calls:
                 per_layer.append(torch.cat([c.view(b, -1, self.k) for c in calls], dim=1))

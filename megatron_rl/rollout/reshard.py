@@ -97,8 +97,8 @@ _syncs = 0  # weight syncs of this process (the ``sync`` a stream fault sees)
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The GPTModel inside DDP / Float16Module wrappers (the one carrying ``args`` and ``role``)."""
-    while not hasattr(model, "args") and hasattr(model, "module"):
-        model = model.module
+    while not hasattr(model, "args") and isinstance(inner := getattr(model, "module", None), nn.Module):
+        model = inner  # a DDP / Float16Module wrapper's .module is the Module it wraps
     if not hasattr(model, "args"):
         raise TypeError("expected a model from megatron_rl.models.builder.build_model (it has .args/.role)")
     return model
@@ -140,6 +140,7 @@ class _ExpertGather:
         self.coords = [tuple(c) for c in coords.view(self.size, 2).tolist()]
 
     def owner(self, lay: ParamLayout) -> int:
+        assert lay.expert is not None  # callers ask only about an expert's layout
         return lay.expert // self.per_ep
 
     def owned(self, b: BucketPlan, ep_rank: int) -> list[ParamSlot]:
@@ -166,7 +167,8 @@ def iter_hf_buckets(
     model = unwrap(model)
     if model.role != "actor":
         raise ValueError(f"only the actor's weights go to the rollout engine, got role={model.role!r}")
-    args: ModelArgs = model.args
+    args = model.args
+    assert isinstance(args, ModelArgs), type(args)  # build_model keeps its ModelArgs on the model
     tp, pp = ps.tp_size, ps.pp_size
     itemsize = torch.empty((), dtype=dtype).element_size()
     etp = ps.etp_size if args.is_moe else None
@@ -182,7 +184,10 @@ def iter_hf_buckets(
     )
 
     def held(lay: ParamLayout) -> bool:  # an expert's parameters live on its EP rank only
-        return lay.expert is None or experts.owner(lay) == ps.ep_rank
+        if lay.expert is None:
+            return True
+        assert experts is not None  # expert layouts come only from MoE models, which have an _ExpertGather
+        return experts.owner(lay) == ps.ep_rank
 
     missing = [
         s.layout.name for b in mine for s in b.params if held(s.layout) and s.layout.name not in params
@@ -264,6 +269,7 @@ def _gather_expert_stacks(
         base = params[
             f"decoder.layers.{st.layer}.mlp.experts.local_experts.{first}.{fc[st.proj]}.weight"
         ]._base
+        assert base is not None  # GroupedExperts' weights are views of the stacked one (``grouped``)
         j = first - experts.ep_rank * experts.per_ep
         return base[j : j + n]
 
@@ -387,7 +393,11 @@ def check_weights(engine, ps: ParallelState, sent: list[tuple[int, str, int, tor
     n = len(sent)
     first = n  # index into ``sent`` of this rank's first mismatch (n: none)
     if got is not None and n:
-        want = torch.stack([c for _, _, _, c in sent]).to(ps.device)  # [n, CHECKSUM_SIZE]
+        sums: list[torch.Tensor] = []
+        for _, _, _, c in sent:
+            assert c is not None  # sync_weights checksums every tensor for an engine that checks weights
+            sums.append(c)
+        want = torch.stack(sums).to(ps.device)  # [n, CHECKSUM_SIZE]
         numel = torch.tensor([k for _, _, k, _ in sent], device=ps.device)
         unread = getattr(engine, "unreadable", ())
         bad = first_mismatch([name for _, name, _, _ in sent], want, got, numel, unread)

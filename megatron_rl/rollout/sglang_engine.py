@@ -149,7 +149,7 @@ class SGLangEngine:
         torch.cuda.synchronize()
         dist.barrier()
         self.engine = None
-        self._config_dir = None
+        self._config_dir: str | None = None
         self._workers: list[int] = []
         if self.group_rank == 0:
             self.engine = self._start(engine_kwargs)
@@ -161,17 +161,17 @@ class SGLangEngine:
         self.unreadable: set[str] = set()  # streamed tensors the read-back does not find (logged once)
 
     def _start(self, engine_kwargs: dict):
-        self._config_dir = tempfile.mkdtemp(prefix="megatron_rl_sglang_")
+        self._config_dir = config_dir = tempfile.mkdtemp(prefix="megatron_rl_sglang_")
         hf = dict(self.args.hf_config)
         hf["eos_token_id"] = None  # stopping is SamplingParams.stop_token_ids alone
-        with open(os.path.join(self._config_dir, "config.json"), "w") as f:
+        with open(os.path.join(config_dir, "config.json"), "w") as f:
             json.dump(hf, f)
         kwargs = engine_arguments(
-            self.cfg, self._config_dir, self.group_size, self.ps.local_rank, self.seed, self.cuda_graph_max_bs
+            self.cfg, config_dir, self.group_size, self.ps.local_rank, self.seed, self.cuda_graph_max_bs
         )
         kwargs.update(engine_kwargs)
         before = child_pids()
-        engine = start_sglang(kwargs, self.model_path or self._config_dir)
+        engine = start_sglang(kwargs, self.model_path or config_dir)
         self._workers = sorted(child_pids() - before)  # the engine's scheduler and detokenizer processes
         return engine
 
@@ -285,6 +285,7 @@ class SGLangEngine:
         takes pre-serialized payloads for the flattened format only, so the request is built here."""
         from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
 
+        assert self.engine is not None  # called by the group's leader, which hosts the engine
         if load_format == "flattened_bucket":
             return self.engine.update_weights_from_tensor(
                 named_tensors=payloads, load_format=load_format, flush_cache=False
@@ -335,7 +336,7 @@ class SGLangEngine:
         )
 
     def _sampling(self, params: SamplingParams, seed: int | None) -> dict:
-        sp = {
+        sp: dict[str, object] = {
             "max_new_tokens": params.max_new_tokens,
             "temperature": 0.0 if params.is_greedy else params.temperature,
             "top_p": params.top_p,
@@ -358,6 +359,7 @@ class SGLangEngine:
             row_seeds(params, origins, 0, SGLANG_SEED_BITS) if params.seed is not None else [None] * len(rows)
         )
         sampling = [self._sampling(params, s) for s in seeds]
+        assert self.engine is not None  # generate() runs this only where the engine is hosted
         try:
             extra = {"return_routed_experts": True} if params.return_routed_experts else {}
             outs = self.engine.generate(

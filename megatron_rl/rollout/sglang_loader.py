@@ -123,9 +123,10 @@ def fused_experts(model: Any, layer: int, proj: str, first: int, stack: torch.Te
         experts = model.model.layers[layer].mlp.experts
     except (AttributeError, IndexError, TypeError):
         return None
-    w13, w2 = getattr(experts, "w13_weight", None), getattr(experts, "w2_weight", None)
     if not _plain_experts(experts):
         return None
+    w13: torch.Tensor = experts.w13_weight  # both tensors: _plain_experts checked them
+    w2: torch.Tensor = experts.w2_weight
     tp = getattr(experts, "moe_tp_size", 0)
     n, rows, cols = stack.shape
     e_total = w13.shape[0]

@@ -30,6 +30,7 @@ import importlib
 import inspect
 import operator
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from uuid import uuid4
@@ -142,7 +143,7 @@ class BaseInteraction:
 # Built-in tools
 # --------------------------------------------------------------------------------------------------
 
-_OPS = {
+_OPS: dict[type[ast.AST], Callable[..., Any]] = {  # binary and unary operators alike
     ast.Add: operator.add,
     ast.Sub: operator.sub,
     ast.Mult: operator.mul,
