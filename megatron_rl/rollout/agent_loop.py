@@ -405,7 +405,7 @@ class AgentLoop:
 
     def _observe(self, eps: list[Episode], budget: int) -> None:
         """Every waiting episode gets its tool replies or its user's answer appended (or ends)."""
-        results: list[dict[str, Any]] | tuple[bool, str] | None = None
+        results: list[tl.TurnResult] | tuple[bool, str] | None = None
         if self.leader:
             try:
                 results = self._environment(eps)
@@ -440,13 +440,13 @@ class AgentLoop:
             if r["terminate"]:
                 e.finish = "stop"
 
-    def _environment(self, eps: list[Episode]) -> list[dict[str, Any]]:
+    def _environment(self, eps: list[Episode]) -> list[tl.TurnResult]:
         """Run the tools / interactions of ``eps``: per episode, the messages to append and what they
         scored. Calls of one episode to one tool run in order in one job (they share its instance);
         everything else runs at once. A failing tool is a message to the model naming the tool (and a
         log line naming the episode); a non-finite reward stops the rollout naming the tool and row."""
         cfg = self.cfg
-        results: list[dict[str, Any]] = [
+        results: list[tl.TurnResult] = [
             {"stats": {}, "tool_rewards": [], "turn_scores": [], "messages": [], "terminate": False}
             for _ in eps
         ]

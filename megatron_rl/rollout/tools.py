@@ -32,7 +32,7 @@ import operator
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 from uuid import uuid4
 
 from megatron_rl.config import ConfigError
@@ -137,6 +137,20 @@ class BaseInteraction:
 
     async def finalize_interaction(self, instance_id: str | None = None, **kwargs) -> None:
         """Release the instance's state."""
+
+
+class TurnResult(TypedDict):
+    """What one episode's tool calls or interaction gave it in a turn (the agent loop's DP leader runs
+    them and broadcasts these to its TP/PP peers)."""
+
+    stats: dict[str, float]
+    tool_rewards: list[float]
+    turn_scores: list[float]
+    messages: list[dict]
+    terminate: bool
+    interaction_id: NotRequired[str | None]
+    instances: NotRequired[dict[str, str]]  # tool name -> instance id, for tools first called this turn
+    ids: NotRequired[list[int]]  # the messages as token ids (added once they are encoded)
 
 
 # --------------------------------------------------------------------------------------------------
