@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from megatron_rl.errors import LaunchError, NonFiniteRewardError
 from megatron_rl.rollout import tools as tl
-from megatron_rl.rollout.base import Generation, SamplingParams, gloo_twin, is_dp_leader
+from megatron_rl.rollout.base import Generation, SamplingParams, gloo_twin
 from megatron_rl.rollout.tool_formats import ToolCall, looks_like_a_call, parse_tool_calls
 
 if TYPE_CHECKING:
@@ -288,7 +288,7 @@ class AgentLoop:
 
     def __init__(self, cfg: MultiTurnConfig, ps: ParallelState, tokenizer, tools: dict | None = None) -> None:
         self.cfg, self.ps, self.tok = cfg, ps, tokenizer
-        self.leader = is_dp_leader(ps)
+        self.leader = ps.is_dp_leader
         if tools is None:
             tools = tl.load_tools(cfg.tool_config_path) if cfg.tool_config_path else {}
         self.tools = tools

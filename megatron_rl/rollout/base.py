@@ -253,11 +253,6 @@ def gloo_twin(ps: ParallelState, group: dist.ProcessGroup) -> dist.ProcessGroup:
     return object_group(ps, [list(b) for b in sorted({tuple(b) for b in blocks})])
 
 
-def is_dp_leader(ps: ParallelState) -> bool:
-    """The rank that speaks for its data-parallel replica (lowest global rank of its mp group)."""
-    return ps.tp_rank == 0 and ps.pp_rank == 0
-
-
 Origins = list[tuple[int, int]]
 """Per prompt of a ``run`` call: (dp_rank that passed it, its index in that rank's prompts); with
 ``params.n`` the (dp_rank, row) of each response, the inputs of :func:`sample_seed`."""
@@ -300,7 +295,7 @@ def collective_generate(
     """
     params.check()
     ps.check_current()  # an engine built on groups megatron has since destroyed must not use them
-    lead = is_dp_leader(ps)
+    lead = ps.is_dp_leader
     mine = (ps.dp_rank, list(prompts)) if lead else None
     # rollout_group None (or of one rank): this rank generates for itself
     group = rollout_group if rollout_group is not None and dist.get_world_size(rollout_group) > 1 else None

@@ -36,7 +36,6 @@ from megatron_rl.rollout.base import (
     SamplingParams,
     collective_generate,
     gloo_twin,
-    is_dp_leader,
     row_seeds,
 )
 
@@ -128,7 +127,7 @@ class HFEngine:
         self.max_batch_size = max_batch_size
         self.device = ps.device
         self.model = (
-            build_hf_model(args, dtype, self.device, attn_implementation) if is_dp_leader(ps) else None
+            build_hf_model(args, dtype, self.device, attn_implementation) if ps.is_dp_leader else None
         )
         self._mp_group = gloo_twin(ps, ps.mp_group)
         self.pad_id = int(args.hf_config.get("pad_token_id") or 0)
