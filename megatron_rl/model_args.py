@@ -17,6 +17,14 @@ from megatron_rl.errors import ModelRefused
 # Parameter / rollout dtype names in the config -> torch dtypes.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+
+def run_dtype(name: str, device: torch.device | str) -> str:
+    """The dtype a model or engine runs in on ``device``: ``name`` (``*.megatron.params_dtype``,
+    ``rollout.dtype``) on a GPU, float32 on CPU (CPU kernels have no bf16 speed-up, and CPU runs are
+    the exact references of the tests)."""
+    return "float32" if torch.device(device).type == "cpu" else name
+
+
 # HF architecture class -> our architecture key (a table in megatron_rl.weights.tables).
 HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",

@@ -496,13 +496,13 @@ def precision_record(cfg) -> dict[str, dict[str, object]]:
     """What precision each trained model and the engine ran at (summary.json): the dtypes as built
     (fp32 on CPU, whatever params_dtype says), the rounding of the fp32 masters into them and fp16's
     loss scale."""
+    from megatron_rl.model_args import run_dtype
     from megatron_rl.parallel import resolve_device
 
-    cpu = resolve_device(cfg.trainer.device).type == "cpu"
-    arr = cfg.actor_rollout_ref
+    device, arr = resolve_device(cfg.trainer.device), cfg.actor_rollout_ref
 
     def trained(mcfg: MegatronConfig, optim: OptimConfig) -> dict[str, object]:
-        dtype = "float32" if cpu else mcfg.params_dtype
+        dtype = run_dtype(mcfg.params_dtype, device)
         rec: dict[str, object] = {"params_dtype": dtype}
         if dtype == "bfloat16":
             rec["rounding"] = "stochastic" if optim.stochastic_rounding else "nearest"
@@ -513,5 +513,5 @@ def precision_record(cfg) -> dict[str, dict[str, object]]:
     out = {"actor": trained(arr.actor.megatron, arr.actor.optim)}
     if cfg.critic.enable:
         out["critic"] = trained(cfg.critic.megatron, cfg.critic.optim)
-    out["rollout"] = {"dtype": "float32" if cpu else arr.rollout.dtype}
+    out["rollout"] = {"dtype": run_dtype(arr.rollout.dtype, device)}
     return out

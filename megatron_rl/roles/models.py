@@ -43,11 +43,11 @@ def _model(
     ps: ParallelState, args, role: str, path: str, mcfg: FrozenMegatronConfig, recompute: bool = False
 ) -> torch.nn.Module:
     """One role's model with its weights loaded (fp32 on CPU: CPU kernels have no bf16 speed-up)."""
-    from megatron_rl.model_args import DTYPES
+    from megatron_rl.model_args import DTYPES, run_dtype
     from megatron_rl.models.builder import TrainingOptions, build_model
     from megatron_rl.models.loading import load_weights
 
-    dtype = torch.float32 if ps.device.type == "cpu" else DTYPES[mcfg.params_dtype]
+    dtype = DTYPES[run_dtype(mcfg.params_dtype, ps.device)]
     ep = mcfg.expert_model_parallel_size
     if args.is_moe and ep is not None and ep != ps.ep_size:
         raise ValueError(

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from megatron_rl.batch import RolloutBatch
 from megatron_rl.config import Config
+from megatron_rl.model_args import run_dtype
 from megatron_rl.parallel import ParallelState
 from megatron_rl.rollout import SamplingParams
 from megatron_rl.rollout.reshard import WeightSyncError
@@ -46,7 +47,7 @@ class SyncProbe:
         first = ps.dp_rank * PROMPTS_PER_RANK
         self.items = [train_data[(first + j) % n] for j in range(PROMPTS_PER_RANK)] if n else []
         rollout = cfg.actor_rollout_ref.rollout
-        dtype = "float32" if ps.device.type == "cpu" else rollout.dtype or "bfloat16"
+        dtype = run_dtype(rollout.dtype or "bfloat16", ps.device)
         self.dtype, self.tolerance = dtype, TOLERANCE.get(dtype, 0.1)
         self.params = SamplingParams(
             n=1,

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_rl.model_args import DTYPES
+from megatron_rl.model_args import DTYPES, run_dtype
 from megatron_rl.rollout.base import Generation, RolloutEngine, RolloutOOMError, SamplingParams, sample_seed
 
 if TYPE_CHECKING:
@@ -36,7 +36,7 @@ def engine_dtype(name: str | None, ps: ParallelState) -> torch.dtype:
     fp32 on CPU (as the trainer's models there: CPU kernels have no bf16 speed-up)."""
     if name is None:
         raise ValueError("actor_rollout_ref.rollout.dtype is unresolved: config.validate sets it")
-    return torch.float32 if ps.device.type == "cpu" else DTYPES[name]
+    return DTYPES[run_dtype(name, ps.device)]
 
 
 def create_engine(
