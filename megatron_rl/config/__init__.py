@@ -18,7 +18,7 @@ reference and the command line).
 from megatron_rl.config.checks import RANGES, get_key, range_rule, validate
 from megatron_rl.config.describe import describe_keys, field_docs, main
 from megatron_rl.config.layout import check_layout_against_model
-from megatron_rl.config.load import known_keys, load_config, to_dict
+from megatron_rl.config.load import keeps_engine_log_probs, known_keys, load_config, to_dict
 from megatron_rl.config.schema import (
     ActorConfig,
     ActorMegatronConfig,
@@ -50,6 +50,7 @@ from megatron_rl.config.schema import (
 )
 
 __all__ = [
+    "keeps_engine_log_probs",
     "ActorConfig",
     "ActorMegatronConfig",
     "ActorRolloutRefConfig",

@@ -304,3 +304,15 @@ def _fill_derived(cfg: Config) -> None:
 
 def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
+
+
+def keeps_engine_log_probs(cfg) -> bool:
+    """Whether the rollout keeps the engine's log-probs of the sampled tokens: asked for
+    (``rollout.calculate_log_probs``), needed by the rollout correction (``rollout_is`` /
+    ``rollout_rs``), or always with ``rollout.max_staleness > 0`` (the behaviour policy is then older
+    than the trainer's actor). The mismatch metrics and corrections read them, so the old-log-prob pass
+    is never skipped while they are kept."""
+    rollout, corr = cfg.actor_rollout_ref.rollout, cfg.algorithm.rollout_correction
+    return bool(
+        rollout.calculate_log_probs or corr.rollout_is or corr.rollout_rs or rollout.max_staleness > 0
+    )

@@ -24,7 +24,7 @@ import inspect
 import torch
 
 from megatron_rl.batch import RolloutBatch
-from megatron_rl.config import Config
+from megatron_rl.config import Config, keeps_engine_log_probs
 from megatron_rl.microbatches import ForwardPasses, MicroBatching, TokenStats
 from megatron_rl.mismatch import correct_mismatch, reject
 from megatron_rl.optim import NONFINITE_ADVANTAGES, count_nonfinite
@@ -53,7 +53,7 @@ def old_log_prob_is_first_forward(
       ``rollout_rs``, ``rollout.max_staleness > 0``: mismatch metrics, weights and rejection use them).
     """
     arr, alg = cfg.actor_rollout_ref, cfg.algorithm
-    actor, rollout, corr = arr.actor, arr.rollout, alg.rollout_correction
+    actor, rollout = arr.actor, arr.rollout
     if step <= cfg.trainer.critic_warmup or actor.ppo_epochs != 1 or actor.shuffle:
         return False
     if actor.ppo_mini_batch_size * rollout.n != batch_size * dp_size:
@@ -75,10 +75,7 @@ def old_log_prob_is_first_forward(
         noise = {name: actor.megatron.override_transformer_config.get(name) for name in _TRAIN_ONLY_NOISE}
     if any(noise.values()):
         return False
-    keeps_engine_log_probs = (
-        rollout.calculate_log_probs or corr.rollout_is or corr.rollout_rs or rollout.max_staleness > 0
-    )
-    return not (alg.use_kl_in_reward or keeps_engine_log_probs)
+    return not (alg.use_kl_in_reward or keeps_engine_log_probs(cfg))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from megatron_rl.config import Config
+from megatron_rl.config import Config, keeps_engine_log_probs
 from megatron_rl.config.placement import Placement
 from megatron_rl.microbatches import ForwardPasses
 from megatron_rl.parallel import ParallelState
@@ -193,11 +193,5 @@ def read_inputs(cfg: Config, ps: ParallelState, rewards_by_rule: bool) -> RunInp
             f"data.train_batch_size={cfg.data.train_batch_size} exceeds the {len(train)} training prompts."
         )
     total_steps = cfg.trainer.total_training_steps or len(sampler) * cfg.trainer.total_epochs
-    corr = cfg.algorithm.rollout_correction
-    # The engine's log-probs of the sampled tokens: for the mismatch metrics and corrections.
-    # (always with staleness > 0: the behaviour policy is then older than the trainer's actor)
-    keep = bool(
-        arr.rollout.calculate_log_probs or corr.rollout_is or corr.rollout_rs or arr.rollout.max_staleness
-    )
-    data = RolloutData(train, val, pad_id, stop_ids, keep)
+    data = RolloutData(train, val, pad_id, stop_ids, keeps_engine_log_probs(cfg))
     return RunInputs(tokenizer, model_args, data, sampler, total_steps)
