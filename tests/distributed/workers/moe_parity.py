@@ -16,10 +16,10 @@ import torch.distributed as dist
 
 from megatron_rl.model_args import load_model_args
 from megatron_rl.models.builder import build_model, load_hf_weights, named_global_params
-from megatron_rl.models.forward import gather_tp, run_pipeline
 from megatron_rl.parallel import destroy_parallel, init_parallel
 from megatron_rl.weights import tables
 from megatron_rl.weights.tables import ParamLayout, Piece
+from tests.distributed.workers.parity import hf_logit_diff, megatron_logits
 
 _EXPERT = re.compile(r"\.experts\.([01])\.")
 
@@ -32,12 +32,6 @@ def swap_experts(lay: ParamLayout) -> ParamLayout:
 
     pieces = tuple(tuple(Piece(other(p.hf_name), p.start, p.stop) for p in r) for r in lay.pieces)
     return dataclasses.replace(lay, pieces=pieces)
-
-
-@dataclasses.dataclass
-class MB:
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
 
 
 def main():
@@ -69,27 +63,9 @@ def main():
                 if (m := re.search(r"local_experts\.(\d+)", n))
             }
         )
-        g = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, args.vocab_size, (2, 2, 12), generator=g)  # 2 micro-batches of [2, 12]
-        mask = torch.ones_like(ids)
-        mask[1, 0, :4] = 0  # left padding in one sequence
-        mbs = [MB(ids[i], mask[i]) for i in range(2)]
-        with torch.no_grad():
-            outs = run_pipeline(
-                model, ps, mbs, lambda mb, out, v=args.vocab_size: gather_tp(out, ps)[..., :v], True
-            )
+        mbs, outs = megatron_logits(model, ps, args.vocab_size)
         if ps.is_last_stage and ps.tp_rank == 0 and ps.ep_rank == 0:
-            from transformers import AutoModelForCausalLM
-
-            hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
-            hf.eval()
-            diff, top = 0.0, 0.0
-            with torch.no_grad():
-                for mb, out in zip(mbs, outs, strict=True):
-                    ref = hf(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
-                    real = mb.attention_mask.bool()
-                    diff = max(diff, (ref - out)[real].abs().max().item())
-                    top = max(top, ref[real].abs().max().item())
+            diff, top = hf_logit_diff(path, mbs, outs)
             model_bytes = sum(
                 os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors")
             )

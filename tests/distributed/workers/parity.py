@@ -53,6 +53,35 @@ class MB:
     attention_mask: torch.Tensor
 
 
+def megatron_logits(model, ps, vocab_size: int) -> tuple[list[MB], list[torch.Tensor]]:
+    """Two fixed micro-batches of [2, 12] random tokens (one row left-padded) and the model's logits
+    on them (gathered over TP, vocabulary padding cut; on the last stage)."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab_size, (2, 2, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 0, :4] = 0  # left padding in one sequence
+    mbs = [MB(ids[i], mask[i]) for i in range(2)]
+    with torch.no_grad():
+        outs = run_pipeline(model, ps, mbs, lambda mb, out: gather_tp(out, ps)[..., :vocab_size], True)
+    return mbs, outs
+
+
+def hf_logit_diff(path: str, mbs: list[MB], outs: list[torch.Tensor]) -> tuple[float, float]:
+    """(max |logit difference|, max |logit|) of the HF model at ``path`` on ``mbs`` against ``outs``,
+    over real tokens: the oracle every parity worker compares with."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    diff, top = 0.0, 0.0
+    with torch.no_grad():
+        for mb, out in zip(mbs, outs, strict=True):
+            ref = hf(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+            real = mb.attention_mask.bool()
+            diff = max(diff, (ref - out)[real].abs().max().item())
+            top = max(top, ref[real].abs().max().item())
+    return diff, top
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", required=True)
@@ -84,28 +113,9 @@ def check(a: argparse.Namespace, ps) -> None:
         model = build_model(args, ps, sdpa=a.attention == "sdpa")
         reader = load_hf_weights(model, path, ps)
         model.eval()
-        g = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, args.vocab_size, (2, 2, 12), generator=g)  # 2 micro-batches of [2, 12]
-        mask = torch.ones_like(ids)
-        mask[1, 0, :4] = 0  # left padding in one sequence
-        mbs = [MB(ids[i], mask[i]) for i in range(2)]
-        with torch.no_grad():
-            outs = run_pipeline(
-                model, ps, mbs, lambda mb, out, v=args.vocab_size: gather_tp(out, ps)[..., :v], True
-            )
+        mbs, outs = megatron_logits(model, ps, args.vocab_size)
         if ps.is_last_stage and ps.tp_rank == 0:
-            from transformers import AutoModelForCausalLM
-
-            hf = AutoModelForCausalLM.from_pretrained(
-                path, dtype=torch.float32, attn_implementation="eager"
-            ).eval()
-            diff, top = 0.0, 0.0
-            with torch.no_grad():
-                for mb, out in zip(mbs, outs, strict=True):
-                    ref = hf(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
-                    real = mb.attention_mask.bool()
-                    diff = max(diff, (ref - out)[real].abs().max().item())
-                    top = max(top, ref[real].abs().max().item())
+            diff, top = hf_logit_diff(path, mbs, outs)
             model_bytes = sum(
                 os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors")
             )

@@ -19,10 +19,10 @@ import torch.distributed as dist
 
 from megatron_rl.model_args import load_model_args
 from megatron_rl.models.builder import TrainingOptions, build_model, load_hf_weights
-from megatron_rl.models.forward import gather_tp, run_pipeline
 from megatron_rl.parallel import destroy_parallel, init_parallel
 from megatron_rl.weights import tables
 from megatron_rl.weights.tables import ParamLayout, Piece
+from tests.distributed.workers.parity import hf_logit_diff, megatron_logits
 
 
 def duplicate(layer: int):
@@ -37,12 +37,6 @@ def duplicate(layer: int):
         return dataclasses.replace(lay, pieces=pieces)
 
     return shift
-
-
-@dataclasses.dataclass
-class MB:
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
 
 
 def main() -> None:
@@ -84,28 +78,11 @@ def main() -> None:
                 import shutil
 
                 shutil.copy(os.path.join(path, "config.json"), out_dir)
-        g = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, args.vocab_size, (2, 2, 12), generator=g)  # 2 micro-batches of [2, 12]
-        mask = torch.ones_like(ids)
-        mask[1, 0, :4] = 0  # left padding in one sequence
-        mbs = [MB(ids[i], mask[i]) for i in range(2)]
-        with torch.no_grad():
-            outs = run_pipeline(
-                model, ps, mbs, lambda mb, out, v=args.vocab_size: gather_tp(out, ps)[..., :v], True
-            )
+        mbs, outs = megatron_logits(model, ps, args.vocab_size)
         offsets = [torch.zeros(1, dtype=torch.int64) for _ in range(ps.world_size)]
         dist.all_gather(offsets, torch.tensor([model.layer_offset]))
         if ps.is_last_stage:
-            from transformers import AutoModelForCausalLM
-
-            hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
-            diff, top = 0.0, 0.0
-            with torch.no_grad():
-                for mb, out in zip(mbs, outs, strict=True):
-                    ref = hf.eval()(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
-                    real = mb.attention_mask.bool()
-                    diff = max(diff, (ref - out)[real].abs().max().item())
-                    top = max(top, ref[real].abs().max().item())
+            diff, top = hf_logit_diff(path, mbs, outs)
             results[arch] = {
                 "max_diff": diff,
                 "max_logit": top,
