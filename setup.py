@@ -35,7 +35,7 @@ setup(
     extras_require={
         # The GPU machine has its own torch build; install SGLang there with --no-deps from the kit.
         "sglang": ["sglang==0.5.17"],
-        "dev": ["pytest", "ruff", "mypy", "matplotlib"],
+        "dev": ["pytest", "ruff", "mypy", "matplotlib", "peft"],  # peft: the LoRA tests' oracle
         "plot": ["matplotlib"],  # python -m megatron_rl.run.plot
     },
     entry_points={

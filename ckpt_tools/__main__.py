@@ -26,6 +26,10 @@ VERBS = {
         "HF, torch_dist or legacy -> legacy Megatron-LM checkpoint at a chosen TP/PP",
         "python -m ckpt_tools mcore-to-legacy --ckpt ckpt/qwen-tp2 --out megatron-lm/ckpt --tp 2 --pp 2",
     ),
+    "export-peft": (
+        "LoRA checkpoint (a trainer checkpoint's actor/) -> PEFT adapter directory, or --merged HF model",
+        "python -m ckpt_tools export-peft --ckpt ckpts/global_step_50/actor --out qwen-lora-peft",
+    ),
     "verify": (
         "HF vs Megatron logits on the same tokens; exit 1 above --tol",
         "python -m ckpt_tools verify --hf Qwen2.5-1.5B --ckpt ckpt/qwen-tp2 --tp 2",
@@ -117,6 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output Megatron-LM save directory")
     _layout(p)
     p.add_argument("--iteration", type=int, default=1, help="iteration number written (default 1)")
+
+    p = verb("export-peft", False)
+    p.add_argument("--ckpt", required=True, help="torch_dist checkpoint of a model trained with LoRA")
+    p.add_argument("--out", required=True, help="output directory (PEFT adapters; --merged: HF model)")
+    p.add_argument("--merged", action="store_true", help="write the base model with the adapters merged")
+    p.add_argument("--base", help="the base model's directory (default: the path the checkpoint records)")
+    p.add_argument("--max-shard-size", default="1GB", help="--merged: safetensors file size (default 1GB)")
 
     p = verb("verify", True)
     p.add_argument("--hf", required=True, help="reference HF model directory")

@@ -7,6 +7,8 @@ Data flow:
   ``save_torch_dist`` writes the checkpoint collectively.
 * ``mcore-to-hf`` / ``mcore-to-legacy``: one process streams HF tensors out of the checkpoint, one
   layer at a time, into safetensors shards / legacy mp_rank files.
+* ``export-peft``: one process reads a LoRA checkpoint's adapters (never the base) and writes PEFT's
+  adapter files, or streams the base's HF tensors with the adapters merged into an HF directory.
 * ``verify``: TP x PP ranks run the Megatron model from any format; the last stage compares its
   logits with the HF model's on the same random tokens.
 
@@ -176,6 +178,59 @@ def mcore_to_hf(a: argparse.Namespace) -> int:
         files = write_hf(reader, args, a.out, parse_size(a.max_shard_size), progress=True, dtype=dtype)
         copied = copy_side_files(_side_dirs(a.ckpt), a.out)
         print(f"wrote HF model {shown_out(a)} from {fmt} checkpoint: {files}; copied {copied}", flush=True)
+    return 0
+
+
+class _Merged:
+    """An HF tensor source with LoRA adapters merged in: W + scale * B @ A for every adapted weight
+    (``tensors``: PEFT's, as models.lora.peft_tensors names them)."""
+
+    def __init__(self, reader, tensors: dict, scale: float) -> None:
+        self.reader, self.tensors, self.scale = reader, tensors, scale
+
+    def keys(self) -> list[str]:
+        return self.reader.keys()
+
+    def get(self, name: str):
+        w = self.reader.get(name)
+        lora = f"base_model.model.{name.removesuffix('.weight')}.lora_"
+        if f"{lora}A.weight" not in self.tensors:
+            return w
+        a, b = self.tensors[f"{lora}A.weight"].float(), self.tensors[f"{lora}B.weight"].float()
+        return (w.float() + self.scale * (b @ a)).to(w.dtype)
+
+
+def export_peft(a: argparse.Namespace) -> int:
+    """A LoRA checkpoint's adapters -> a PEFT adapter directory (``PeftModel.from_pretrained`` on the
+    base loads it); with --merged, the base model with the adapters merged, as an HF directory."""
+    require_single_process("export-peft")
+    _check_digests(a.ckpt)
+    from safetensors.torch import save_file
+
+    from ckpt_tools.hf_writer import parse_size, write_hf
+    from megatron_rl.models.loading import load_model_args_any, open_reader
+    from megatron_rl.models.lora import peft_config, peft_tensors, read_adapters
+    from megatron_rl.weights.hf_io import copy_side_files
+
+    with _parallel(1, 1):  # dist_checkpointing needs a world
+        spec, adapters = read_adapters(a.ckpt)
+        args = load_model_args_any(a.ckpt)
+        tensors = peft_tensors(args, adapters)
+        base = a.base or spec.base
+        if a.merged:
+            reader = open_reader(base, args)
+            dtype = reader.get(reader.keys()[0]).dtype
+            merged = _Merged(reader, tensors, spec.scale)
+            files = write_hf(merged, args, a.out, parse_size(a.max_shard_size), dtype=dtype)
+            copied = copy_side_files([base, *_side_dirs(a.ckpt)], a.out)
+            print(f"wrote HF model {shown_out(a)}: {base} + {a.ckpt}'s adapters: {files}; copied {copied}")
+            return 0
+    os.makedirs(a.out, exist_ok=True)
+    save_file(tensors, os.path.join(a.out, "adapter_model.safetensors"), metadata={"format": "pt"})
+    targets = sorted({k.split(".")[-3] for k in tensors})
+    with open(os.path.join(a.out, "adapter_config.json"), "w") as f:
+        json.dump(peft_config(spec, targets, base), f, indent=2)
+    print(f"wrote PEFT adapters {shown_out(a)} (rank {spec.rank}, {len(tensors) // 2} modules) of {base}")
     return 0
 
 

@@ -101,16 +101,14 @@ RULES: tuple[Rule, ...] = (
     _ignored("actor_rollout_ref.ref.megatron.override_transformer_config.recompute_*", FORWARD_ONLY),
     _ignored("reward_model.megatron.override_transformer_config.recompute_*", FORWARD_ONLY),
     # -- verl's engine choice and its override_transformer_config map (before the broad rules below)
-    _refused("model_engine", MEGATRON_ONLY, "megatron"),
-    _refused("*.model_engine", MEGATRON_ONLY, "megatron"),
+    _refused("*model_engine", MEGATRON_ONLY, "megatron"),
     _alias(
         "*.megatron.override_transformer_config.recompute_granularity", "*.megatron.recompute_granularity"
     ),
     _alias(
         "actor_rollout_ref.actor.megatron.router_replay.mode", "actor_rollout_ref.actor.router_replay.mode"
     ),
-    _refused("actor_rollout_ref.actor.*router_replay.record_file", REPLAY_FROM_ENGINE, None),
-    _refused("actor_rollout_ref.actor.*router_replay.replay_file", REPLAY_FROM_ENGINE, None),
+    _refused("actor_rollout_ref.actor.*router_replay.re*_file", REPLAY_FROM_ENGINE, None),
     _alias("*.megatron.override_transformer_config.recompute_method", "*.megatron.recompute_method"),
     _alias("*.megatron.override_transformer_config.recompute_num_layers", "*.megatron.recompute_num_layers"),
     _alias("*.megatron.override_transformer_config.sequence_parallel", "*.megatron.sequence_parallel"),
@@ -152,10 +150,7 @@ RULES: tuple[Rule, ...] = (
     _ignored("*.override_transformer_config.attention_backend", ATTENTION),
     _ignored("*.override_transformer_config.*", FROM_THE_MODEL),
     _ignored("*.use_remove_padding", REMOVE_PADDING),
-    _ignored(
-        "*.megatron.forward_only",
-        "set by the role: the reference and reward models run forward only, the actor and critic train",
-    ),
+    _ignored("*.megatron.forward_only", "set by the role: the ref and reward models run forward only"),
     # -- keys of verl's newer trainer config, and the "+" additions of its scripts
     _alias("reward.reward_kwargs.overlong_buffer_cfg.*", "reward_model.overlong_buffer.*"),
     _alias("reward_model.reward_kwargs.overlong_buffer_cfg.*", "reward_model.overlong_buffer.*"),
@@ -181,10 +176,7 @@ RULES: tuple[Rule, ...] = (
     _ignored("skip.*", "every step generates"),
     _refused("*.qat.enable", "quantization-aware training is not implemented", False),
     _ignored("*.qat.*", "quantization-aware training is not implemented"),
-    _ignored(
-        "*.entropy_from_logits_*",
-        "the entropy is computed from the vocabulary-parallel logit shards, unchunked",
-    ),
+    _ignored("*.entropy_from_logits_*", "the entropy comes from the vocabulary-parallel logit shards"),
     _ignored("*.calculate_sum_pi_squared", "no loss here uses the per-token sum of squared probabilities"),
     _ignored("data.gen_batch_size", "each generation batch is data.train_batch_size prompts"),
     _ignored("data.function_tool_path", "set actor_rollout_ref.rollout.multi_turn.tool_config_path"),
@@ -198,6 +190,11 @@ RULES: tuple[Rule, ...] = (
         "actor_rollout_ref.rollout.update_weights_bucket_megabytes",
     ),
     _alias("trainer.max_actor_ckpt_to_keep", "trainer.max_ckpt_to_keep"),
+    _alias("*.model.lora_rank", "*.model.lora.rank"),
+    _alias("*.model.lora_alpha", "*.model.lora.alpha"),
+    _alias("*.model.lora_adapter_path", "*.model.lora.adapter_path"),
+    _alias("*.model.target_modules", "*.model.lora.target_modules"),
+    _alias("*.model.exclude_modules", "*.model.lora.exclude_modules"),
     # -- refused unless the value is the one this project implements
     _refused("*.strategy", "this trainer runs Megatron only", "megatron"),
     _refused("*.megatron.context_parallel_size", "context parallelism is not implemented", 1, None),
@@ -212,9 +209,11 @@ RULES: tuple[Rule, ...] = (
         None,
     ),
     _refused("*.optim.optimizer", "the optimizer is megatron-core's Adam (AdamW)", "adam", "adamw"),
-    _refused("*lora*rank", "LoRA is not implemented", 0, None),
-    _refused("actor_rollout_ref.model.lora_adapter_path", "LoRA is not implemented", None),
-    _refused("*.lora.adapter_path", "LoRA is not implemented", None),
+    _refused("*.lora.type", "adapters are plain LoRA (B @ A beside each target linear)", "lora"),
+    _refused("*.lora.dropout_position", "dropout acts on the adapter's input", "pre"),
+    _refused("*.lora.lora_B_init_method", "B starts at zero (the model starts as the base)", "zero"),
+    _refused("*.lora.dtype", "adapters take the model's dtype (*.megatron.params_dtype)", None),
+    _refused("*.lora.freeze_language_model", "the base weights are frozen whenever LoRA is on", True, None),
     _refused("*.mtp.enable*", "multi-token prediction is not implemented", False),
     _refused("actor_rollout_ref.model.tiled_mlp.enabled", "tiled MLPs are an FSDP feature", False),
     _refused(
@@ -278,10 +277,8 @@ RULES: tuple[Rule, ...] = (
     _ignored("*.megatron.*", OWN_LOADING),
     _ignored("*.checkpoint.*", "checkpoints always hold model, optimizer and RNG/sampler state"),
     _ignored("*.router_replay.*", REPLAY_ELSEWHERE),
-    _ignored("*.lora*", "LoRA is not implemented"),
-    _ignored("*lora_alpha", "LoRA is not implemented"),
-    _ignored("*.target_modules", "LoRA is not implemented"),
-    _ignored("*.exclude_modules", "LoRA is not implemented"),
+    _ignored("*.lora.freeze_vision_*", NO_MULTIMODAL),
+    _ignored("*.lora.a2a_experimental", "routed experts take no adapters (LoRA is refused for MoE models)"),
     _ignored("*.mtp*", "multi-token prediction is not implemented"),
     _ignored("reward_model.forward_max_token_len_per_gpu", "reward_model.use_dynamic_bsz is not implemented"),
     _ignored("*.use_torch_compile", "megatron-core modules run eagerly"),

@@ -15,22 +15,22 @@ sections), ``load`` (load_config, derived defaults), ``checks`` (validate), ``de
 reference and the command line).
 """
 
-from megatron_rl.config.checks import RANGES, get_key, range_rule, validate
+from megatron_rl.config.checks import validate
 from megatron_rl.config.describe import describe_keys, field_docs, main
+from megatron_rl.config.errors import ConfigError, DataError
 from megatron_rl.config.layout import check_layout_against_model
 from megatron_rl.config.load import keeps_engine_log_probs, known_keys, load_config, to_dict
+from megatron_rl.config.ranges import RANGES, get_key, range_rule
 from megatron_rl.config.schema import (
     ActorConfig,
     ActorMegatronConfig,
     ActorRolloutRefConfig,
     AlgorithmConfig,
     Config,
-    ConfigError,
     CriticConfig,
     CriticModelConfig,
     CustomRewardFunctionConfig,
     DataConfig,
-    DataError,
     FilterGroupsConfig,
     FrozenMegatronConfig,
     HttpRewardConfig,

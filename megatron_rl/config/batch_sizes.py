@@ -10,9 +10,10 @@ train_batch_size=4 and n=8 give each rank 4 samples, the samples of one prompt o
 
 from __future__ import annotations
 
+from megatron_rl.config.errors import ConfigError
 from megatron_rl.config.load import ConfigErrors
 from megatron_rl.config.placement import Placement
-from megatron_rl.config.schema import Config, ConfigError
+from megatron_rl.config.schema import Config
 
 _N = "actor_rollout_ref.rollout.n"
 

@@ -9,8 +9,9 @@ import dataclasses
 import sys
 from typing import Any
 
+from megatron_rl.config.errors import ConfigError
 from megatron_rl.config.load import load_config, to_dict
-from megatron_rl.config.schema import Config, ConfigError
+from megatron_rl.config.schema import Config
 
 
 def field_docs(cls: type) -> dict[str, str]:

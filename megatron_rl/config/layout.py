@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 import os
 
+from megatron_rl.config.errors import ConfigError
 from megatron_rl.config.model_sections import FrozenMegatronConfig
-from megatron_rl.config.schema import ConfigError
 
 
 def parallel_sizes(mcfg: FrozenMegatronConfig, section: str) -> tuple[int, int]:

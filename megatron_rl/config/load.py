@@ -8,8 +8,9 @@ import difflib
 import os
 from typing import Any, cast
 
+from megatron_rl.config.errors import ConfigError
 from megatron_rl.config.model_sections import TRAINED_MEGATRON_SECTIONS, TRAINED_ONLY_KEYS
-from megatron_rl.config.schema import Config, ConfigError
+from megatron_rl.config.schema import Config
 from megatron_rl.dotted import leaves
 
 # --------------------------------------------------------------------------------------------------

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from megatron_rl.config.lora import LoraConfig
+
 
 @dataclass
 class CriticModelConfig:
@@ -15,6 +17,8 @@ class CriticModelConfig:
     actor's tokens, so its vocabulary must be the actor's)."""
     enable_gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (critic.megatron.recompute_* shape it)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters on the critic's trunk (the value head always trains)."""
 
 
 @dataclass
@@ -28,6 +32,8 @@ class ModelConfig:
     enable_gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (megatron's recompute, shaped by the model's
     megatron.recompute_* keys) instead of keeping them: less memory, about one more forward."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters on the actor (its reference model is then the actor without them)."""
 
 
 @dataclass

@@ -25,7 +25,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from megatron_rl.config.schema import Config, ConfigError
+from megatron_rl.config.errors import ConfigError
+from megatron_rl.config.schema import Config
 
 ROLES = ("actor", "critic", "rollout")
 

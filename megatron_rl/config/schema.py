@@ -1,6 +1,6 @@
 """The config's sections: one dataclass per section, verl's key names, a docstring per field (the
-reference ``python -m megatron_rl.config --keys`` prints), and the two errors config problems raise.
-The model sections (weights, optimizer, megatron layout) are in :mod:`megatron_rl.config.model_sections`."""
+reference ``python -m megatron_rl.config --keys`` prints). The model sections (weights, optimizer,
+megatron layout) are in :mod:`megatron_rl.config.model_sections`."""
 
 from __future__ import annotations
 
@@ -15,18 +15,6 @@ from megatron_rl.config.model_sections import (
     ModelConfig,
     OptimConfig,
 )
-
-
-class ConfigError(ValueError):
-    """A configuration problem; the message names the key and the fix."""
-
-
-class DataError(ValueError):
-    """A problem with the prompt files; the message names the file, row and column and the fix.
-    Every rank reads the same files, so the launcher prints it once."""
-
-    same_on_all_ranks = True
-
 
 # --------------------------------------------------------------------------------------------------
 # Sections

@@ -380,8 +380,10 @@ def named_global_params(model: nn.Module) -> dict[str, torch.Tensor]:
     The stacked weights of GroupedExperts appear as one view per expert, under SequentialMLP's names
     (those of the layout tables); writing into a view writes the parameter."""
     from megatron_rl.models.experts import GroupedExperts
+    from megatron_rl.models.lora import is_adapter_param
 
-    local: dict[str, torch.Tensor] = dict(model.named_parameters())
+    # LoRA adapters have no HF counterpart: the stream reads them through models.lora.merged_params
+    local = {n: p for n, p in model.named_parameters() if not is_adapter_param(n)}
     # sigmoid routing's expert-score bias: a buffer (trained by load balancing, not by gradients)
     local.update({n: b for n, b in model.named_buffers() if n.endswith("router.expert_bias")})
     for prefix, module in model.named_modules():

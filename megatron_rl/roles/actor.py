@@ -20,6 +20,7 @@ Advantages(batch)                         KL-shaped token rewards (algorithm.use
 from __future__ import annotations
 
 import inspect
+from contextlib import nullcontext
 
 import torch
 
@@ -27,6 +28,7 @@ from megatron_rl.batch import RolloutBatch
 from megatron_rl.config import Config, keeps_engine_log_probs
 from megatron_rl.microbatches import ForwardPasses, MicroBatching, TokenStats
 from megatron_rl.mismatch import correct_mismatch, reject
+from megatron_rl.models.lora import adapters_disabled
 from megatron_rl.optim import NONFINITE_ADVANTAGES, count_nonfinite
 from megatron_rl.parallel import ParallelState
 from megatron_rl.run.metrics import Timer
@@ -184,10 +186,20 @@ class ActorRole:
 
 
 class RefRole:
-    """The frozen reference policy (None: no KL term needs it)."""
+    """The frozen reference policy (None: no KL term needs it); ``adapters_off``: ``model`` is the LoRA
+    actor, run without its adapters (its base is the reference: no second copy of the weights)."""
 
-    def __init__(self, cfg: Config, ps: ParallelState, model, passes: ForwardPasses, timer: Timer) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        ps: ParallelState,
+        model,
+        passes: ForwardPasses,
+        timer: Timer,
+        adapters_off: bool = False,
+    ) -> None:
         self.cfg, self.ps, self.model, self.passes, self.timer = cfg, ps, model, passes, timer
+        self.adapters_off = adapters_off
 
     def log_probs(self, batch: RolloutBatch, stats: TokenStats) -> torch.Tensor | None:
         from megatron_rl import ppo
@@ -195,7 +207,7 @@ class RefRole:
         if self.model is None:
             return None
         temperature = self.cfg.actor_rollout_ref.rollout.temperature
-        with self.timer("ref"):
+        with self.timer("ref"), adapters_disabled(self.model) if self.adapters_off else nullcontext():
             return ppo.compute_log_probs(
                 self.model, self.ps, batch, self.passes.ref, temperature, stats=stats
             )

@@ -105,7 +105,7 @@ def build_roles(
     roles = Roles(
         models,
         actor,
-        RefRole(cfg, ps, models.ref, passes, timer),
+        ref_role(cfg, ps, models, passes, timer),
         critic,
         Advantages(cfg, ps, timer),
         rollout,
@@ -116,6 +116,16 @@ def build_roles(
     roles.advantages.register_state(registry)
     rollout.register_state(registry)
     return roles
+
+
+def ref_role(cfg: Config, ps: ParallelState, models: Models, passes: ForwardPasses, timer: Timer) -> RefRole:
+    """The reference policy: its own frozen model, or the LoRA actor without its adapters (when a KL
+    term needs one), or none."""
+    arr = cfg.actor_rollout_ref
+    kl = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+    if models.ref is None and arr.model.lora.rank and kl:
+        return RefRole(cfg, ps, models.actor, passes, timer, adapters_off=True)
+    return RefRole(cfg, ps, models.ref, passes, timer)
 
 
 @dataclass

@@ -3,6 +3,7 @@
     build_models(cfg, ps, model_args, total_steps)
         actor     actor_rollout_ref.model.path, trained (ModelOptimizer over megatron's DDP)
         ref       the same weights, frozen; only when a KL term needs it (use_kl_loss / use_kl_in_reward)
+                  and the actor trains all its weights (with LoRA: the actor, its adapters off)
         reward    reward_model.model.path with a score head, frozen; when reward_model.enable
     With actor.router_replay.mode=R3 the actor's routers replay the engine's routing (models/routing.py).
     build_critic(cfg, ps, total_steps)
@@ -25,6 +26,7 @@ import torch
 
 from megatron_rl.config import Config, FrozenMegatronConfig
 from megatron_rl.config.layout import check_replay_model
+from megatron_rl.config.lora import LoraConfig
 from megatron_rl.parallel import ParallelState
 
 if TYPE_CHECKING:
@@ -40,9 +42,16 @@ class Models:
 
 
 def _model(
-    ps: ParallelState, args, role: str, path: str, mcfg: FrozenMegatronConfig, recompute: bool = False
+    ps: ParallelState,
+    args,
+    role: str,
+    path: str,
+    mcfg: FrozenMegatronConfig,
+    recompute: bool = False,
+    lora: tuple[str, LoraConfig, int] | None = None,
 ) -> torch.nn.Module:
-    """One role's model with its weights loaded (fp32 on CPU: CPU kernels have no bf16 speed-up)."""
+    """One role's model with its weights loaded (fp32 on CPU: CPU kernels have no bf16 speed-up);
+    ``lora``: (config key, the model's lora section, seed) adds its adapters, the base frozen."""
     from megatron_rl.model_args import DTYPES, run_dtype
     from megatron_rl.models.builder import TrainingOptions, build_model
     from megatron_rl.models.loading import load_weights
@@ -67,6 +76,13 @@ def _model(
     )
     m = build_model(args, ps, role=role, dtype=dtype, sdpa=mcfg.use_sdpa_attention, options=options)
     load_weights(m, path, ps)
+    if lora is not None and lora[1].rank > 0:
+        from megatron_rl.models.lora import add_adapters, load_peft
+
+        key, spec, seed = lora
+        add_adapters(m, spec, ps, key, path, seed)
+        if spec.adapter_path:
+            load_peft(m, spec.adapter_path, ps, f"{key}.adapter_path")
     return m
 
 
@@ -110,9 +126,10 @@ def build_critic(
     c = cfg.critic
     path = c.model.path
     args = model_args or load_model_args_any(path)
-    critic = _model(ps, args, "critic", path, c.megatron, c.model.enable_gradient_checkpointing)
+    seed = cfg.actor_rollout_ref.actor.megatron.seed + 1  # the critic's noise and adapters: its own stream
+    lora = ("critic.model.lora", c.model.lora, seed)
+    critic = _model(ps, args, "critic", path, c.megatron, c.model.enable_gradient_checkpointing, lora)
     steps = _optim_steps(cfg, c.ppo_epochs, c.ppo_mini_batch_size, total_steps)
-    seed = cfg.actor_rollout_ref.actor.megatron.seed + 1  # the critic's rounding noise: its own stream
     return critic, ModelOptimizer(critic, c.optim, c.megatron, ps, steps, key="critic.optim", seed=seed)
 
 
@@ -128,8 +145,15 @@ def build_models(
     arr = cfg.actor_rollout_ref
     check_replay_model(cfg, model_args.is_moe)
     replay = arr.actor.router_replay.mode in ("R2", "R3")
+    lora = ("actor_rollout_ref.model.lora", arr.model.lora, arr.actor.megatron.seed)
     actor = _model(
-        ps, model_args, "actor", arr.model.path, arr.actor.megatron, arr.model.enable_gradient_checkpointing
+        ps,
+        model_args,
+        "actor",
+        arr.model.path,
+        arr.actor.megatron,
+        arr.model.enable_gradient_checkpointing,
+        lora,
     )
     if replay:
         from megatron_rl.models.routing import enable_replay
@@ -147,8 +171,8 @@ def build_models(
         key="actor_rollout_ref.actor.optim",
         seed=arr.actor.megatron.seed,
     )
-    ref = None
-    if cfg.algorithm.use_kl_in_reward or arr.actor.use_kl_loss:
+    ref = None  # with LoRA the reference is the actor without its adapters (roles.actor.RefRole)
+    if (cfg.algorithm.use_kl_in_reward or arr.actor.use_kl_loss) and not arr.model.lora.rank:
         ref = _model(ps, model_args, "actor", arr.model.path, arr.ref.megatron).eval()
     critic = None
     if cfg.critic.enable and with_critic:

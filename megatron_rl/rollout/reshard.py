@@ -174,8 +174,10 @@ def iter_hf_buckets(
     etp = ps.etp_size if args.is_moe else None
     plan = plan_buckets(args, tp, pp, bucket_bytes, itemsize, etp, getattr(model, "stage_layers", None))
     from megatron_rl.models.builder import named_global_params
+    from megatron_rl.models.lora import merged_params
 
     params = named_global_params(model)  # iter_hf_buckets runs under no_grad: no detach needed
+    values = merged_params(model, params)  # LoRA: what the engine runs, W + scale * B @ A
     mine = [b for b in plan if b.stage == ps.pp_rank]
     experts = _ExpertGather(args, ps) if args.is_moe else None
     # GroupedExperts: an expert's weights are slices of one [E_local, rows, cols] tensor per projection
@@ -216,7 +218,7 @@ def iter_hf_buckets(
         if b.stage == ps.pp_rank:
             split = gathered(b)
             if split:
-                shards = [params[s.layout.name] for s in split]
+                shards = [values[s.layout.name] for s in split]
                 total = sum(p.numel() for p in shards)
                 torch.cat([p.reshape(-1) for p in shards], out=send[:total])
                 _all_gather_flat(recv[: tp * total], send[:total], ps)
@@ -231,7 +233,7 @@ def iter_hf_buckets(
                     _gather_experts(b, experts, params, send, recv, views, ps)
             for s in b.params:
                 if s.layout.expert is None and not (tp > 1 and s.layout.dim is not None):
-                    scatter_shard(s.layout, 0, params[s.layout.name], views)  # replicated or TP=1
+                    scatter_shard(s.layout, 0, values[s.layout.name], views)  # replicated or TP=1
         if pp > 1:
             dist.broadcast(flat[: b.numel], src=dist.get_global_rank(ps.pp_group, b.stage), group=ps.pp_group)
         yield bucket

@@ -7,6 +7,7 @@ saves a model through its ``sharded_state_dict()`` and writes ``megatron_rl.json
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -111,6 +112,11 @@ def save_torch_dist(model: torch.nn.Module, ps: ParallelState, path: str, extra:
         os.makedirs(path, exist_ok=True)
     dist.barrier()
     sharded = model.sharded_state_dict()
+    lora = getattr(model, "lora", None)
+    if lora is not None:  # the trained parameters only: the base is lora.base's, recorded below
+        trained = {n for n, p in model.named_parameters() if p.requires_grad}
+        sharded = {n: sh for n, sh in sharded.items() if n in trained}
+        extra = {**(extra or {}), "lora": dataclasses.asdict(lora)}
     dist_checkpointing.save({"model": sharded}, path)
     dist.barrier()
     if ps.rank == 0:

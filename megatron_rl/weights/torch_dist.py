@@ -70,10 +70,13 @@ def load_torch_dist(model: torch.nn.Module, ps: ParallelState, path: str) -> Non
     if model.role == "actor" and saved_role == "critic":
         raise ValueError(f"{path} is a critic checkpoint (value head, no LM head); an actor cannot load it")
     skip_head = model.role == "critic" and saved_role != "critic"
+    wanted = _lora_wanted(model, read_our_metadata(loc) or {}, path)
     sharded = {}
     for name, sh in model.sharded_state_dict().items():
         if isinstance(sh, ShardedObject) or name.endswith("_extra_state"):
             continue  # pickled extras (empty for the local spec); DCP would unpickle them unchecked
+        if wanted is not None and name not in wanted:
+            continue  # the base of a LoRA model: loaded from its own path
         if skip_head and name.startswith("output_layer."):
             continue
         if not isinstance(sh, ShardedTensor | ShardedTensorFactory):
@@ -91,10 +94,44 @@ def load_torch_dist(model: torch.nn.Module, ps: ParallelState, path: str) -> Non
     missing = [
         k
         for k in missing
-        if not k.endswith("_extra_state") and not (skip_head and k.startswith("output_layer."))
+        if not k.endswith("_extra_state")
+        and not (skip_head and k.startswith("output_layer."))
+        and (wanted is None or k in wanted)
     ]
     if missing:
         raise KeyError(f"{path}: parameters not loaded: {missing}")
+
+
+def _lora_wanted(model: torch.nn.Module, meta: dict, path: str) -> set[str] | None:
+    """The parameters a LoRA model takes from a checkpoint of its adapters (None: a model without
+    adapters takes everything); the checkpoint must be one of adapters of the same shape and base."""
+    import os
+
+    lora, saved = getattr(model, "lora", None), meta.get("lora")
+    if lora is None and saved is None:
+        return None
+    if lora is None:
+        raise ValueError(
+            f"{path} holds LoRA adapters (rank {saved['rank']}) of {saved['base']}: load them into a model "
+            f"with *.model.lora.rank={saved['rank']} and model.path={saved['base']}."
+        )
+    if saved is None:
+        raise ValueError(
+            f"{path} holds a whole model, not LoRA adapters: point model.path at it with "
+            "*.model.lora.rank=0, or resume from a checkpoint written with LoRA on."
+        )
+    if (saved["rank"], tuple(saved["targets"])) != (lora.rank, lora.targets):
+        raise ValueError(
+            f"{path} holds LoRA adapters of rank {saved['rank']} on {saved['targets']}; this model's are "
+            f"rank {lora.rank} on {list(lora.targets)}: set *.model.lora.rank / target_modules to the "
+            "checkpoint's."
+        )
+    if os.path.realpath(saved["base"]) != os.path.realpath(lora.base):
+        raise ValueError(
+            f"{path} holds LoRA adapters trained on {saved['base']}, this model's base is {lora.base}: "
+            f"set model.path={saved['base']}."
+        )
+    return {n for n, p in model.named_parameters() if p.requires_grad}
 
 
 class TorchDistReader(LayerCachedReader):

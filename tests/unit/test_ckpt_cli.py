@@ -25,6 +25,7 @@ def test_help_lists_every_verb():
         "legacy-to-dist",
         "reshard",
         "mcore-to-legacy",
+        "export-peft",
         "verify",
     }
 

@@ -73,9 +73,12 @@ def test_aliases_ignored_keys_and_refusals():
             "actor_rollout_ref.actor.strategy=megatron",
             "actor_rollout_ref.rollout.enforce_eager=True",
             "+data.return_raw_chat=True",
+            "actor_rollout_ref.model.lora_rank=8",  # verl's older LoRA keys
+            "critic.model.lora_alpha=16",
         ],
         notices,
     )
+    assert cfg.actor_rollout_ref.model.lora.rank == 8 and cfg.critic.model.lora.alpha == 16
     assert cfg.actor_rollout_ref.actor.megatron.params_dtype == "float32"
     assert cfg.critic.megatron.recompute_granularity == "selective"
     assert cfg.actor_rollout_ref.rollout.update_weights_bucket_megabytes == 256
@@ -89,7 +92,7 @@ def test_aliases_ignored_keys_and_refusals():
             r"strategy='fsdp' \(from command line\): this trainer runs",
         ),
         ("critic.megatron.context_parallel_size=2", r"context parallelism is not implemented \(accepted: 1"),
-        ("actor_rollout_ref.model.lora_rank=8", r"LoRA is not implemented"),
+        ("actor_rollout_ref.model.lora.type=dora", r"adapters are plain LoRA"),
         ("actor_rollout_ref.actor.megatron.use_megatron_fsdp=True", r"megatron-core's FSDP is not offered"),
     ):
         with pytest.raises(ConfigError, match=match) as e:

@@ -1,0 +1,94 @@
+"""LoRA's config section (``actor_rollout_ref.model.lora``, ``critic.model.lora``, verl's keys) and its
+checks: which of megatron's linear layers take adapters, named as verl names them or as an HF model
+does (``q_proj`` ... ``down_proj``, ``all-linear``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron_rl.config.errors import ConfigError
+
+LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+"""megatron's linear layers of a decoder layer that take adapters (verl's target_modules names)."""
+
+HF_NAMES = {
+    "q_proj": "linear_qkv",
+    "k_proj": "linear_qkv",
+    "v_proj": "linear_qkv",
+    "o_proj": "linear_proj",
+    "gate_proj": "linear_fc1",
+    "up_proj": "linear_fc1",
+    "down_proj": "linear_fc2",
+}
+"""An HF model's projections -> the fused megatron linear that holds them."""
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 0
+    """Adapter rank r; 0 = LoRA off (every weight trains). On: the model's weights are frozen and only
+    the adapters (and a critic's value head) train; the reference model is the actor with its adapters
+    switched off (no second copy of the weights)."""
+    alpha: float = 32.0
+    """The adapter's output is scaled by alpha / rank."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input, in training passes only."""
+    target_modules: list[str] = field(default_factory=lambda: list(LINEARS))
+    """Linear layers that take an adapter: linear_qkv, linear_proj, linear_fc1, linear_fc2 (or
+    all-linear); HF names are accepted (q_proj, k_proj and v_proj together: one fused linear_qkv)."""
+    exclude_modules: list[str] = field(default_factory=list)
+    """Linear layers left without an adapter: a target name, or an fnmatch pattern over the module's
+    global name (``decoder.layers.0.*``)."""
+    lora_A_init_method: str = "xavier"
+    """A's initialisation: xavier (uniform, +-sqrt(6 / (in + rank))) or kaiming (uniform, +-1/sqrt(in),
+    PEFT's); B starts at zero, so the model starts as the base."""
+    merge: bool = True
+    """The rollout engine receives base + scale * B @ A merged into the streamed weights (the only mode
+    offered: adapters are not loaded into the engine's own LoRA support)."""
+    adapter_path: str | None = None
+    """Start from saved adapters: a PEFT directory (adapter_model.safetensors, as ckpt_tools
+    export-peft writes) for this model; None = A random, B zero (the model starts as the base)."""
+
+
+def lora_targets(spec: LoraConfig, key: str) -> tuple[str, ...]:
+    """The megatron linears of ``spec.target_modules`` (``key``: the section, for the error line)."""
+    names = spec.target_modules
+    if isinstance(names, str):
+        names = [names]
+    if "all-linear" in names:
+        return LINEARS
+    out: list[str] = []
+    for name in names:
+        target = name if name in LINEARS else HF_NAMES.get(name)
+        if target is None:
+            raise ConfigError(
+                f"{key}.target_modules: unknown module {name!r}; use {', '.join(LINEARS)} or all-linear."
+            )
+        out += [] if target in out else [target]
+    for fused in ("linear_qkv", "linear_fc1"):
+        parts = [hf for hf, t in HF_NAMES.items() if t == fused]
+        named = [p for p in parts if p in names]
+        left = [p for p in parts if p not in names]
+        if named and left and fused not in names:
+            raise ConfigError(
+                f"{key}.target_modules names {', '.join(named)} but not {', '.join(left)}: "
+                f"{'/'.join(parts)} are one fused {fused} here, which takes one adapter; list all of them "
+                f"(or {fused})."
+            )
+    return tuple(t for t in LINEARS if t in out)
+
+
+def check_lora(cfg) -> None:
+    """The LoRA sections' names (the ranges are config.ranges'); one line naming the key."""
+    for key, spec in (
+        ("actor_rollout_ref.model.lora", cfg.actor_rollout_ref.model.lora),
+        ("critic.model.lora", cfg.critic.model.lora),
+    ):
+        if spec.rank == 0:
+            continue
+        lora_targets(spec, key)
+        if not spec.merge:
+            raise ConfigError(
+                f"{key}.merge=false: the adapters reach the rollout engine merged into the streamed "
+                "weights here; set it to true."
+            )

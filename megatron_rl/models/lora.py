@@ -1,0 +1,398 @@
+"""LoRA adapters beside megatron-core's tensor-parallel linears, sharded as the linear is.
+
+    add_adapters(model, spec, ps, key)   after the weights load, before DDP wraps the model: the base
+                                         is frozen; one LoRAAdapter per target linear
+    y = W x + (alpha / r) * B A dropout(x)
+
+A column-parallel linear W [out/TP, in] (``linear_qkv``, ``linear_fc1``) gets A [r, in] replicated and
+B [out/TP, r] split by rows like W; a row-parallel one W [out, in/TP] (``linear_proj``, ``linear_fc2``)
+gets A [r, in/TP] split by columns like W and B [out, r] replicated. The r-wide activation between A
+and B is where TP communicates, as megatron does around W:
+
+    column  h = A x (same on every rank)   -> copy-to-TP (backward: all-reduce of B's partial grads)
+    row     h = A_r x_r (a partial sum)     -> all-reduce over TP (forward)
+    sequence parallel: the all-gather / reduce-scatter along the sequence instead, and the replicated
+    factor (A or B) sees 1/TP of the tokens: marked ``sequence_parallel``, its gradient is summed over TP
+    by megatron's finalize_model_grads, as a norm's is.
+
+An adapter is a sibling of its linear (``self_attention.linear_qkv_lora.{A,B}``), so the base keeps its
+names (the weight tables, loading, the stream) and the adapter its own sharded checkpoint entries. A
+fused linear takes one adapter: ``linear_qkv``'s B rows follow W's group-major [q_g | k_g | v_g] rows and
+``linear_fc1``'s W's [gate_r; up_r]; exported to PEFT (:func:`peft_tensors`) they become one adapter
+per HF projection, sharing A. ``adapters_disabled(model)``: the base model (the reference policy for
+free); ``merged_params(model)``: W + scale * B @ A, what the rollout engine receives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import math
+import zlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from megatron_rl.config.lora import LINEARS, LoraConfig, lora_targets
+from megatron_rl.parallel import ParallelState
+
+SUFFIX = "_lora"
+"""An adapter's module name: its linear's name + SUFFIX (``linear_qkv_lora``)."""
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """What a model's adapters are (kept on the model as ``model.lora``; checkpoints record it)."""
+
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]
+    base: str
+    """The base model's path (the checkpoint holds the adapters, not the base)."""
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+class LoRAAdapter(nn.Module):
+    """One linear's adapter (module docstring); ``parallel``: "column" or "row"."""
+
+    def __init__(
+        self,
+        linear: nn.Module,
+        parallel: str,
+        rank: int,
+        scale: float,
+        dropout: float,
+        init: str,
+        tp_rank: int,
+        tp_size: int,
+        seed: int,
+        gated: bool,
+    ) -> None:
+        super().__init__()
+        w = linear.weight  # column: [out/TP, in]; row: [out, in/TP]
+        out_local, in_local = w.shape
+        self.parallel, self.scale, self.gated = parallel, scale, gated
+        self.tp_group = linear.tp_group
+        self.sequence_parallel = bool(getattr(linear, "sequence_parallel", False))
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.enabled = True
+        in_full = in_local * (tp_size if parallel == "row" else 1)
+        # A: uniform over the full [r, in] matrix (xavier's or kaiming's bound), from a stream seeded by
+        # the layer's global name, then this rank's columns: the same adapter at every TP size.
+        gen = torch.Generator().manual_seed(seed)
+        bound = math.sqrt(6.0 / (in_full + rank)) if init == "xavier" else 1.0 / math.sqrt(in_full)
+        a_full = (torch.rand(rank, in_full, generator=gen, dtype=torch.float32) * 2 - 1) * bound
+        if parallel == "row":
+            a_full = a_full[:, tp_rank * in_local : (tp_rank + 1) * in_local]
+        self.A = nn.Parameter(a_full.to(device=w.device, dtype=w.dtype).contiguous())
+        self.B = nn.Parameter(torch.zeros(out_local, rank, device=w.device, dtype=w.dtype))
+        split, whole = (self.B, self.A) if parallel == "column" else (self.A, self.B)
+        split.tensor_model_parallel = tp_size > 1
+        split.partition_dim = 0 if parallel == "column" else 1
+        split.partition_stride = 1
+        whole.tensor_model_parallel = False
+        # the replicated factor sees 1/TP of the tokens under sequence parallelism (module docstring)
+        whole.sequence_parallel = self.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: the linear's input -> the adapter's share of its output (same shape as W x)."""
+        from megatron.core.tensor_parallel import mappings as tpm
+
+        if torch.is_grad_enabled():  # training passes; log-prob passes run without dropout
+            x = self.dropout(x)
+        h = nn.functional.linear(x, self.A)  # [s(/TP), b, r]
+        if self.parallel == "column":
+            if self.sequence_parallel:
+                h = tpm.gather_from_sequence_parallel_region(h, group=self.tp_group)  # [s, b, r]
+            else:
+                h = tpm.copy_to_tensor_model_parallel_region(h, group=self.tp_group)
+        elif self.sequence_parallel:
+            h = tpm.reduce_scatter_to_sequence_parallel_region(h, group=self.tp_group)  # [s/TP, b, r]
+        else:
+            h = tpm.reduce_from_tensor_model_parallel_region(h, group=self.tp_group)
+        return nn.functional.linear(h, self.B) * self.scale
+
+    def delta(self) -> torch.Tensor:
+        """scale * B @ A in W's shard layout and dtype (computed in fp32)."""
+        return (self.B.float() @ self.A.float() * self.scale).to(self.A.dtype)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None) -> dict:
+        """A and B as megatron checkpoint entries, split along W's TP dimension; ``linear_fc1``'s B
+        as megatron saves the fc1 weight ([gate; up], any TP loads it)."""
+        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        axis = {"B": 0} if self.parallel == "column" else {"A": 1}
+        out = make_sharded_tensors_for_checkpoint({"A": self.A, "B": self.B}, prefix, axis, sharded_offsets)
+        if self.gated:
+            out[f"{prefix}B"] = apply_swiglu_sharded_factory(out[f"{prefix}B"], sharded_offsets)
+        return out
+
+
+def _hook(adapter: LoRAAdapter):
+    def add(module: nn.Module, args: tuple, kwargs: dict, output):
+        if not adapter.enabled:
+            return output
+        x = args[0] if args else kwargs["input_"]
+        out, bias = output
+        return out + adapter(x), bias
+
+    return add
+
+
+def check_model(args, key: str) -> None:
+    """LoRA covers dense decoder layers with grouped-query attention."""
+    if args.is_moe or args.mla is not None:
+        what = "mixture-of-experts" if args.is_moe else "multi-latent-attention"
+        raise ValueError(
+            f"{key}.rank > 0: LoRA adapters are offered for dense models; this {what} model "
+            f"({args.arch}) trains without them: set {key}.rank=0."
+        )
+
+
+def add_adapters(
+    model: nn.Module, spec: LoraConfig, ps: ParallelState, key: str, base: str, seed: int
+) -> None:
+    """Freeze ``model`` and add ``spec``'s adapters (module docstring); a critic's value head stays
+    trained. ``key``: the config section (error lines); ``base``: the model's path (recorded)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    from megatron_rl.weights.tables import global_layer_name
+
+    check_model(model.args, key)
+    targets = lora_targets(spec, key)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    if model.role == "critic" and ps.is_last_stage:
+        for p in model.output_layer.parameters():
+            p.requires_grad_(True)
+    added = 0
+    for name, module in list(model.named_modules()):
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf not in targets or not isinstance(module, ColumnParallelLinear | RowParallelLinear):
+            continue
+        full = global_layer_name(name, model.layer_offset)
+        if any(p == leaf or fnmatch.fnmatchcase(full, p) for p in spec.exclude_modules):
+            continue
+        parallel = "column" if isinstance(module, ColumnParallelLinear) else "row"
+        adapter = LoRAAdapter(
+            module,
+            parallel,
+            spec.rank,
+            spec.alpha / spec.rank,
+            spec.dropout,
+            spec.lora_A_init_method,
+            ps.tp_rank,
+            ps.tp_size,
+            seed=zlib.crc32(f"{seed}:{full}".encode()),
+            gated=leaf == "linear_fc1",
+        )
+        parent = model.get_submodule(name.rsplit(".", 1)[0])
+        parent.add_module(leaf + SUFFIX, adapter)
+        module.register_forward_hook(_hook(adapter), with_kwargs=True)
+        added += 1
+    if not added:
+        raise ValueError(f"{key}.exclude_modules={spec.exclude_modules} leaves no linear for an adapter")
+    model.lora = LoraSpec(spec.rank, spec.alpha, targets, base)
+
+
+def adapters(model: nn.Module) -> Iterator[tuple[str, LoRAAdapter]]:
+    """(the adapted linear's local name, its adapter) for every adapter of ``model``."""
+    for name, module in model.named_modules():
+        if isinstance(module, LoRAAdapter):
+            yield name[: -len(SUFFIX)], module
+
+
+def is_adapter_param(name: str) -> bool:
+    """Whether a parameter name is an adapter's (``...linear_qkv_lora.A``)."""
+    return name.endswith((f"{SUFFIX}.A", f"{SUFFIX}.B"))
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Run ``model`` as its base (the reference policy of a LoRA actor)."""
+    found = [a for _, a in adapters(model)]
+    for a in found:
+        a.enabled = False
+    try:
+        yield
+    finally:
+        for a in found:
+            a.enabled = True
+
+
+class MergedParams(Mapping):
+    """``named_global_params(model)`` with every adapted weight replaced by W + scale * B @ A, computed
+    when read (one weight at a time: never a second copy of the model)."""
+
+    def __init__(self, model: nn.Module, params: dict[str, torch.Tensor]) -> None:
+        from megatron_rl.weights.tables import global_layer_name
+
+        self.params = params
+        self.deltas = {
+            global_layer_name(f"{name}.weight", model.layer_offset): a for name, a in adapters(model)
+        }
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        w = self.params[name]
+        a = self.deltas.get(name)
+        return w if a is None else w + a.delta()
+
+    def __iter__(self):
+        return iter(self.params)
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+
+def merged_params(model: nn.Module, params: dict[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """``params`` (named_global_params), adapters merged (:class:`MergedParams`) when the model has any."""
+    return MergedParams(model, params) if getattr(model, "lora", None) is not None else params
+
+
+def peft_tensors(model_args, adapters_by_name: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict:
+    """PEFT's tensors (``base_model.model.<hf module>.lora_{A,B}.weight``) from full (TP=1) adapters
+    {megatron global linear name (``decoder.layers.3.self_attention.linear_qkv``): (A, B)}: a fused
+    linear's B rows go to the HF projections its weight's rows come from (the TP=1 weight table), each
+    with the shared A; a row-parallel linear's A columns likewise."""
+    from megatron_rl.weights.tables import param_layouts
+
+    layouts = {lay.name: lay for lay in param_layouts(model_args, 1)}
+    out: dict[str, torch.Tensor] = {}
+    for name, (a, b) in adapters_by_name.items():
+        lay = layouts[f"{name}.weight"]
+        offset = 0
+        pieces = lay.pieces[0]
+        parts: dict[str, list[tuple[int, torch.Tensor]]] = {}
+        for pc in pieces:
+            n = pc.stop - pc.start
+            src = b if lay.dim == 0 else a
+            block = src[offset : offset + n] if lay.dim == 0 else src[:, offset : offset + n]
+            parts.setdefault(pc.hf_name.removesuffix(".weight"), []).append((pc.start, block))
+            offset += n
+        for module, blocks in parts.items():
+            blocks.sort(key=lambda x: x[0])
+            joined = torch.cat([blk for _, blk in blocks], dim=0 if lay.dim == 0 else 1)
+            key = f"base_model.model.{module}"
+            # clones: each its own storage (safetensors refuses shared ones)
+            out[f"{key}.lora_A.weight"] = (a if lay.dim == 0 else joined).clone()
+            out[f"{key}.lora_B.weight"] = (joined if lay.dim == 0 else b).clone()
+    return out
+
+
+@torch.no_grad()
+def load_peft(model: nn.Module, path: str, ps: ParallelState, key: str) -> None:
+    """Fill ``model``'s adapters from a PEFT LoRA directory (adapter_config.json and
+    adapter_model.safetensors, e.g. from ckpt_tools export-peft): this rank's shard of each, the
+    inverse of :func:`peft_tensors`. The rank and alpha must be the model's."""
+    import json
+    import os
+
+    from safetensors.torch import load_file
+
+    from megatron_rl.weights.tables import global_layer_name, param_layouts
+
+    files = [os.path.join(path, f) for f in ("adapter_config.json", "adapter_model.safetensors")]
+    if not all(os.path.isfile(f) for f in files):
+        raise FileNotFoundError(
+            f"{key}={path}: a PEFT adapter directory holds adapter_config.json and adapter_model.safetensors "
+            "(ckpt_tools export-peft writes one)."
+        )
+    with open(files[0]) as f:
+        saved = json.load(f)
+    spec: LoraSpec = model.lora
+    if (saved.get("r"), float(saved.get("lora_alpha", 0))) != (spec.rank, float(spec.alpha)):
+        raise ValueError(
+            f"{key}={path}: its adapters have r={saved.get('r')}, lora_alpha={saved.get('lora_alpha')}; set "
+            f"{key.rsplit('.', 1)[0]}.rank / .alpha to them."
+        )
+    tensors = load_file(files[1])
+    layouts = {lay.name: lay for lay in param_layouts(model.args, ps.tp_size)}
+
+    def get(hf_name: str, which: str) -> torch.Tensor:
+        name = f"base_model.model.{hf_name.removesuffix('.weight')}.lora_{which}.weight"
+        if name not in tensors:
+            raise KeyError(f"{key}={path}: no {name} (the adapters of this model's targets)")
+        return tensors[name]
+
+    for name, a in adapters(model):
+        lay = layouts[global_layer_name(f"{name}.weight", model.layer_offset)]
+        pieces = lay.pieces[ps.tp_rank]
+        if lay.dim == 0:  # column: B's rows from each HF projection, one A shared by them
+            b = torch.cat([get(pc.hf_name, "B")[pc.start : pc.stop] for pc in pieces])
+            shared = [get(pc.hf_name, "A") for pc in pieces]
+            if any(not torch.equal(x, shared[0]) for x in shared):
+                raise ValueError(
+                    f"{key}={path}: {name} is one fused linear here; the adapters of its HF projections "
+                    f"({', '.join(sorted({pc.hf_name for pc in pieces}))}) have different A matrices"
+                )
+            w = shared[0]
+        else:  # row: A's columns of this shard, B whole
+            w = torch.cat([get(pc.hf_name, "A")[:, pc.start : pc.stop] for pc in pieces], dim=1)
+            b = get(pieces[0].hf_name, "B")
+        a.A.copy_(w)
+        a.B.copy_(b)
+
+
+def read_adapters(path: str) -> tuple[LoraSpec, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """A LoRA model's torch_dist checkpoint (what a trainer checkpoint's actor/ holds) -> its spec and
+    full (TP=1) adapters {global linear name: (A, B)}, read without building the model. Needs
+    torch.distributed (a world of one)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from megatron_rl.weights.ckpt_format import read_our_metadata, resolve_torch_dist
+    from megatron_rl.weights.safe_load import check_torch_dist, safe_globals
+
+    loc = resolve_torch_dist(path)
+    ours = read_our_metadata(loc) or {}
+    if "lora" not in ours:
+        raise ValueError(f"{path} holds no LoRA adapters (a whole model: use mcore-to-hf)")
+    saved = ours["lora"]
+    spec = LoraSpec(saved["rank"], saved["alpha"], tuple(saved["targets"]), saved["base"])
+    meta, _ = check_torch_dist(loc.ckpt_dir)
+    sharded = {}
+    for key, md in meta.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata) and key.endswith((f"{SUFFIX}.A", f"{SUFFIX}.B")):
+            size, dtype = tuple(md.size), md.properties.dtype
+            zero = (0,) * len(size)
+            empty = torch.empty(size, dtype=dtype)
+            sharded[key] = ShardedTensor(key, empty, dtype, size, size, zero, axis_fragmentations=None)
+    with torch.serialization.safe_globals(safe_globals()):
+        loaded = dist_checkpointing.load(sharded, loc.ckpt_dir)
+    # dense layers are stacked: decoder.layers.<module>_lora.{A,B} [num_layers, ...]
+    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for key, a in loaded.items():
+        if not key.endswith(".A"):
+            continue
+        b = loaded[key[:-1] + "B"]
+        module = key.removeprefix("decoder.layers.").removesuffix(f"{SUFFIX}.A")
+        for i in range(a.shape[0]):
+            out[f"decoder.layers.{i}.{module}"] = (a[i], b[i])
+    return spec, out
+
+
+def peft_config(spec: LoraSpec, target_hf: list[str], base: str) -> dict:
+    """adapter_config.json of a PEFT LoRA adapter."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base,
+        "r": spec.rank,
+        "lora_alpha": spec.alpha,
+        "lora_dropout": 0.0,
+        "target_modules": sorted(target_hf),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "use_rslora": False,
+    }
+
+
+__all__ = ["LINEARS", "LoRAAdapter", "LoraSpec", "add_adapters", "adapters_disabled", "peft_tensors"]
