@@ -191,6 +191,9 @@ def _report(proj: str, direct: bool) -> None:
 
 _STACKED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj"}
 _STACKED |= {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+_STACKED |= {"q_a_proj": "fused_qkv_a_proj_with_mqa", "kv_a_proj_with_mqa": "fused_qkv_a_proj_with_mqa"}
+"""DeepSeek's multi-latent attention with ``q_lora_rank``: SGLang's ``fused_qkv_a_proj_with_mqa`` holds
+q_a_proj's rows, then kv_a_proj_with_mqa's, replicated on every engine rank."""
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
@@ -230,6 +233,8 @@ def engine_share(model: Any, params: dict, name: str, shape: list[int], rank: in
     parts = name.split(".")
     fused = next((p for p in parts if p in _STACKED), None)
     target = name.replace(f".{fused}.", f".{_STACKED[fused]}.") if fused else name
+    if fused == "kv_a_proj_with_mqa" and target not in params:  # no q_lora_rank: not fused
+        fused, target = None, name
     param = params.get(target)
     if param is None:
         return None
@@ -250,6 +255,11 @@ def engine_share(model: Any, params: dict, name: str, shape: list[int], rank: in
         size = module.output_sizes[0] // module.tp_size
         off = 0 if fused == "gate_proj" else size
         return box_checksum(data.narrow(0, off, size), cols, row0=module.tp_rank * size)
+    if fused in ("q_a_proj", "kv_a_proj_with_mqa") and len(shape) == 2 and data.shape[1] == cols:
+        if rank:  # replicated: rank 0 counts
+            return torch.zeros(CHECKSUM_SIZE, dtype=torch.float64, device=data.device)
+        off = 0 if fused == "q_a_proj" else data.shape[0] - shape[0]
+        return box_checksum(data.narrow(0, off, shape[0]), cols)
     if fused:
         return None
     if hasattr(module, "shard_indices"):  # a vocabulary-parallel embedding or LM head (padded rows last)
