@@ -199,6 +199,10 @@ class _Merged:
         a, b = self.tensors[f"{lora}A.weight"].float(), self.tensors[f"{lora}B.weight"].float()
         return (w.float() + self.scale * (b @ a)).to(w.dtype)
 
+    def read(self, piece, dim: int | None):
+        t = self.get(piece.hf_name)
+        return t[:, piece.start : piece.stop] if dim == 1 else t[piece.start : piece.stop]
+
 
 def export_peft(a: argparse.Namespace) -> int:
     """A LoRA checkpoint's adapters -> a PEFT adapter directory (``PeftModel.from_pretrained`` on the

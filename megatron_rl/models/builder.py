@@ -383,7 +383,7 @@ def named_global_params(model: nn.Module) -> dict[str, torch.Tensor]:
     from megatron_rl.models.lora import is_adapter_param
 
     # LoRA adapters have no HF counterpart: the stream reads them through models.lora.merged_params
-    local = {n: p for n, p in model.named_parameters() if not is_adapter_param(n)}
+    local: dict[str, torch.Tensor] = {n: p for n, p in model.named_parameters() if not is_adapter_param(n)}
     # sigmoid routing's expert-score bias: a buffer (trained by load balancing, not by gradients)
     local.update({n: b for n, b in model.named_buffers() if n.endswith("router.expert_bias")})
     for prefix, module in model.named_modules():

@@ -31,6 +31,7 @@ import math
 import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -62,7 +63,7 @@ class LoRAAdapter(nn.Module):
 
     def __init__(
         self,
-        linear: nn.Module,
+        linear: Any,
         parallel: str,
         rank: int,
         scale: float,
@@ -92,12 +93,14 @@ class LoRAAdapter(nn.Module):
         self.A = nn.Parameter(a_full.to(device=w.device, dtype=w.dtype).contiguous())
         self.B = nn.Parameter(torch.zeros(out_local, rank, device=w.device, dtype=w.dtype))
         split, whole = (self.B, self.A) if parallel == "column" else (self.A, self.B)
-        split.tensor_model_parallel = tp_size > 1
-        split.partition_dim = 0 if parallel == "column" else 1
-        split.partition_stride = 1
-        whole.tensor_model_parallel = False
-        # the replicated factor sees 1/TP of the tokens under sequence parallelism (module docstring)
-        whole.sequence_parallel = self.sequence_parallel
+        # megatron's marks (its DDP, grad norm and finalize_model_grads read them); the replicated
+        # factor sees 1/TP of the tokens under sequence parallelism (module docstring)
+        for p, marks in (
+            (split, {"tensor_model_parallel": tp_size > 1, "partition_dim": int(parallel == "row")}),
+            (whole, {"tensor_model_parallel": False, "sequence_parallel": self.sequence_parallel}),
+        ):
+            for k, v in {"partition_stride": 1, **marks}.items():
+                setattr(p, k, v)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: the linear's input -> the adapter's share of its output (same shape as W x)."""
@@ -155,9 +158,7 @@ def check_model(args, key: str) -> None:
         )
 
 
-def add_adapters(
-    model: nn.Module, spec: LoraConfig, ps: ParallelState, key: str, base: str, seed: int
-) -> None:
+def add_adapters(model: Any, spec: LoraConfig, ps: ParallelState, key: str, base: str, seed: int) -> None:
     """Freeze ``model`` and add ``spec``'s adapters (module docstring); a critic's value head stays
     trained. ``key``: the config section (error lines); ``base``: the model's path (recorded)."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -201,7 +202,7 @@ def add_adapters(
     model.lora = LoraSpec(spec.rank, spec.alpha, targets, base)
 
 
-def adapters(model: nn.Module) -> Iterator[tuple[str, LoRAAdapter]]:
+def adapters(model: Any) -> Iterator[tuple[str, LoRAAdapter]]:
     """(the adapted linear's local name, its adapter) for every adapter of ``model``."""
     for name, module in model.named_modules():
         if isinstance(module, LoRAAdapter):
@@ -214,7 +215,7 @@ def is_adapter_param(name: str) -> bool:
 
 
 @contextlib.contextmanager
-def adapters_disabled(model: nn.Module) -> Iterator[None]:
+def adapters_disabled(model: Any) -> Iterator[None]:
     """Run ``model`` as its base (the reference policy of a LoRA actor)."""
     found = [a for _, a in adapters(model)]
     for a in found:
@@ -230,7 +231,7 @@ class MergedParams(Mapping):
     """``named_global_params(model)`` with every adapted weight replaced by W + scale * B @ A, computed
     when read (one weight at a time: never a second copy of the model)."""
 
-    def __init__(self, model: nn.Module, params: dict[str, torch.Tensor]) -> None:
+    def __init__(self, model: Any, params: dict[str, torch.Tensor]) -> None:
         from megatron_rl.weights.tables import global_layer_name
 
         self.params = params
@@ -243,14 +244,14 @@ class MergedParams(Mapping):
         a = self.deltas.get(name)
         return w if a is None else w + a.delta()
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[str]:
         return iter(self.params)
 
     def __len__(self) -> int:
         return len(self.params)
 
 
-def merged_params(model: nn.Module, params: dict[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+def merged_params(model: Any, params: dict[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
     """``params`` (named_global_params), adapters merged (:class:`MergedParams`) when the model has any."""
     return MergedParams(model, params) if getattr(model, "lora", None) is not None else params
 
@@ -286,7 +287,7 @@ def peft_tensors(model_args, adapters_by_name: dict[str, tuple[torch.Tensor, tor
 
 
 @torch.no_grad()
-def load_peft(model: nn.Module, path: str, ps: ParallelState, key: str) -> None:
+def load_peft(model: Any, path: str, ps: ParallelState, key: str) -> None:
     """Fill ``model``'s adapters from a PEFT LoRA directory (adapter_config.json and
     adapter_model.safetensors, e.g. from ckpt_tools export-peft): this rank's shard of each, the
     inverse of :func:`peft_tensors`. The rank and alpha must be the model's."""

@@ -111,6 +111,7 @@ def _lora_wanted(model: torch.nn.Module, meta: dict, path: str) -> set[str] | No
     if lora is None and saved is None:
         return None
     if lora is None:
+        assert saved is not None
         raise ValueError(
             f"{path} holds LoRA adapters (rank {saved['rank']}) of {saved['base']}: load them into a model "
             f"with *.model.lora.rank={saved['rank']} and model.path={saved['base']}."
