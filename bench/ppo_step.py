@@ -20,7 +20,9 @@ parked in host memory during generation: what the memory planner parks (the *_of
 auto), or with --offload on every *.megatron.*_offload key on) and not (free_cache_engine=False, no
 offload), and summarises the JSONL metrics (steps after the first, which includes compilation and
 warm-up): per-phase seconds, tokens/s/GPU, actor MFU against the bf16 matmul peak measured in the same
-run, peak device memory, the colocated/non-colocated peak-memory ratio, and for an MoE model the
+run, peak memory (torch's allocated and reserved peaks in the trainer process: models, weight stream and
+passes, not the engine, whose schedulers are processes of their own; and the device's, engine
+included), the colocated/non-colocated peak-memory ratio, and for an MoE model the
 router's expert load imbalance, aux loss (when moe_aux_loss_coeff > 0, e.g. --set
 actor_rollout_ref.actor.megatron.override_transformer_config.moe_aux_loss_coeff=0.001) and, with routing
 replay (--set actor_rollout_ref.actor.router_replay.mode=R3), the share of routing decisions where
@@ -272,6 +274,9 @@ def summarize(rows: list[dict], nproc: int) -> dict:
         "peak_tflops": mean("perf/peak_tflops"),
         "max_memory_allocated_gb": max(
             (r.get("perf/max_memory_allocated_gb", 0) for r in rows), default=None
+        ),
+        "max_memory_reserved_gb": max(
+            (r.get("perf/max_memory_reserved_gb", 0) for r in rows), default=None
         ),
         "max_device_memory_used_gb": max(
             (r.get("perf/max_device_memory_used_gb", 0) for r in rows), default=None
