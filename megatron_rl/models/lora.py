@@ -197,6 +197,15 @@ def add_adapters(model: Any, spec: LoraConfig, ps: ParallelState, key: str, base
         parent.add_module(leaf + SUFFIX, adapter)
         module.register_forward_hook(_hook(adapter), with_kwargs=True)
         added += 1
+    if ps.rank == 0:
+        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in model.parameters())
+        print(
+            f"megatron-rl: LoRA on the {model.role}: rank {spec.rank}, alpha {spec.alpha:g} on "
+            f"{', '.join(targets)} ({added} linears of this stage); {trained:,} of {total:,} parameters "
+            "of rank 0 train, the base is frozen",
+            flush=True,
+        )
     if not added:
         raise ValueError(f"{key}.exclude_modules={spec.exclude_modules} leaves no linear for an adapter")
     model.lora = LoraSpec(spec.rank, spec.alpha, targets, base)
