@@ -323,7 +323,8 @@ RULES: tuple[Rule, ...] = (
     _ignored("actor_rollout_ref.rollout.multi_turn.*", "no such setting of the multi-turn loop"),
     _ignored(
         "actor_rollout_ref.rollout.agent.*",
-        "one agent loop (megatron_rl.rollout.agent_loop), set by actor_rollout_ref.rollout.multi_turn.*",
+        "one agent loop (megatron_rl.rollout.agent.agent_loop), set by "
+        "actor_rollout_ref.rollout.multi_turn.*",
     ),
     _ignored("actor_rollout_ref.rollout.trace.*", "no rollout tracing"),
     _ignored("actor_rollout_ref.rollout.prometheus.*", "no metrics server; metrics go to trainer.logger"),

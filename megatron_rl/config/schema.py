@@ -207,7 +207,7 @@ class MultiTurnConfig:
     format: str = "hermes"
     """Tool-call format of the model's turns: hermes (<tool_call>{"name": ..., "arguments": {...}}
     </tool_call>, Qwen's templates) | llama3_json (the turn is {"name": ..., "parameters": {...}}, Llama
-    3.1-3.3's templates); rollout/tool_formats.py."""
+    3.1-3.3's templates); rollout/agent/tool_formats.py."""
     tool_timeout_s: float = 30.0
     """Seconds one tool call may take; a slower call becomes an error message to the model."""
     max_tokens_per_turn: int | None = None

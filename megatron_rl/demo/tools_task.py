@@ -4,7 +4,7 @@
     torchrun --nproc_per_node=2 -m megatron_rl.train --config yaml/cpu_demo_tools.yaml
 
 Every prompt is the same two tokens, ``secret =``; each row's answer is a random digit that only the
-``lookup`` tool returns (megatron_rl.rollout.tools.LookupTool, fed from the row's
+``lookup`` tool returns (megatron_rl.rollout.agent.tools.LookupTool, fed from the row's
 ``extra_info.tools_kwargs.lookup.create_kwargs.value``). Without the tool the best policy scores 1/10.
 An episode that solves it has two model turns::
 
@@ -53,7 +53,7 @@ TOOLS_CHAT_TEMPLATE = (
 TOOL_CONFIG = {
     "tools": [
         {
-            "class_name": "megatron_rl.rollout.tools.LookupTool",
+            "class_name": "megatron_rl.rollout.agent.tools.LookupTool",
             "config": {"type": "native", "reward": 1.0},
             "tool_schema": {
                 "type": "function",

@@ -4,8 +4,9 @@
               Advantages: KL-shaped rewards, the estimator, rejection (its KL controller's state)
     critic    CriticRole: NullCritic (GRPO and the outcome estimators) | LocalCritic | RemoteCritic
               (on ranks of its own: critic_server); calls return handles (``values_async(...).result()``)
-    rollout   ColocatedRollout (engine start, sampling, parking, weight sync) | SeparateRollout (on
-              ranks of its own: remote_rollout); prompts -> RolloutBatch with each row's policy version
+    rollout   RolloutRole: ColocatedRollout (engine start and restarts, sampling, parking, weight sync;
+              the engine alone or multi-turn episodes) | SeparateRollout (on ranks of its own:
+              remote_rollout); prompts -> RolloutBatch with each row's policy version
     build     build_roles: every role built in the order memory wants; each registers its checkpoint
               state (run.state.StateRegistry) there, once
     models    the modules behind the roles and their parking during generation

@@ -25,7 +25,13 @@ from megatron_rl.reward.source import RewardSource
 from megatron_rl.roles.actor import ActorRole, Advantages, RefRole
 from megatron_rl.roles.critic import CriticRole, make_critic
 from megatron_rl.roles.models import Models, build_models, park_for_generation
-from megatron_rl.roles.rollout import ColocatedRollout, RolloutData, SeparateRollout, start_engine
+from megatron_rl.roles.rollout import (
+    ColocatedRollout,
+    RolloutData,
+    RolloutRole,
+    SeparateRollout,
+    start_engine,
+)
 from megatron_rl.run.metrics import Timer
 from megatron_rl.run.state import StateRegistry
 
@@ -39,7 +45,7 @@ class Roles:
     ref: RefRole
     critic: CriticRole
     advantages: Advantages
-    rollout: ColocatedRollout | SeparateRollout
+    rollout: RolloutRole
     reward: RewardSource
 
     def shutdown(self) -> None:
@@ -88,7 +94,7 @@ def build_roles(
             frozen={"ref": models.ref, "reward": models.reward},
             log=(lambda line: print(line, flush=True)) if ps.rank == 0 else None,
         )
-        rollout: ColocatedRollout | SeparateRollout = ColocatedRollout(
+        rollout: RolloutRole = ColocatedRollout(
             cfg,
             ps,
             data,
@@ -150,8 +156,8 @@ def read_inputs(cfg: Config, ps: ParallelState, rewards_by_rule: bool) -> RunInp
     from megatron_rl.model_args import check_sliding_window
     from megatron_rl.models.loading import load_model_args_any
     from megatron_rl.reward.rules import RULE_DATA_SOURCES
+    from megatron_rl.rollout.agent.tools import prompt_tool_schemas
     from megatron_rl.rollout.base import stop_token_ids
-    from megatron_rl.rollout.tools import prompt_tool_schemas
 
     arr = cfg.actor_rollout_ref
     try:

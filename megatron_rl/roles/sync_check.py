@@ -73,11 +73,13 @@ class SyncProbe:
         """Generate the probe with the rollout role, score it with the actor role's model, compare
         (module docstring). The probe's own phases are not added to the step's gen/reshard."""
         from megatron_rl import ppo
+        from megatron_rl.roles.rollout import Request
         from megatron_rl.run.metrics import Timer
 
         ps = self.ps
         prompts = [it.prompt_ids for it in self.items]
-        gens, _ = rollout.generate(f"sync_check/{step}", prompts, self.params, Timer(ps.device), self.items)
+        probe = Request("sync_check", step)
+        gens, _ = rollout.generate(probe, prompts, self.params, Timer(ps.device), self.items)
         batch = RolloutBatch.from_generations(
             self.items, gens, self.pad_id, self.params.max_new_tokens, "sync-check-"
         ).to(ps.device)

@@ -134,7 +134,7 @@ class Generation:
     token of ``token_ids``); None: every token is the model's."""
     info: dict | None = None
     """Multi-turn episodes: num_turns, tool_calls, tool_errors, tool_timeouts, tool_rewards, turn_scores
-    (see rollout/agent_loop.py)."""
+    (see rollout/agent/agent_loop.py)."""
     routed_experts: torch.Tensor | None = None
     """With ``return_routed_experts``: [prompt + response - 1, L, k] int16, the experts each token the
     engine read (prompt, then response but its last token) went to in each decoder layer; -1 on dense

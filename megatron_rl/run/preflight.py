@@ -198,7 +198,7 @@ def _check_models(cfg: Any) -> None:
 
 
 def _check_tools(cfg: Any) -> None:
-    from megatron_rl.rollout.tools import check_multi_turn_files
+    from megatron_rl.rollout.agent.tools import check_multi_turn_files
 
     check_multi_turn_files(cfg.actor_rollout_ref.rollout.multi_turn)
 

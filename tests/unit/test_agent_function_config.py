@@ -128,8 +128,8 @@ def test_the_rollout_role_runs_the_harness(harness):
 
     from megatron_rl.demo import tools_task
     from megatron_rl.roles.rollout import make_agent
-    from megatron_rl.rollout.agent_function import AgentFunctionLoop
-    from megatron_rl.rollout.agent_loop import AgentLoop
+    from megatron_rl.rollout.agent.agent_function import AgentFunctionLoop
+    from megatron_rl.rollout.agent.agent_loop import AgentLoop
     from tests.conftest import single_ps
 
     ps = single_ps()

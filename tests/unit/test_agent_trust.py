@@ -23,17 +23,17 @@ from megatron_rl.reward import scoring
 from megatron_rl.reward.model import ModelReward
 from megatron_rl.reward.rules import RewardManager, RewardOutput
 from megatron_rl.reward.source import RewardSource
-from megatron_rl.rollout import tools as tl
-from megatron_rl.rollout.agent_function import agent_reward
-from megatron_rl.rollout.agent_loop import AgentLoop, EpisodeStats, ToolPool, ToolRefused, clean_text
-from megatron_rl.rollout.base import Generation, SamplingParams
-from megatron_rl.rollout.tool_formats import (
+from megatron_rl.rollout.agent import tools as tl
+from megatron_rl.rollout.agent.agent_function import agent_reward
+from megatron_rl.rollout.agent.agent_loop import AgentLoop, EpisodeStats, ToolPool, ToolRefused, clean_text
+from megatron_rl.rollout.agent.tool_formats import (
     MAX_CALL_CHARS,
     MAX_DEPTH,
     MAX_NUMBER_DIGITS,
     parse_tool_calls,
 )
-from megatron_rl.rollout.tools import ToolResponse
+from megatron_rl.rollout.agent.tools import ToolResponse
+from megatron_rl.rollout.base import Generation, SamplingParams
 from tests.conftest import single_ps
 from tests.unit.test_multi_turn import CALL, LookupWithHooks, ScriptedEngine, call_then_answer, items_for
 
@@ -174,7 +174,7 @@ def test_a_lone_surrogate_in_a_tool_reply_is_replaced_not_a_crash(tok):
 
 def test_a_failing_tool_is_a_message_naming_the_tool_and_a_log_naming_the_row(tok, caplog):
     seen = []
-    with caplog.at_level(logging.WARNING, logger="megatron_rl.rollout.agent_loop"):
+    with caplog.at_level(logging.WARNING, logger="megatron_rl.rollout.agent.agent_loop"):
         gens, _ = run_loop(tok, LookupWithHooks("raise"), ["7"], on_messages=seen.append)
     assert gens[0][0].info["tool_errors"] == 1
     assert seen[0][0]["content"] == "Error: tool 'lookup': RuntimeError: the backend is down"

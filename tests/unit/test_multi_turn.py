@@ -17,10 +17,10 @@ from megatron_rl.config import ConfigError
 from megatron_rl.config.schema import MultiTurnConfig
 from megatron_rl.data import PromptItem
 from megatron_rl.demo import tools_task
-from megatron_rl.rollout.agent_loop import AgentLoop, EpisodeStats, TurnEncoder, truncate_text
+from megatron_rl.rollout.agent.agent_loop import AgentLoop, EpisodeStats, TurnEncoder, truncate_text
+from megatron_rl.rollout.agent.tool_formats import parse_hermes, parse_llama3_json, parse_tool_calls
+from megatron_rl.rollout.agent.tools import BaseTool, ToolResponse, load_interactions, load_tools
 from megatron_rl.rollout.base import Generation, SamplingParams
-from megatron_rl.rollout.tool_formats import parse_hermes, parse_llama3_json, parse_tool_calls
-from megatron_rl.rollout.tools import BaseTool, ToolResponse, load_interactions, load_tools
 from tests.conftest import single_ps
 
 CALL = tools_task.CALL_TOKEN
@@ -145,7 +145,7 @@ VERL_GSM8K_TOOL_CONFIG = """tools:
 
 def test_verl_tool_config_loads_unchanged(tmp_path):
     path = tmp_path / "tool_config.yaml"
-    path.write_text(VERL_GSM8K_TOOL_CONFIG.format(cls="megatron_rl.rollout.tools.CalculatorTool"))
+    path.write_text(VERL_GSM8K_TOOL_CONFIG.format(cls="megatron_rl.rollout.agent.tools.CalculatorTool"))
     tools = load_tools(str(path))
     assert list(tools) == ["calc_gsm8k_reward"]  # the schema's name is the name the model calls
     tool = tools["calc_gsm8k_reward"]
@@ -162,9 +162,8 @@ def test_verl_tool_config_loads_unchanged(tmp_path):
             ConfigError, match=r"tool_config.yaml: tools\[0\]: class_name='verl.tools.gsm8k_tool"
         ):
             load_tools(str(path))
-    path.write_text(
-        VERL_GSM8K_TOOL_CONFIG.format(cls="megatron_rl.rollout.tools.CalculatorTool").replace("native", "mcp")
-    )
+    calculator = "megatron_rl.rollout.agent.tools.CalculatorTool"
+    path.write_text(VERL_GSM8K_TOOL_CONFIG.format(cls=calculator).replace("native", "mcp"))
     with pytest.raises(ConfigError, match="only native tools"):
         load_tools(str(path))
     with pytest.raises(ConfigError, match="multi_turn.tool_config_path='/nope.yaml': no such file"):
@@ -175,7 +174,7 @@ def test_verl_interaction_config_loads(tmp_path):
     path = tmp_path / "interaction.yaml"
     path.write_text(
         'interaction:\n  - name: "gsm8k"\n'
-        '    class_name: "megatron_rl.rollout.tools.AnswerCheckInteraction"\n'
+        '    class_name: "megatron_rl.rollout.agent.tools.AnswerCheckInteraction"\n'
         "    config: {}\n"
     )
     inter = load_interactions(str(path))["gsm8k"]
@@ -401,7 +400,8 @@ def test_turn_and_token_budgets(tok):
 def test_interaction_answers_until_correct(tok, tmp_path):
     path = tmp_path / "interaction.yaml"
     path.write_text(
-        "interaction:\n  - name: check\n    class_name: megatron_rl.rollout.tools.AnswerCheckInteraction\n"
+        "interaction:\n  - name: check\n"
+        "    class_name: megatron_rl.rollout.agent.tools.AnswerCheckInteraction\n"
         "    config: {retry_text: secret}\n"
     )
     mt = MultiTurnConfig(enable=True, interaction_config_path=str(path), max_assistant_turns=5)
@@ -585,7 +585,7 @@ def test_gsm8k_calculator_example(tmp_path):
     from pathlib import Path
 
     from megatron_rl.data import PromptDataset
-    from megatron_rl.rollout.tools import prompt_tool_schemas
+    from megatron_rl.rollout.agent.tools import prompt_tool_schemas
 
     root = Path(__file__).resolve().parents[2] / "examples"
     src = tmp_path / "src"

@@ -21,9 +21,9 @@ import torch
 from megatron_rl.config.schema import OpenAIServerConfig
 from megatron_rl.data import PromptItem
 from megatron_rl.demo import tools_task
-from megatron_rl.rollout.agent_function import run_agent_episodes
+from megatron_rl.rollout.agent.agent_function import run_agent_episodes
+from megatron_rl.rollout.agent.openai_server import OpenAIServer, quiet_http_client_logs
 from megatron_rl.rollout.base import SamplingParams
-from megatron_rl.rollout.openai_server import OpenAIServer, quiet_http_client_logs
 from tests.conftest import single_ps
 
 TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "d", "parameters": {}}}]
@@ -242,7 +242,7 @@ def test_many_sessions_connecting_at_once_are_all_served(setup):
 def test_a_failing_harness_is_named_as_such_not_as_a_dead_rank(setup):
     """A harness that raises (here as a dropped connection would) fails the rollout in one line naming
     the agent function and the prompt row; the failure explanation keeps that line."""
-    from megatron_rl.rollout.agent_function import AgentFunctionError
+    from megatron_rl.rollout.agent.agent_function import AgentFunctionError
     from megatron_rl.run.explain import explain
 
     tok, _, engine, params, _ = setup
@@ -284,7 +284,7 @@ def test_a_client_that_hangs_up_is_one_debug_line(setup, capfd, caplog):
     tok, _, engine, params, _ = setup
     gate = threading.Event()
     gated = CountingEngine(engine, gate)
-    name = "megatron_rl.rollout.openai_server"
+    name = "megatron_rl.rollout.agent.openai_server"
     with (
         caplog.at_level(logging.DEBUG, logger=name),
         OpenAIServer(gated, tok, params).start(engine_thread=True) as srv,

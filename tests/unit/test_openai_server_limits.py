@@ -19,10 +19,10 @@ from dataclasses import replace
 import pytest
 
 from megatron_rl.config.schema import OpenAIServerConfig
-from megatron_rl.rollout.agent_function import run_agent_episodes
+from megatron_rl.rollout.agent.agent_function import run_agent_episodes
+from megatron_rl.rollout.agent.openai_request import EndpointLimits
+from megatron_rl.rollout.agent.openai_server import OpenAIServer
 from megatron_rl.rollout.base import EngineFailure
-from megatron_rl.rollout.openai_request import EndpointLimits
-from megatron_rl.rollout.openai_server import OpenAIServer
 from tests.faults.test_engine_restart import RESTART, WORKER
 from tests.unit import test_openai_server as endpoint_tests
 from tests.unit.test_openai_server import FIRST, TOOLS, CountingEngine, item, post, two_turns
@@ -30,7 +30,7 @@ from tests.unit.test_openai_server import FIRST, TOOLS, CountingEngine, item, po
 setup = endpoint_tests.setup
 """The endpoint tests' fixture: the demo's tokenizer, a 2-layer Llama whose greedy first token is the
 Hermes call, its transformers engine and the sampling parameters."""
-LOGGER = "megatron_rl.rollout.openai_server"
+LOGGER = "megatron_rl.rollout.agent.openai_server"
 
 
 def wait_for(cond, what: str, limit: float = 30) -> None:
@@ -218,7 +218,7 @@ def test_an_engine_failure_in_an_endpoint_episode_restarts_the_engine_in_place(
 
     from megatron_rl.config import Config
     from megatron_rl.model_args import model_args_from_hf_config
-    from megatron_rl.roles.rollout import ColocatedRollout
+    from megatron_rl.roles.rollout import ColocatedRollout, Request, RolloutRole
     from megatron_rl.rollout.hf_engine import HFEngine
     from megatron_rl.run.metrics import Timer
     from tests.conftest import single_ps
@@ -248,10 +248,11 @@ def test_an_engine_failure_in_an_endpoint_episode_restarts_the_engine_in_place(
         cfg, ps, None, oracle, lambda parking: None, new_engine(), lambda: [0], tokenizer=tok,
         new_engine=new_engine,
     )  # fmt: skip
-    harness = rollout.agent.fn.__globals__
+    assert isinstance(rollout, RolloutRole)
+    harness = rollout.generator.runner.fn.__globals__
     step = replace(params, step=3, n=2)
     engine_fails(step=3, times=1)
-    gens, _ = rollout.generate("train/3", [[0]], step, Timer(torch.device("cpu")), [item(0)])
+    gens, _ = rollout.generate(Request("train", 3), [[0]], step, Timer(torch.device("cpu")), [item(0)])
     out = capsys.readouterr().out
     assert out.count(RESTART) == 1 and "train/3: " + RESTART in out
     assert rollout.engine_restarts == 1 and rollout.engine is started[-1] and len(started) == 2

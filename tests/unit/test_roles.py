@@ -24,6 +24,33 @@ def test_null_critic_is_a_critic_role_with_empty_handles():
     assert reg.names() == []  # nothing in the checkpoint
 
 
+def test_both_rollout_placements_implement_the_rollout_role():
+    """Every method of RolloutRole, with its parameters, on ColocatedRollout and SeparateRollout."""
+    import inspect
+
+    from megatron_rl.roles.rollout import ColocatedRollout, RolloutRole, SeparateRollout
+
+    members = [n for n, v in vars(RolloutRole).items() if not n.startswith("_") and callable(v)]
+    assert {"start", "prompts", "batch", "generate", "policy_updated", "shutdown"} <= set(members)
+    for cls in (ColocatedRollout, SeparateRollout):
+        for name in members:
+            want = list(inspect.signature(getattr(RolloutRole, name)).parameters)
+            assert list(inspect.signature(getattr(cls, name)).parameters) == want, (cls, name)
+
+
+def test_a_rollout_request_names_itself_as_the_old_tags():
+    from dataclasses import replace
+
+    from megatron_rl.roles.rollout import Request
+
+    assert str(Request("train", 3)) == "train/3" and str(Request("val", 3)) == "val/3"
+    assert str(replace(Request("val", 3), seq=2)) == "val/3/2"
+    assert Request("train", 3).trains and not Request("sync_check", 3).trains
+    assert len({Request("train", 3), Request("train", 3), Request("val", 3)}) == 2
+    with pytest.raises(AttributeError):
+        Request("train", 3).step = 4  # type: ignore[misc]
+
+
 def test_pending_waits_once_and_done_is_immediate():
     calls = []
     p = Pending(lambda: calls.append(1) or 7)

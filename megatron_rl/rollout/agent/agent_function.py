@@ -1,5 +1,5 @@
 """multi_turn.agent_function: the user's harness runs each episode through the OpenAI-compatible endpoint
-(rollout/openai_server.py) on the in-process engine.
+(rollout/agent/openai_server.py) on the in-process engine.
 
     gens = run_agent_episodes(engine, tokenizer, items, agent_fn, params, cfg)   # gens[i]: params.n episodes
 
@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_rl.config.schema import OpenAIServerConfig
 from megatron_rl.errors import LaunchError
-from megatron_rl.rollout.agent_loop import ToolPool
+from megatron_rl.rollout.agent.agent_loop import ToolPool
+from megatron_rl.rollout.agent.openai_server import OpenAIServer, Session
 from megatron_rl.rollout.base import Generation, SamplingParams
-from megatron_rl.rollout.openai_server import OpenAIServer, Session
 
 if TYPE_CHECKING:
     from megatron_rl.config.schema import MultiTurnConfig

@@ -1,4 +1,4 @@
-"""The HTTP side of the OpenAI-compatible endpoint (rollout/openai_server.py): the socket server and its
+"""The HTTP side of the OpenAI-compatible endpoint (rollout/agent/openai_server.py): the socket server and its
 request handler (the request's checks and the reply's shape: openai_request.py).
 
     httpd = EndpointHTTPServer((host, port), handler_for(app), cap)   # app: the OpenAIServer
@@ -32,9 +32,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from megatron_rl.config.schema import OpenAIServerConfig
-from megatron_rl.rollout.openai_request import HTTPError, parse_body
+from megatron_rl.rollout.agent.openai_request import HTTPError, parse_body
 
-log = logging.getLogger("megatron_rl.rollout.openai_server")  # one logger for the whole endpoint
+log = logging.getLogger("megatron_rl.rollout.agent.openai_server")  # one logger for the whole endpoint
 
 SESSION_PATH = re.compile(r"^/s/([A-Za-z0-9._-]{1,128})(/v1/.*)$")
 _KEY = "actor_rollout_ref.rollout.multi_turn.endpoint"

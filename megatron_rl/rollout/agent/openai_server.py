@@ -1,6 +1,6 @@
 """An OpenAI-compatible chat endpoint on the in-process engine, for agent harnesses that only speak HTTP.
 
-    server = OpenAIServer(engine, tokenizer, params, cfg).start()   # rollout/agent_function.py drives it
+    server = OpenAIServer(engine, tokenizer, params, cfg).start()   # agent_function.py drives it
 
 Each episode gets a session named by its URL prefix, ``http://127.0.0.1:<port>/s/<episode_id>/v1``, and
 ``agent_fn(item, base_url)`` (the user's harness) runs in a thread, calling
@@ -57,16 +57,16 @@ from dataclasses import dataclass, field, replace
 from typing import Literal, TypeVar
 
 from megatron_rl.config.schema import OpenAIServerConfig
-from megatron_rl.rollout.agent_loop import TurnEncoder
-from megatron_rl.rollout.base import EngineFailure, Generation, SamplingParams
-from megatron_rl.rollout.openai_http import (
+from megatron_rl.rollout.agent.agent_loop import TurnEncoder
+from megatron_rl.rollout.agent.openai_http import (
     SESSION_PATH,
     EndpointHTTPServer,
     check_endpoint,
     handler_for,
     quiet_http_client_logs,
 )
-from megatron_rl.rollout.openai_request import EndpointLimits, HTTPError, check_chat, completion
+from megatron_rl.rollout.agent.openai_request import EndpointLimits, HTTPError, check_chat, completion
+from megatron_rl.rollout.base import EngineFailure, Generation, SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -43,9 +43,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.errors import LaunchError, NonFiniteRewardError
-from megatron_rl.rollout import tools as tl
+from megatron_rl.rollout.agent import tools as tl
+from megatron_rl.rollout.agent.tool_formats import ToolCall, looks_like_a_call, parse_tool_calls
 from megatron_rl.rollout.base import Generation, SamplingParams, gloo_twin
-from megatron_rl.rollout.tool_formats import ToolCall, looks_like_a_call, parse_tool_calls
 
 if TYPE_CHECKING:
     from megatron_rl.config.schema import MultiTurnConfig

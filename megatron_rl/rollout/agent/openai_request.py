@@ -1,4 +1,4 @@
-"""What goes over the wire of the OpenAI-compatible endpoint (rollout/openai_server.py): the checks a
+"""What goes over the wire of the OpenAI-compatible endpoint (rollout/agent/openai_server.py): the checks a
 chat request passes before its session sees it, and the chat.completion a turn is answered with.
 
     body = parse_body(raw, limits)                # bytes -> dict (else HTTPError 400 naming the field)
@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_rl.rollout.tool_formats import TOOL_CALL, parse_hermes
+from megatron_rl.rollout.agent.tool_formats import TOOL_CALL, parse_hermes
 
 _JSON_TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}:]', re.S)
 """A JSON string (skipped whole), a bracket or a colon: enough to follow the nesting and the top-level

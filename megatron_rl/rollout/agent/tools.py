@@ -3,7 +3,7 @@
 A tool config (``actor_rollout_ref.rollout.multi_turn.tool_config_path``) is verl's YAML::
 
     tools:
-      - class_name: megatron_rl.rollout.tools.CalculatorTool   # any importable BaseTool-shaped class
+      - class_name: megatron_rl.rollout.agent.tools.CalculatorTool   # any importable BaseTool-shaped class
         config: {type: native}                                 # handed to the class; "mcp" is refused
         tool_schema: {type: function, function: {name: calc, description: ..., parameters: {...}}}
 
@@ -11,7 +11,7 @@ An interaction config (``multi_turn.interaction_config_path``) is verl's too::
 
     interaction:
       - name: gsm8k                        # a row picks it in extra_info.interaction_kwargs.name
-        class_name: megatron_rl.rollout.tools.AnswerCheckInteraction
+        class_name: megatron_rl.rollout.agent.tools.AnswerCheckInteraction
         config: {}
 
 A tool's life in one episode (per call, as verl's tool agent loop does it):
@@ -314,7 +314,7 @@ def _import_class(dotted: str, where: str):
     if not module:
         raise ConfigError(
             f"{where}: class_name={dotted!r} must be a dotted path, "
-            "e.g. megatron_rl.rollout.tools.CalculatorTool"
+            "e.g. megatron_rl.rollout.agent.tools.CalculatorTool"
         )
     try:
         return getattr(importlib.import_module(module), name)

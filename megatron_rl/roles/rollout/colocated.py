@@ -1,0 +1,158 @@
+"""The colocated rollout (the hybrid engine): every training rank holds an engine that takes the GPU only
+while it generates (``*.megatron.*_offload`` park the training state meanwhile); weights are synced
+right before generating, so step k always samples with the weights after step k-1 (staleness 0).
+
+    generate(request)   park -> engine memory back -> sync the weights if stale -> the generator
+                        (roles.rollout.generators: the engine, or multi-turn episodes) -> engine memory
+                        released -> the training state reloaded; a dead engine restarted in place
+                        (roles.rollout.supervisor)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from megatron_rl.config import Config
+from megatron_rl.offload import HostParking
+from megatron_rl.parallel import ParallelState
+from megatron_rl.roles.rollout.generators import make_generator
+from megatron_rl.roles.rollout.queue import RequestQueue
+from megatron_rl.roles.rollout.role import Request, RolloutData
+from megatron_rl.roles.rollout.supervisor import EngineSupervisor
+from megatron_rl.rollout import Generation, SamplingParams, engine_dtype
+from megatron_rl.rollout.base import EngineFailure
+from megatron_rl.run.metrics import Timer
+
+
+class ColocatedRollout(RequestQueue):
+    """The engine inside the training processes (the hybrid engine)."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        ps: ParallelState,
+        data: RolloutData,
+        actor: torch.nn.Module,
+        park: Callable[[HostParking], None],
+        engine,
+        draw: Callable[[], list[int]],
+        tokenizer=None,
+        plan=None,
+        new_engine: Callable[[], object] | None = None,
+    ):
+        """``park(parking)``: park the training state ``plan`` names before generating
+        (roles.models.park_for_generation); ``actor``: the module whose weights the engine syncs;
+        ``plan``: run.memory_plan.OffloadPlan (None: the *_offload keys alone); ``new_engine()``: a
+        fresh engine (collective; start_engine) for a restart in place (None: no restarts)."""
+        from megatron_rl.run.memory_plan import config_plan
+
+        super().__init__()
+        self.plan = plan or config_plan(cfg)
+        self.cfg, self.ps, self.data, self.actor, self.park = cfg, ps, data, actor, park
+        self.draw = draw
+        self.parking = HostParking(ps.device)
+        self.trained = 0  # the actor's version, which the engine samples with once synced
+        self.weights_stale = True  # the engine starts without the actor's weights
+        allowed = cfg.actor_rollout_ref.rollout.engine_restarts
+        self.supervisor = EngineSupervisor(
+            ps, engine, new_engine, allowed, self.parking.reload, self._engine_replaced
+        )
+        # the engine alone, or multi-turn episodes (rollout/agent/): chosen once
+        self.generator = make_generator(cfg, ps, tokenizer)
+
+    @property
+    def engine(self) -> Any:
+        """The engine serving this rank now (a restart replaces it)."""
+        return self.supervisor.engine
+
+    @property
+    def engine_restarts(self) -> int:
+        """Restarts over the run (rollout/engine_restarts)."""
+        return self.supervisor.restarts
+
+    def _engine_replaced(self) -> None:
+        self.weights_stale = True  # the weights stream into the new engine on the next attempt
+
+    def start(self, step: int) -> None:
+        self.trained, self.weights_stale = step, True
+
+    def prompts(self, step: int) -> list[int]:
+        return self.asked[step][0] if step in self.asked else self.draw()  # queued by a separate rollout
+
+    def generate(
+        self,
+        request: Request,
+        prompt_ids: list[list[int]],
+        params: SamplingParams,
+        timer: Timer,
+        items: list | None = None,
+    ) -> tuple[list[list[Generation]], int]:
+        """``items``: the prompts' data.PromptItem rows (a multi-turn episode reads its tools_kwargs,
+        interaction_kwargs and chat messages from them). An engine that died is restarted in place up
+        to rollout.engine_restarts times per request (roles.rollout.supervisor); any other error
+        propagates."""
+        queued = self._queued(request)
+        if queued is not None:
+            return queued
+        gens = self.supervisor.run(
+            request, lambda: self._generate_once(request, prompt_ids, params, timer, items), timer
+        )
+        if self.cfg.actor_rollout_ref.rollout.free_cache_engine:
+            with timer("engine"):
+                # SGLang drops its weights with its memory: the next rollout streams them again.
+                self.engine.release_memory()
+            self.weights_stale = True
+        with timer("offload"):
+            self.parking.reload()
+        return gens, self.trained
+
+    def _generate_once(
+        self, request: Request, prompt_ids: list[list[int]], params: SamplingParams, timer, items: list | None
+    ) -> tuple[list[list[Generation]] | None, EngineFailure | None]:
+        """Park, resume the engine, sync the weights if stale, generate: (generations, None), or (None,
+        the failure) when the generator failed (rollout.base.EngineFailure; anything else, out of
+        memory and a failed sync check included, is raised: a restart would not cure it)."""
+        from megatron_rl.rollout.reshard import sync_weights
+
+        ps, rollout = self.ps, self.cfg.actor_rollout_ref.rollout
+        with timer("offload"):
+            self.park(self.parking)
+        if rollout.free_cache_engine:
+            with timer("engine"):  # the engine's memory comes back (and training's cache goes)
+                if ps.device.type == "cuda":
+                    torch.cuda.empty_cache()  # training's cached blocks go back to the device
+                self.engine.resume_memory()
+        if self.weights_stale:
+            with timer("reshard"):
+                bucket_mb, dtype = rollout.update_weights_bucket_megabytes, engine_dtype(rollout.dtype, ps)
+                synced = sync_weights(self.actor, ps, self.engine, bucket_mb, dtype)
+            timer.add("reshard_check", synced["check_seconds"])  # the integrity check's share of it
+            self.weights_stale = False
+        if self.plan.parks("actor", "params"):
+            with timer("offload"):
+                self.parking.park(self.actor.parameters())
+        with timer("gen"):
+            try:
+                gens = self.generator.run(self.engine, prompt_ids, params, items)
+            except EngineFailure as e:  # raised on every rank the failed generator serves
+                return None, e
+            self.generator.record(request, gens)
+        return gens, None
+
+    def policy_updated(self, step: int, timer: Timer) -> None:
+        self.trained, self.weights_stale = step, True
+
+    def step_metrics(self, step: int) -> dict[str, float]:
+        """perf/parked_gb and perf/offload/* (run.memory_plan); multi_turn/*: the episodes of this step's
+        training rollouts (rollout/agent/agent_loop.EpisodeStats)."""
+        out = self.plan.metrics(self.parking.last_parked_bytes)
+        if self.engine_restarts:
+            out["rollout/engine_restarts"] = float(self.engine_restarts)
+        return {**out, **self.generator.metrics(self.ps)}
+
+    def shutdown(self) -> None:
+        self.generator.shutdown()
+        self.engine.shutdown()

@@ -1,0 +1,10 @@
+"""Multi-turn episodes on the rollout engine (actor_rollout_ref.rollout.multi_turn), each module imported
+only when a run asks for episodes:
+
+    agent_loop.py       the built-in loop: turns, tool calls and a simulated user (AgentLoop, EpisodeStats)
+    tools.py            the tools and interactions (verl's classes and config files); tool_formats.py
+                        parses the model's tool calls (hermes, llama3_json)
+    agent_function.py   a user's harness (multi_turn.agent_function) driving each episode through
+    openai_server.py    an OpenAI-compatible endpoint on the in-process engine; openai_http.py its
+                        HTTP side, openai_request.py the checks and shape of a request and its reply
+"""
