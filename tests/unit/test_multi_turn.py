@@ -153,6 +153,9 @@ def test_verl_tool_config_loads_unchanged(tmp_path):
     iid, _ = asyncio.run(tool.create())
     resp, reward, _ = asyncio.run(tool.execute(iid, {"expression": "(3 + 4) * 12"}))
     assert resp.text == "84" and reward == 0.0
+    # a config written before the tools moved to rollout/agent/ names the same class
+    path.write_text(VERL_GSM8K_TOOL_CONFIG.format(cls="megatron_rl.rollout.tools.CalculatorTool"))
+    assert type(load_tools(str(path))["calc_gsm8k_reward"]) is type(tool)
     # verl's own class: a one-line error naming the file and the class when verl is not installed
     path.write_text(VERL_GSM8K_TOOL_CONFIG.format(cls="verl.tools.gsm8k_tool.Gsm8kTool"))
     try:
