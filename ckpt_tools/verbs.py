@@ -182,22 +182,19 @@ def mcore_to_hf(a: argparse.Namespace) -> int:
 
 
 class _Merged:
-    """An HF tensor source with LoRA adapters merged in: W + scale * B @ A for every adapted weight
-    (``tensors``: PEFT's, as models.lora.peft_tensors names them)."""
+    """An HF tensor source with LoRA adapters merged in: W + ``deltas[name]`` for every adapted weight
+    (models.lora.hf_deltas)."""
 
-    def __init__(self, reader, tensors: dict, scale: float) -> None:
-        self.reader, self.tensors, self.scale = reader, tensors, scale
+    def __init__(self, reader, deltas: dict) -> None:
+        self.reader, self.deltas = reader, deltas
 
     def keys(self) -> list[str]:
         return self.reader.keys()
 
     def get(self, name: str):
         w = self.reader.get(name)
-        lora = f"base_model.model.{name.removesuffix('.weight')}.lora_"
-        if f"{lora}A.weight" not in self.tensors:
-            return w
-        a, b = self.tensors[f"{lora}A.weight"].float(), self.tensors[f"{lora}B.weight"].float()
-        return (w.float() + self.scale * (b @ a)).to(w.dtype)
+        delta = self.deltas.get(name)
+        return w if delta is None else (w.float() + delta).to(w.dtype)
 
     def read(self, piece, dim: int | None):
         t = self.get(piece.hf_name)
@@ -213,22 +210,27 @@ def export_peft(a: argparse.Namespace) -> int:
 
     from ckpt_tools.hf_writer import parse_size, write_hf
     from megatron_rl.models.loading import load_model_args_any, open_reader
-    from megatron_rl.models.lora import peft_config, peft_tensors, read_adapters
+    from megatron_rl.models.lora import hf_deltas, peft_config, peft_tensors, read_adapters
     from megatron_rl.weights.hf_io import copy_side_files
 
     with _parallel(1, 1):  # dist_checkpointing needs a world
-        spec, adapters = read_adapters(a.ckpt)
+        spec, adapters, experts = read_adapters(a.ckpt)
         args = load_model_args_any(a.ckpt)
-        tensors = peft_tensors(args, adapters)
         base = a.base or spec.base
         if a.merged:
             reader = open_reader(base, args)
             dtype = reader.get(reader.keys()[0]).dtype
-            merged = _Merged(reader, tensors, spec.scale)
+            merged = _Merged(reader, hf_deltas(args, spec, adapters, experts))
             files = write_hf(merged, args, a.out, parse_size(a.max_shard_size), dtype=dtype)
             copied = copy_side_files([base, *_side_dirs(a.ckpt)], a.out)
             print(f"wrote HF model {shown_out(a)}: {base} + {a.ckpt}'s adapters: {files}; copied {copied}")
             return 0
+        if experts:
+            raise ValueError(
+                f"{a.ckpt} holds adapters on routed experts, which have no PEFT layout here: export the "
+                "merged model with --merged"
+            )
+        tensors = peft_tensors(args, adapters)
     os.makedirs(a.out, exist_ok=True)
     save_file(tensors, os.path.join(a.out, "adapter_model.safetensors"), metadata={"format": "pt"})
     targets = sorted({k.split(".")[-3] for k in tensors})

@@ -72,10 +72,16 @@ class GroupedExperts(MegatronModule):
             x, probs = (probs.unsqueeze(-1) * x).to(x.dtype), torch.ones_like(probs)
         # grouped_mm's group boundaries: the end row of each expert's tokens, int32 on x's device.
         offs = torch.cumsum(tokens_per_expert.to(device=x.device), 0, dtype=torch.int32)
+        lora = getattr(self, "lora", None)  # models.lora.ExpertAdapters: each expert's adapters
         h = _grouped_mm(x, self.weight1.transpose(1, 2), offs)  # [N, 2F/ETP]
-        h = self._activation(h)
-        h = (h * probs.unsqueeze(-1)).to(x.dtype)  # the router's weight, applied as MLP's per_token_scale
-        return _grouped_mm(h, self.weight2.transpose(1, 2), offs), None  # [N, H]
+        if lora is not None and lora.enabled:
+            h = h + lora(x, offs, 1)
+        a = self._activation(h)
+        a = (a * probs.unsqueeze(-1)).to(x.dtype)  # the router's weight, applied as MLP's per_token_scale
+        out = _grouped_mm(a, self.weight2.transpose(1, 2), offs)  # [N, H]
+        if lora is not None and lora.enabled:
+            out = out + lora(a, offs, 2)
+        return out, None
 
     def _activation(self, h: torch.Tensor) -> torch.Tensor:
         """megatron's unfused MLP activation (its GLU with the optional clamp and linear offset)."""
@@ -126,6 +132,10 @@ class GroupedExperts(MegatronModule):
 
         fc1_key, fc2_key = f"{prefix}experts.linear_fc1.weight", f"{prefix}experts.linear_fc2.weight"
         out = {f"{prefix}weight2": sharded(fc2_key, self.weight2, (axis + 2, etp_rank, etp))}
+        lora = getattr(self, "lora", None)
+        if lora is not None:  # expert TP is 1 with adapters (models.lora): whole matrices per expert
+            for name, t in lora.named_parameters():
+                out[f"{prefix}lora.{name}"] = sharded(f"{prefix}experts.lora.{name}", t)
         if not self.config.gated_linear_unit:
             out[f"{prefix}weight1"] = sharded(fc1_key, self.weight1, (axis + 1, etp_rank, etp))
             return out

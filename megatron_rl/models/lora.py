@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import functools
 import math
+import re
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +60,21 @@ class LoraSpec:
         return self.alpha / self.rank
 
 
+def mark(p: torch.Tensor, **marks: object) -> None:
+    """Set megatron's parameter marks (``tensor_model_parallel``, ``partition_dim``,
+    ``sequence_parallel``, ``allreduce``, ...), which its DDP, grad norm and finalize_model_grads read."""
+    for k, v in marks.items():
+        setattr(p, k, v)
+
+
+def init_a(rank: int, fan_in: int, init: str, seed: int) -> torch.Tensor:
+    """A [r, in] (fp32): uniform with xavier's or kaiming's bound, from a stream seeded by the adapted
+    matrix's global name (``seed``), so that no layout changes it."""
+    gen = torch.Generator().manual_seed(seed)
+    bound = math.sqrt(6.0 / (fan_in + rank)) if init == "xavier" else 1.0 / math.sqrt(fan_in)
+    return (torch.rand(rank, fan_in, generator=gen, dtype=torch.float32) * 2 - 1) * bound
+
+
 class LoRAAdapter(nn.Module):
     """One linear's adapter (module docstring); ``parallel``: "column" or "row"."""
 
@@ -83,24 +100,18 @@ class LoRAAdapter(nn.Module):
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.enabled = True
         in_full = in_local * (tp_size if parallel == "row" else 1)
-        # A: uniform over the full [r, in] matrix (xavier's or kaiming's bound), from a stream seeded by
-        # the layer's global name, then this rank's columns: the same adapter at every TP size.
-        gen = torch.Generator().manual_seed(seed)
-        bound = math.sqrt(6.0 / (in_full + rank)) if init == "xavier" else 1.0 / math.sqrt(in_full)
-        a_full = (torch.rand(rank, in_full, generator=gen, dtype=torch.float32) * 2 - 1) * bound
+        # A over the full [r, in] matrix, then this rank's columns: the same adapter at every TP size
+        a_full = init_a(rank, in_full, init, seed)
         if parallel == "row":
             a_full = a_full[:, tp_rank * in_local : (tp_rank + 1) * in_local]
         self.A = nn.Parameter(a_full.to(device=w.device, dtype=w.dtype).contiguous())
         self.B = nn.Parameter(torch.zeros(out_local, rank, device=w.device, dtype=w.dtype))
         split, whole = (self.B, self.A) if parallel == "column" else (self.A, self.B)
-        # megatron's marks (its DDP, grad norm and finalize_model_grads read them); the replicated
-        # factor sees 1/TP of the tokens under sequence parallelism (module docstring)
-        for p, marks in (
-            (split, {"tensor_model_parallel": tp_size > 1, "partition_dim": int(parallel == "row")}),
-            (whole, {"tensor_model_parallel": False, "sequence_parallel": self.sequence_parallel}),
-        ):
-            for k, v in {"partition_stride": 1, **marks}.items():
-                setattr(p, k, v)
+        # the replicated factor sees 1/TP of the tokens under sequence parallelism (module docstring)
+        mark(split, tensor_model_parallel=tp_size > 1, partition_dim=int(parallel == "row"))
+        mark(whole, tensor_model_parallel=False, sequence_parallel=self.sequence_parallel)
+        for p in (split, whole):
+            mark(p, partition_stride=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: the linear's input -> the adapter's share of its output (same shape as W x)."""
@@ -137,6 +148,61 @@ class LoRAAdapter(nn.Module):
         return out
 
 
+class ExpertAdapters(nn.Module):
+    """LoRA on each routed expert of a GroupedExperts (expert TP 1): fc1 W1[e] [2F, H] with A1[e] [r, H]
+    and B1[e] [2F, r] ([gate; up] rows, as W1's), fc2 W2[e] [H, F] with A2[e] [r, F] and B2[e] [H, r];
+    each expert's rows take its own adapter through the same grouped matmuls as the weights. Reduced
+    over the expert-data-parallel group, as the experts' weights (``allreduce``)."""
+
+    def __init__(
+        self,
+        experts: Any,
+        targets: tuple[str, ...],
+        rank: int,
+        scale: float,
+        dropout: float,
+        init: str,
+        seeds: list[tuple[int, int]],
+    ) -> None:
+        """``seeds``: (fc1, fc2) seed of each local expert, from its global name."""
+        super().__init__()
+        self.scale, self.enabled = scale, True
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        w1, w2 = experts.weight1, experts.weight2  # [E, 2F, H], [E, H, F]
+        self.local_experts = experts.num_local_experts
+        self.fc1 = "linear_fc1" in targets
+        self.fc2 = "linear_fc2" in targets
+        for which, w, on in ((1, w1, self.fc1), (2, w2, self.fc2)):
+            if not on:
+                continue
+            e, rows, cols = w.shape
+            a = torch.stack([init_a(rank, cols, init, sd[which - 1]) for sd in seeds])
+            A = nn.Parameter(a.to(device=w.device, dtype=w.dtype))
+            B = nn.Parameter(torch.zeros(e, rows, rank, device=w.device, dtype=w.dtype))
+            for p in (A, B):
+                mark(p, allreduce=w.allreduce)  # reduced over the expert-data-parallel group
+            setattr(self, f"A{which}", A)
+            setattr(self, f"B{which}", B)
+
+    def forward(self, x: torch.Tensor, offs: torch.Tensor, which: int) -> torch.Tensor | None:
+        """x [N, in] sorted by local expert -> the adapters' share of projection ``which`` [N, out], or
+        None (switched off, or no adapter on that projection)."""
+        from megatron_rl.models.experts import _grouped_mm
+
+        if not self.enabled or not (self.fc1 if which == 1 else self.fc2):
+            return None
+        A, B = getattr(self, f"A{which}"), getattr(self, f"B{which}")
+        if torch.is_grad_enabled():
+            x = self.dropout(x)
+        h = _grouped_mm(x, A.transpose(1, 2), offs)  # [N, r]
+        return _grouped_mm(h, B.transpose(1, 2), offs) * self.scale
+
+    def delta(self, which: int, j: int) -> torch.Tensor:
+        """scale * B[j] @ A[j] of local expert ``j``'s projection ``which`` (W's layout and dtype)."""
+        A, B = getattr(self, f"A{which}")[j], getattr(self, f"B{which}")[j]
+        return (B.float() @ A.float() * self.scale).to(A.dtype)
+
+
 def _hook(adapter: LoRAAdapter):
     def add(module: nn.Module, args: tuple, kwargs: dict, output):
         if not adapter.enabled:
@@ -149,12 +215,11 @@ def _hook(adapter: LoRAAdapter):
 
 
 def check_model(args, key: str) -> None:
-    """LoRA covers dense decoder layers with grouped-query attention."""
-    if args.is_moe or args.mla is not None:
-        what = "mixture-of-experts" if args.is_moe else "multi-latent-attention"
+    """LoRA covers grouped-query attention, dense MLPs and (grouped) experts."""
+    if args.mla is not None:
         raise ValueError(
-            f"{key}.rank > 0: LoRA adapters are offered for dense models; this {what} model "
-            f"({args.arch}) trains without them: set {key}.rank=0."
+            f"{key}.rank > 0: LoRA adapters are not offered for multi-latent attention ({args.arch}): "
+            f"set {key}.rank=0."
         )
 
 
@@ -163,6 +228,7 @@ def add_adapters(model: Any, spec: LoraConfig, ps: ParallelState, key: str, base
     trained. ``key``: the config section (error lines); ``base``: the model's path (recorded)."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
+    from megatron_rl.models.experts import GroupedExperts
     from megatron_rl.weights.tables import global_layer_name
 
     check_model(model.args, key)
@@ -174,9 +240,17 @@ def add_adapters(model: Any, spec: LoraConfig, ps: ParallelState, key: str, base
             p.requires_grad_(True)
     added = 0
     for name, module in list(model.named_modules()):
+        if isinstance(module, GroupedExperts):
+            added += _add_expert_adapters(model, name, module, spec, ps, key, targets, seed)
+            continue
         leaf = name.rsplit(".", 1)[-1]
         if leaf not in targets or not isinstance(module, ColumnParallelLinear | RowParallelLinear):
             continue
+        if ".experts.local_experts." in name:
+            raise ValueError(
+                f"{key}: adapters on routed experts need grouped experts: set "
+                "*.megatron.override_transformer_config.moe_grouped_gemm=true (the default)."
+            )
         full = global_layer_name(name, model.layer_offset)
         if any(p == leaf or fnmatch.fnmatchcase(full, p) for p in spec.exclude_modules):
             continue
@@ -211,6 +285,39 @@ def add_adapters(model: Any, spec: LoraConfig, ps: ParallelState, key: str, base
     model.lora = LoraSpec(spec.rank, spec.alpha, targets, base)
 
 
+def _add_expert_adapters(
+    model: Any, name: str, experts: Any, spec: LoraConfig, ps: ParallelState, key: str, targets, seed: int
+) -> int:
+    """Adapters on one GroupedExperts' local experts (``name``: its module name); how many linears."""
+    from megatron_rl.weights.tables import global_expert_name, global_layer_name
+
+    wanted = tuple(t for t in ("linear_fc1", "linear_fc2") if t in targets)
+    prefix = global_layer_name(name, model.layer_offset)  # decoder.layers.{i}.mlp.experts
+    wanted = tuple(
+        t for t in wanted if not any(fnmatch.fnmatchcase(prefix, p) or p == t for p in spec.exclude_modules)
+    )
+    if not wanted:
+        return 0
+    if ps.etp_size > 1:
+        raise ValueError(
+            f"{key}: adapters on routed experts need expert_tensor_parallel_size=1; set "
+            "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1 (or "
+            f"{key}.exclude_modules=['*.experts'])."
+        )
+    seeds = []
+    for j in range(experts.num_local_experts):
+        g = global_expert_name(f"{prefix}.local_experts.{j}", model.expert_offset)
+        seeds.append(
+            (zlib.crc32(f"{seed}:{g}.linear_fc1".encode()), zlib.crc32(f"{seed}:{g}.linear_fc2".encode()))
+        )
+    scale = spec.alpha / spec.rank
+    experts.add_module(
+        "lora",
+        ExpertAdapters(experts, wanted, spec.rank, scale, spec.dropout, spec.lora_A_init_method, seeds),
+    )
+    return len(wanted) * experts.num_local_experts
+
+
 def adapters(model: Any) -> Iterator[tuple[str, LoRAAdapter]]:
     """(the adapted linear's local name, its adapter) for every adapter of ``model``."""
     for name, module in model.named_modules():
@@ -226,7 +333,8 @@ def is_adapter_param(name: str) -> bool:
 @contextlib.contextmanager
 def adapters_disabled(model: Any) -> Iterator[None]:
     """Run ``model`` as its base (the reference policy of a LoRA actor)."""
-    found = [a for _, a in adapters(model)]
+    found: list[Any] = [a for _, a in adapters(model)]
+    found += [m for m in model.modules() if isinstance(m, ExpertAdapters)]
     for a in found:
         a.enabled = False
     try:
@@ -241,17 +349,30 @@ class MergedParams(Mapping):
     when read (one weight at a time: never a second copy of the model)."""
 
     def __init__(self, model: Any, params: dict[str, torch.Tensor]) -> None:
-        from megatron_rl.weights.tables import global_layer_name
+        from megatron_rl.weights.tables import global_expert_name, global_layer_name
 
         self.params = params
-        self.deltas = {
-            global_layer_name(f"{name}.weight", model.layer_offset): a for name, a in adapters(model)
+        self.deltas: dict[str, Callable[[], torch.Tensor]] = {
+            global_layer_name(f"{name}.weight", model.layer_offset): a.delta for name, a in adapters(model)
         }
+        for name, module in model.named_modules():
+            if isinstance(module, ExpertAdapters):  # {...}.mlp.experts.lora: each expert's fc1 / fc2
+                experts = global_layer_name(name.removesuffix(".lora"), model.layer_offset)
+                for j in range(module.local_experts):
+                    for which, on in ((1, module.fc1), (2, module.fc2)):
+                        local = f"{experts}.local_experts.{j}.linear_fc{which}.weight"
+                        if on:
+                            g = global_expert_name(local, model.expert_offset)
+                            self.deltas[g] = functools.partial(module.delta, which, j)
+
+    @property
+    def experts_adapted(self) -> bool:
+        return any(".local_experts." in n for n in self.deltas)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         w = self.params[name]
-        a = self.deltas.get(name)
-        return w if a is None else w + a.delta()
+        delta = self.deltas.get(name)
+        return w if delta is None else w + delta()
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.params)
@@ -305,8 +426,6 @@ def load_peft(model: Any, path: str, ps: ParallelState, key: str) -> None:
 
     from safetensors.torch import load_file
 
-    from megatron_rl.weights.tables import global_layer_name, param_layouts
-
     files = [os.path.join(path, f) for f in ("adapter_config.json", "adapter_model.safetensors")]
     if not all(os.path.isfile(f) for f in files):
         raise FileNotFoundError(
@@ -321,13 +440,26 @@ def load_peft(model: Any, path: str, ps: ParallelState, key: str) -> None:
             f"{key}={path}: its adapters have r={saved.get('r')}, lora_alpha={saved.get('lora_alpha')}; set "
             f"{key.rsplit('.', 1)[0]}.rank / .alpha to them."
         )
-    tensors = load_file(files[1])
+    if any(isinstance(m, ExpertAdapters) for m in model.modules()):
+        raise ValueError(
+            f"{key}={path}: PEFT directories hold no adapters of routed experts here: leave it unset, "
+            "or exclude the experts (exclude_modules=['*.experts'])."
+        )
+    fill_from_peft(model, load_file(files[1]), ps, f"{key}={path}")
+
+
+@torch.no_grad()
+def fill_from_peft(model: Any, tensors: dict[str, torch.Tensor], ps: ParallelState, where: str) -> None:
+    """This rank's shard of every linear's adapter from PEFT's tensors (:func:`load_peft`); ``where``
+    names the source in errors."""
+    from megatron_rl.weights.tables import global_layer_name, param_layouts
+
     layouts = {lay.name: lay for lay in param_layouts(model.args, ps.tp_size)}
 
     def get(hf_name: str, which: str) -> torch.Tensor:
         name = f"base_model.model.{hf_name.removesuffix('.weight')}.lora_{which}.weight"
         if name not in tensors:
-            raise KeyError(f"{key}={path}: no {name} (the adapters of this model's targets)")
+            raise KeyError(f"{where}: no {name} (the adapters of this model's targets)")
         return tensors[name]
 
     for name, a in adapters(model):
@@ -338,7 +470,7 @@ def load_peft(model: Any, path: str, ps: ParallelState, key: str) -> None:
             shared = [get(pc.hf_name, "A") for pc in pieces]
             if any(not torch.equal(x, shared[0]) for x in shared):
                 raise ValueError(
-                    f"{key}={path}: {name} is one fused linear here; the adapters of its HF projections "
+                    f"{where}: {name} is one fused linear here; the adapters of its HF projections "
                     f"({', '.join(sorted({pc.hf_name for pc in pieces}))}) have different A matrices"
                 )
             w = shared[0]
@@ -349,9 +481,16 @@ def load_peft(model: Any, path: str, ps: ParallelState, key: str) -> None:
         a.B.copy_(b)
 
 
-def read_adapters(path: str) -> tuple[LoraSpec, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-    """A LoRA model's torch_dist checkpoint (what a trainer checkpoint's actor/ holds) -> its spec and
-    full (TP=1) adapters {global linear name: (A, B)}, read without building the model. Needs
+Adapters = dict[str, tuple[torch.Tensor, torch.Tensor]]
+"""{global linear name (``decoder.layers.3.self_attention.linear_qkv``): (A, B)}, full (TP=1) matrices."""
+ExpertAdapterSet = dict[str, dict[str, torch.Tensor]]
+"""{``decoder.layers.{i}.mlp.experts``: {"A1": [E, r, H], "B1": [E, 2F, r], "A2": [E, r, F],
+"B2": [E, H, r]}}."""
+
+
+def read_adapters(path: str) -> tuple[LoraSpec, Adapters, ExpertAdapterSet]:
+    """A LoRA model's torch_dist checkpoint (what a trainer checkpoint's actor/ holds) -> its spec, its
+    linears' adapters and its routed experts' adapters, read without building the model. Needs
     torch.distributed (a world of one)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
@@ -369,23 +508,60 @@ def read_adapters(path: str) -> tuple[LoraSpec, dict[str, tuple[torch.Tensor, to
     meta, _ = check_torch_dist(loc.ckpt_dir)
     sharded = {}
     for key, md in meta.state_dict_metadata.items():
-        if isinstance(md, TensorStorageMetadata) and key.endswith((f"{SUFFIX}.A", f"{SUFFIX}.B")):
+        if isinstance(md, TensorStorageMetadata) and (
+            key.endswith((f"{SUFFIX}.A", f"{SUFFIX}.B")) or ".lora." in key
+        ):
             size, dtype = tuple(md.size), md.properties.dtype
             zero = (0,) * len(size)
             empty = torch.empty(size, dtype=dtype)
             sharded[key] = ShardedTensor(key, empty, dtype, size, size, zero, axis_fragmentations=None)
     with torch.serialization.safe_globals(safe_globals()):
         loaded = dist_checkpointing.load(sharded, loc.ckpt_dir)
-    # dense layers are stacked: decoder.layers.<module>_lora.{A,B} [num_layers, ...]
-    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    for key, a in loaded.items():
-        if not key.endswith(".A"):
-            continue
-        b = loaded[key[:-1] + "B"]
-        module = key.removeprefix("decoder.layers.").removesuffix(f"{SUFFIX}.A")
-        for i in range(a.shape[0]):
-            out[f"decoder.layers.{i}.{module}"] = (a[i], b[i])
-    return spec, out
+    # dense layers are stacked (decoder.layers.<module> [num_layers, ...]), MoE models' layers are saved
+    # one by one (decoder.layers.{i}.<module>); an expert stack is experts.experts.lora.* [E, ...]
+    flat: dict[str, torch.Tensor] = {}
+    for key, t in loaded.items():
+        if re.match(r"decoder\.layers\.\d+\.", key) or not key.startswith("decoder.layers."):
+            flat[key] = t
+        else:
+            rest = key.removeprefix("decoder.layers.")
+            flat.update({f"decoder.layers.{i}.{rest}": t[i] for i in range(t.shape[0])})
+    linears: Adapters = {}
+    experts: ExpertAdapterSet = {}
+    for name, t in flat.items():
+        if name.endswith(f"{SUFFIX}.A"):
+            linears[name.removesuffix(f"{SUFFIX}.A")] = (t, flat[name[:-1] + "B"])
+        elif ".experts.experts.lora." in name:
+            module, which = name.split(".experts.lora.")
+            experts.setdefault(module, {})[which] = t
+    return spec, linears, experts
+
+
+def hf_deltas(
+    model_args, spec: LoraSpec, linears: Adapters, experts: ExpertAdapterSet
+) -> dict[str, torch.Tensor]:
+    """scale * B @ A (fp32) of every adapted HF weight, by its HF name: what ``ckpt_tools export-peft
+    --merged`` adds to the base."""
+    from megatron_rl.weights.tables import TABLES, layer_index
+
+    out: dict[str, torch.Tensor] = {}
+    tensors = peft_tensors(model_args, linears)
+    for key, a in tensors.items():
+        if key.endswith(".lora_A.weight"):
+            module = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+            b = tensors[key.replace(".lora_A.", ".lora_B.")]
+            out[f"{module}.weight"] = spec.scale * (b.float() @ a.float())
+    t, f = TABLES[model_args.arch], model_args.moe_ffn_hidden_size
+    for module, ab in experts.items():
+        i = layer_index(module)
+        count = next(v for k, v in ab.items() if k.startswith("A")).shape[0]
+        for e in range(count):
+            if "A1" in ab:  # [gate; up] rows
+                d = spec.scale * (ab["B1"][e].float() @ ab["A1"][e].float())
+                out[t.expert_gate.format(i=i, e=e)], out[t.expert_up.format(i=i, e=e)] = d[:f], d[f:]
+            if "A2" in ab:
+                out[t.expert_down.format(i=i, e=e)] = spec.scale * (ab["B2"][e].float() @ ab["A2"][e].float())
+    return out
 
 
 def peft_config(spec: LoraSpec, target_hf: list[str], base: str) -> dict:

@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -181,7 +181,8 @@ def iter_hf_buckets(
     mine = [b for b in plan if b.stage == ps.pp_rank]
     experts = _ExpertGather(args, ps) if args.is_moe else None
     # GroupedExperts: an expert's weights are slices of one [E_local, rows, cols] tensor per projection
-    grouped = any(
+    # (LoRA on the experts: each expert's merged weight is read one by one instead)
+    grouped = not getattr(values, "experts_adapted", False) and any(
         v._base is not None and v._base.dim() == 3 for n, v in params.items() if ".local_experts." in n
     )
 
@@ -230,7 +231,7 @@ def iter_hf_buckets(
                     off += p.numel()
             if experts is not None and any(s.layout.expert is not None for s in b.params):
                 if not (grouped and _gather_expert_stacks(b, experts, params, send, recv, flat, ps)):
-                    _gather_experts(b, experts, params, send, recv, views, ps)
+                    _gather_experts(b, experts, values, send, recv, views, ps)
             for s in b.params:
                 if s.layout.expert is None and not (tp > 1 and s.layout.dim is not None):
                     scatter_shard(s.layout, 0, values[s.layout.name], views)  # replicated or TP=1
@@ -310,7 +311,7 @@ def _gather_expert_stacks(
 def _gather_experts(
     b: BucketPlan,
     experts: _ExpertGather,
-    params: dict[str, torch.Tensor],
+    params: Mapping[str, torch.Tensor],
     send: torch.Tensor,
     recv: torch.Tensor,
     views: dict[str, torch.Tensor],

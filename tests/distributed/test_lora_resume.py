@@ -1,7 +1,8 @@
-"""LoRA through the whole loop (CPU, TP=2 over two gloo ranks): the actor and the critic with adapters,
-the KL loss against the reference (the actor without its adapters: no reference weights are built).
-Four steps in one run equal 2 + 2 steps resumed from a checkpoint, bit for bit; the checkpoints hold
-the adapters (and the critic's value head), never the base weights, and the adapters move."""
+"""LoRA through the whole loop (CPU, two gloo ranks): the actor and the critic with adapters, the KL loss
+against the reference (the actor without its adapters: no reference weights are built), on the dense
+demo (TP=2) and the MoE demo (EP=2, adapters on every routed expert). Four steps in one run equal 2 + 2
+steps resumed from a checkpoint, bit for bit; the checkpoints hold the adapters (and the critic's value
+head), never the base weights, and the adapters move."""
 
 import pytest
 import torch
@@ -12,15 +13,19 @@ from tests.distributed.test_trainer import metrics, stable, torch_dist_tensors
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    return prepare(str(tmp_path_factory.mktemp("demo")))
+    return prepare(str(tmp_path_factory.mktemp("demo")), moe=True)
 
 
-def overrides(demo, out_dir, steps: int) -> list[str]:
+CONFIGS = {"dense": ("yaml/cpu_demo.yaml", "model"), "moe": ("yaml/cpu_demo_moe.yaml", "model_moe")}
+
+
+def overrides(demo, out_dir, steps: int, kind: str) -> list[str]:
+    config, model = CONFIGS[kind]
     kw = {
         "data.train_files": f"[{demo['train']}]",
         "data.val_files": f"[{demo['test']}]",
         "data.train_batch_size": 16,
-        "actor_rollout_ref.model.path": demo["model"],
+        "actor_rollout_ref.model.path": demo[model],
         "actor_rollout_ref.model.lora.rank": 4,
         "actor_rollout_ref.actor.use_kl_loss": True,
         "actor_rollout_ref.actor.ppo_mini_batch_size": 8,
@@ -34,14 +39,15 @@ def overrides(demo, out_dir, steps: int) -> list[str]:
         "trainer.resume_mode": "auto",
         "trainer.total_training_steps": steps,
     }
-    return ["--config", "yaml/cpu_demo.yaml", *(f"{k}={v}" for k, v in kw.items())]
+    return ["--config", config, *(f"{k}={v}" for k, v in kw.items())]
 
 
-def test_lora_resume_is_bit_exact(demo, tmp_path, torchrun):
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_lora_resume_is_bit_exact(demo, tmp_path, torchrun, kind):
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
-    torchrun("train.py", 2, overrides(demo, straight, 4))
-    torchrun("train.py", 2, overrides(demo, split, 2))
-    torchrun("train.py", 2, overrides(demo, split, 4))
+    torchrun("train.py", 2, overrides(demo, straight, 4, kind))
+    torchrun("train.py", 2, overrides(demo, split, 2, kind))
+    torchrun("train.py", 2, overrides(demo, split, 4, kind))
     a, b = metrics(straight), metrics(split)
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     assert all("actor/kl_loss" in r and "timing_s/ref" in r for r in a), sorted(a[0])
@@ -51,9 +57,11 @@ def test_lora_resume_is_bit_exact(demo, tmp_path, torchrun):
     for role, extra in (("actor", set()), ("critic", {"output_layer.weight", "output_layer.bias"})):
         first = torch_dist_tensors(f"{split}/global_step_2/{role}")
         wa, wb = (torch_dist_tensors(f"{d}/global_step_4/{role}") for d in (straight, split))
-        adapters = {k for k in wa if k.endswith(("_lora.A", "_lora.B"))}
+        adapters = {k for k in wa if k.endswith(("_lora.A", "_lora.B")) or ".lora." in k}
         assert adapters and set(wa) == adapters | extra, sorted(wa)[:8]
         assert wa.keys() == wb.keys()
         for k in wa:
             assert torch.equal(wa[k], wb[k]), f"{role}.{k} differs"
         assert any(not torch.equal(wa[k], first[k]) for k in adapters), f"the {role}'s adapters never moved"
+        if kind == "moe" and role == "actor":
+            assert any(".experts.lora." in k for k in adapters), sorted(adapters)
