@@ -24,6 +24,7 @@ from torch import nn
 from megatron_rl import cpu_bridge
 from megatron_rl.config.layout import pipeline_split
 from megatron_rl.model_args import ModelArgs
+from megatron_rl.models.mla import duplicated_linear
 from megatron_rl.parallel import ParallelState
 from megatron_rl.weights.hf_io import HFReader, assemble_shard
 from megatron_rl.weights.tables import TABLES, global_expert_name, global_layer_name, iter_stage_layouts
@@ -288,6 +289,7 @@ def build_model(
         attn = sub.self_attention.submodules
         if mla:
             attn.q_layernorm = attn.kv_layernorm = RMSNorm
+            attn.linear_q_down_proj = attn.linear_kv_down_proj = duplicated_linear()
         elif args.qk_norm:
             attn.q_layernorm = attn.k_layernorm = RMSNorm
         if sdpa or mla:  # megatron's local DotProductAttention has no separate value width (MLA's)

@@ -264,8 +264,8 @@ def _gqa(args: ModelArgs, t: ArchTable, i: int, tp: int, p: str) -> list[ParamLa
 
 
 def _mla(args: ModelArgs, t: ArchTable, i: int, tp: int, p: str) -> list[ParamLayout]:
-    """Multi-latent attention as megatron-core's local spec shards it: every projection column-parallel
-    (the down projections too: their outputs are gathered over TP before the norms), heads split
+    """Multi-latent attention as this project builds it: the down projections whole on every TP rank
+    (models.mla.DuplicatedLinear), the up projections column-parallel with the heads split
     contiguously over TP, ``linear_proj`` row-parallel. The rotary dims stay interleaved as DeepSeek
     stores them: megatron's MLA de-interleaves them before rotating, as transformers does."""
     m, heads = args.mla, args.num_heads
@@ -277,12 +277,12 @@ def _mla(args: ModelArgs, t: ArchTable, i: int, tp: int, p: str) -> list[ParamLa
         out.append(_split(t.q.format(i=i) + ".weight", heads * qk, tp, 0, f"{a}linear_q_proj.weight"))
     else:
         r = m.q_lora_rank
-        out.append(_split(t.q_a.format(i=i), r, tp, 0, f"{a}linear_q_down_proj.weight"))
+        out.append(_split(t.q_a.format(i=i), r, tp, None, f"{a}linear_q_down_proj.weight"))
         out.append(_split(t.q_a_norm.format(i=i), r, tp, None, f"{a}q_layernorm.weight"))
         up = _split(t.q_b.format(i=i), heads * qk, tp, 0, f"{a}linear_q_up_proj.weight")
         out.append(dataclasses.replace(up, width=r))
     kv_rows = m.kv_lora_rank + m.qk_rope_head_dim
-    out.append(_split(t.kv_a.format(i=i), kv_rows, tp, 0, f"{a}linear_kv_down_proj.weight"))
+    out.append(_split(t.kv_a.format(i=i), kv_rows, tp, None, f"{a}linear_kv_down_proj.weight"))
     out.append(_split(t.kv_a_norm.format(i=i), m.kv_lora_rank, tp, None, f"{a}kv_layernorm.weight"))
     kv_up = _split(t.kv_b.format(i=i), heads * (m.qk_nope_head_dim + m.v_head_dim), tp, 0, "")
     out.append(dataclasses.replace(kv_up, name=f"{a}linear_kv_up_proj.weight", width=m.kv_lora_rank))

@@ -27,6 +27,7 @@ LAYOUTS = {
     "tp2ep2_sequential": (4, 2, 2, 0.0, "ep1_no_router_loss"),
     "dsv3_ep1": (1, 1, 1, 0.0, None),
     "dsv3_ep2": (2, 1, 2, 0.0, "dsv3_ep1"),
+    "dsv3_tp2ep2": (4, 2, 2, 0.0, "dsv3_ep1"),  # multi-latent attention's gradients at TP > 1
     "glm4_ep1": (1, 1, 1, 0.0, None),
     "glm4_ep2": (2, 1, 2, 0.0, "glm4_ep1"),
     "qwen2moe_ep1": (1, 1, 1, 0.01, None),
@@ -85,7 +86,7 @@ def merged(ranks: list[dict], key: str = "weights") -> tuple[dict[str, torch.Ten
 @pytest.mark.parametrize(
     "layout",
     ["ep2", "dp2", "tp2ep2", "ep1_sequential", "ep2_sequential", "tp2ep2_sequential"]
-    + ["dsv3_ep2", "glm4_ep2", "qwen2moe_ep2"],
+    + ["dsv3_ep2", "dsv3_tp2ep2", "glm4_ep2", "qwen2moe_ep2"],
 )
 def test_update_is_invariant_to_the_expert_layout(runs, layout):
     (ref,) = runs[LAYOUTS[layout][4]]
