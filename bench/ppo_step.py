@@ -275,9 +275,7 @@ def summarize(rows: list[dict], nproc: int) -> dict:
         "max_memory_allocated_gb": max(
             (r.get("perf/max_memory_allocated_gb", 0) for r in rows), default=None
         ),
-        "max_memory_reserved_gb": max(
-            (r.get("perf/max_memory_reserved_gb", 0) for r in rows), default=None
-        ),
+        "max_memory_reserved_gb": max((r.get("perf/max_memory_reserved_gb", 0) for r in rows), default=None),
         "max_device_memory_used_gb": max(
             (r.get("perf/max_device_memory_used_gb", 0) for r in rows), default=None
         ),
