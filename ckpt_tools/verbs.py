@@ -210,7 +210,7 @@ def export_peft(a: argparse.Namespace) -> int:
 
     from ckpt_tools.hf_writer import parse_size, write_hf
     from megatron_rl.models.loading import load_model_args_any, open_reader
-    from megatron_rl.models.lora import hf_deltas, peft_config, peft_tensors, read_adapters
+    from megatron_rl.models.lora_files import hf_deltas, peft_config, peft_tensors, read_adapters
     from megatron_rl.weights.hf_io import copy_side_files
 
     with _parallel(1, 1):  # dist_checkpointing needs a world

@@ -11,6 +11,16 @@ from megatron_rl.config.errors import ConfigError
 LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 """megatron's linear layers of a decoder layer that take adapters (verl's target_modules names)."""
 
+MLA_LINEARS = (
+    "linear_q_proj",
+    "linear_q_down_proj",
+    "linear_q_up_proj",
+    "linear_kv_down_proj",
+    "linear_kv_up_proj",
+)
+"""Multi-latent attention's query and key-value projections (DeepSeek-V3): ``linear_qkv`` stands for
+them on such a model, or they are named one by one."""
+
 HF_NAMES = {
     "q_proj": "linear_qkv",
     "k_proj": "linear_qkv",
@@ -35,7 +45,9 @@ class LoraConfig:
     """Dropout on the adapter's input, in training passes only."""
     target_modules: list[str] = field(default_factory=lambda: list(LINEARS))
     """Linear layers that take an adapter: linear_qkv, linear_proj, linear_fc1, linear_fc2 (or
-    all-linear); HF names are accepted (q_proj, k_proj and v_proj together: one fused linear_qkv)."""
+    all-linear); HF names are accepted (q_proj, k_proj and v_proj together: one fused linear_qkv). On
+    multi-latent attention linear_qkv means its q and kv projections (or name them: linear_q_down_proj,
+    ...)."""
     exclude_modules: list[str] = field(default_factory=list)
     """Linear layers left without an adapter: a target name, or an fnmatch pattern over the module's
     global name (``decoder.layers.0.*``)."""
@@ -56,14 +68,16 @@ def lora_targets(spec: LoraConfig, key: str) -> tuple[str, ...]:
     if isinstance(names, str):
         names = [names]
     if "all-linear" in names:
-        return LINEARS
+        return LINEARS + MLA_LINEARS
     out: list[str] = []
     for name in names:
-        target = name if name in LINEARS else HF_NAMES.get(name)
+        target = name if name in LINEARS + MLA_LINEARS else HF_NAMES.get(name)
         if target is None:
             raise ConfigError(
                 f"{key}.target_modules: unknown module {name!r}; use {', '.join(LINEARS)} or all-linear."
             )
+        if target == "linear_qkv":
+            out += [t for t in MLA_LINEARS if t not in out]
         out += [] if target in out else [target]
     for fused in ("linear_qkv", "linear_fc1"):
         parts = [hf for hf, t in HF_NAMES.items() if t == fused]
@@ -75,7 +89,7 @@ def lora_targets(spec: LoraConfig, key: str) -> tuple[str, ...]:
                 f"{'/'.join(parts)} are one fused {fused} here, which takes one adapter; list all of them "
                 f"(or {fused})."
             )
-    return tuple(t for t in LINEARS if t in out)
+    return tuple(t for t in LINEARS + MLA_LINEARS if t in out)
 
 
 def check_lora(cfg) -> None:

@@ -29,7 +29,6 @@ import contextlib
 import fnmatch
 import functools
 import math
-import re
 import zlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -76,7 +75,8 @@ def init_a(rank: int, fan_in: int, init: str, seed: int) -> torch.Tensor:
 
 
 class LoRAAdapter(nn.Module):
-    """One linear's adapter (module docstring); ``parallel``: "column" or "row"."""
+    """One linear's adapter (module docstring); ``parallel``: "column", "row" or "duplicated" (W whole
+    on every TP rank: multi-latent attention's down projections, models.mla.DuplicatedLinear)."""
 
     def __init__(
         self,
@@ -106,11 +106,15 @@ class LoRAAdapter(nn.Module):
             a_full = a_full[:, tp_rank * in_local : (tp_rank + 1) * in_local]
         self.A = nn.Parameter(a_full.to(device=w.device, dtype=w.dtype).contiguous())
         self.B = nn.Parameter(torch.zeros(out_local, rank, device=w.device, dtype=w.dtype))
-        split, whole = (self.B, self.A) if parallel == "column" else (self.A, self.B)
         # the replicated factor sees 1/TP of the tokens under sequence parallelism (module docstring)
-        mark(split, tensor_model_parallel=tp_size > 1, partition_dim=int(parallel == "row"))
-        mark(whole, tensor_model_parallel=False, sequence_parallel=self.sequence_parallel)
-        for p in (split, whole):
+        if parallel == "duplicated":  # W whole on every rank: so are A and B
+            for p in (self.A, self.B):
+                mark(p, tensor_model_parallel=False, sequence_parallel=self.sequence_parallel)
+        else:
+            split, whole = (self.B, self.A) if parallel == "column" else (self.A, self.B)
+            mark(split, tensor_model_parallel=tp_size > 1, partition_dim=int(parallel == "row"))
+            mark(whole, tensor_model_parallel=False, sequence_parallel=self.sequence_parallel)
+        for p in (self.A, self.B):
             mark(p, partition_stride=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -120,7 +124,9 @@ class LoRAAdapter(nn.Module):
         if torch.is_grad_enabled():  # training passes; log-prob passes run without dropout
             x = self.dropout(x)
         h = nn.functional.linear(x, self.A)  # [s(/TP), b, r]
-        if self.parallel == "column":
+        if self.parallel == "duplicated":
+            pass  # this rank's tokens, whole matrices: nothing to exchange
+        elif self.parallel == "column":
             if self.sequence_parallel:
                 h = tpm.gather_from_sequence_parallel_region(h, group=self.tp_group)  # [s, b, r]
             else:
@@ -141,7 +147,7 @@ class LoRAAdapter(nn.Module):
         from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-        axis = {"B": 0} if self.parallel == "column" else {"A": 1}
+        axis = {"column": {"B": 0}, "row": {"A": 1}, "duplicated": {}}[self.parallel]
         out = make_sharded_tensors_for_checkpoint({"A": self.A, "B": self.B}, prefix, axis, sharded_offsets)
         if self.gated:
             out[f"{prefix}B"] = apply_swiglu_sharded_factory(out[f"{prefix}B"], sharded_offsets)
@@ -214,37 +220,31 @@ def _hook(adapter: LoRAAdapter):
     return add
 
 
-def check_model(args, key: str) -> None:
-    """LoRA covers grouped-query attention, dense MLPs and (grouped) experts."""
-    if args.mla is not None:
-        raise ValueError(
-            f"{key}.rank > 0: LoRA adapters are not offered for multi-latent attention ({args.arch}): "
-            f"set {key}.rank=0."
-        )
-
-
 def add_adapters(model: Any, spec: LoraConfig, ps: ParallelState, key: str, base: str, seed: int) -> None:
     """Freeze ``model`` and add ``spec``'s adapters (module docstring); a critic's value head stays
     trained. ``key``: the config section (error lines); ``base``: the model's path (recorded)."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     from megatron_rl.models.experts import GroupedExperts
+    from megatron_rl.models.mla import DuplicatedLinear
     from megatron_rl.weights.tables import global_layer_name
 
-    check_model(model.args, key)
     targets = lora_targets(spec, key)
     for p in model.parameters():
         p.requires_grad_(False)
     if model.role == "critic" and ps.is_last_stage:
         for p in model.output_layer.parameters():
             p.requires_grad_(True)
-    added = 0
+    linears = (ColumnParallelLinear, RowParallelLinear, DuplicatedLinear)
+    added, found = 0, set[str]()
     for name, module in list(model.named_modules()):
         if isinstance(module, GroupedExperts):
-            added += _add_expert_adapters(model, name, module, spec, ps, key, targets, seed)
+            n = _add_expert_adapters(model, name, module, spec, ps, key, targets, seed)
+            added += n
+            found |= {"routed experts"} if n else set()
             continue
         leaf = name.rsplit(".", 1)[-1]
-        if leaf not in targets or not isinstance(module, ColumnParallelLinear | RowParallelLinear):
+        if leaf not in targets or not isinstance(module, linears):
             continue
         if ".experts.local_experts." in name:
             raise ValueError(
@@ -254,7 +254,7 @@ def add_adapters(model: Any, spec: LoraConfig, ps: ParallelState, key: str, base
         full = global_layer_name(name, model.layer_offset)
         if any(p == leaf or fnmatch.fnmatchcase(full, p) for p in spec.exclude_modules):
             continue
-        parallel = "column" if isinstance(module, ColumnParallelLinear) else "row"
+        parallel = {ColumnParallelLinear: "column", RowParallelLinear: "row"}.get(type(module), "duplicated")
         adapter = LoRAAdapter(
             module,
             parallel,
@@ -271,13 +271,14 @@ def add_adapters(model: Any, spec: LoraConfig, ps: ParallelState, key: str, base
         parent.add_module(leaf + SUFFIX, adapter)
         module.register_forward_hook(_hook(adapter), with_kwargs=True)
         added += 1
+        found.add(leaf)
     if ps.rank == 0:
         trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in model.parameters())
         print(
             f"megatron-rl: LoRA on the {model.role}: rank {spec.rank}, alpha {spec.alpha:g} on "
-            f"{', '.join(targets)} ({added} linears of this stage); {trained:,} of {total:,} parameters "
-            "of rank 0 train, the base is frozen",
+            f"{', '.join(sorted(found))} ({added} linears of this stage); {trained:,} of {total:,} "
+            "parameters of rank 0 train, the base is frozen",
             flush=True,
         )
     if not added:
@@ -386,199 +387,4 @@ def merged_params(model: Any, params: dict[str, torch.Tensor]) -> Mapping[str, t
     return MergedParams(model, params) if getattr(model, "lora", None) is not None else params
 
 
-def peft_tensors(model_args, adapters_by_name: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict:
-    """PEFT's tensors (``base_model.model.<hf module>.lora_{A,B}.weight``) from full (TP=1) adapters
-    {megatron global linear name (``decoder.layers.3.self_attention.linear_qkv``): (A, B)}: a fused
-    linear's B rows go to the HF projections its weight's rows come from (the TP=1 weight table), each
-    with the shared A; a row-parallel linear's A columns likewise."""
-    from megatron_rl.weights.tables import param_layouts
-
-    layouts = {lay.name: lay for lay in param_layouts(model_args, 1)}
-    out: dict[str, torch.Tensor] = {}
-    for name, (a, b) in adapters_by_name.items():
-        lay = layouts[f"{name}.weight"]
-        offset = 0
-        pieces = lay.pieces[0]
-        parts: dict[str, list[tuple[int, torch.Tensor]]] = {}
-        for pc in pieces:
-            n = pc.stop - pc.start
-            src = b if lay.dim == 0 else a
-            block = src[offset : offset + n] if lay.dim == 0 else src[:, offset : offset + n]
-            parts.setdefault(pc.hf_name.removesuffix(".weight"), []).append((pc.start, block))
-            offset += n
-        for module, blocks in parts.items():
-            blocks.sort(key=lambda x: x[0])
-            joined = torch.cat([blk for _, blk in blocks], dim=0 if lay.dim == 0 else 1)
-            key = f"base_model.model.{module}"
-            # clones: each its own storage (safetensors refuses shared ones)
-            out[f"{key}.lora_A.weight"] = (a if lay.dim == 0 else joined).clone()
-            out[f"{key}.lora_B.weight"] = (joined if lay.dim == 0 else b).clone()
-    return out
-
-
-@torch.no_grad()
-def load_peft(model: Any, path: str, ps: ParallelState, key: str) -> None:
-    """Fill ``model``'s adapters from a PEFT LoRA directory (adapter_config.json and
-    adapter_model.safetensors, e.g. from ckpt_tools export-peft): this rank's shard of each, the
-    inverse of :func:`peft_tensors`. The rank and alpha must be the model's."""
-    import json
-    import os
-
-    from safetensors.torch import load_file
-
-    files = [os.path.join(path, f) for f in ("adapter_config.json", "adapter_model.safetensors")]
-    if not all(os.path.isfile(f) for f in files):
-        raise FileNotFoundError(
-            f"{key}={path}: a PEFT adapter directory holds adapter_config.json and adapter_model.safetensors "
-            "(ckpt_tools export-peft writes one)."
-        )
-    with open(files[0]) as f:
-        saved = json.load(f)
-    spec: LoraSpec = model.lora
-    if (saved.get("r"), float(saved.get("lora_alpha", 0))) != (spec.rank, float(spec.alpha)):
-        raise ValueError(
-            f"{key}={path}: its adapters have r={saved.get('r')}, lora_alpha={saved.get('lora_alpha')}; set "
-            f"{key.rsplit('.', 1)[0]}.rank / .alpha to them."
-        )
-    if any(isinstance(m, ExpertAdapters) for m in model.modules()):
-        raise ValueError(
-            f"{key}={path}: PEFT directories hold no adapters of routed experts here: leave it unset, "
-            "or exclude the experts (exclude_modules=['*.experts'])."
-        )
-    fill_from_peft(model, load_file(files[1]), ps, f"{key}={path}")
-
-
-@torch.no_grad()
-def fill_from_peft(model: Any, tensors: dict[str, torch.Tensor], ps: ParallelState, where: str) -> None:
-    """This rank's shard of every linear's adapter from PEFT's tensors (:func:`load_peft`); ``where``
-    names the source in errors."""
-    from megatron_rl.weights.tables import global_layer_name, param_layouts
-
-    layouts = {lay.name: lay for lay in param_layouts(model.args, ps.tp_size)}
-
-    def get(hf_name: str, which: str) -> torch.Tensor:
-        name = f"base_model.model.{hf_name.removesuffix('.weight')}.lora_{which}.weight"
-        if name not in tensors:
-            raise KeyError(f"{where}: no {name} (the adapters of this model's targets)")
-        return tensors[name]
-
-    for name, a in adapters(model):
-        lay = layouts[global_layer_name(f"{name}.weight", model.layer_offset)]
-        pieces = lay.pieces[ps.tp_rank]
-        if lay.dim == 0:  # column: B's rows from each HF projection, one A shared by them
-            b = torch.cat([get(pc.hf_name, "B")[pc.start : pc.stop] for pc in pieces])
-            shared = [get(pc.hf_name, "A") for pc in pieces]
-            if any(not torch.equal(x, shared[0]) for x in shared):
-                raise ValueError(
-                    f"{where}: {name} is one fused linear here; the adapters of its HF projections "
-                    f"({', '.join(sorted({pc.hf_name for pc in pieces}))}) have different A matrices"
-                )
-            w = shared[0]
-        else:  # row: A's columns of this shard, B whole
-            w = torch.cat([get(pc.hf_name, "A")[:, pc.start : pc.stop] for pc in pieces], dim=1)
-            b = get(pieces[0].hf_name, "B")
-        a.A.copy_(w)
-        a.B.copy_(b)
-
-
-Adapters = dict[str, tuple[torch.Tensor, torch.Tensor]]
-"""{global linear name (``decoder.layers.3.self_attention.linear_qkv``): (A, B)}, full (TP=1) matrices."""
-ExpertAdapterSet = dict[str, dict[str, torch.Tensor]]
-"""{``decoder.layers.{i}.mlp.experts``: {"A1": [E, r, H], "B1": [E, 2F, r], "A2": [E, r, F],
-"B2": [E, H, r]}}."""
-
-
-def read_adapters(path: str) -> tuple[LoraSpec, Adapters, ExpertAdapterSet]:
-    """A LoRA model's torch_dist checkpoint (what a trainer checkpoint's actor/ holds) -> its spec, its
-    linears' adapters and its routed experts' adapters, read without building the model. Needs
-    torch.distributed (a world of one)."""
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from megatron_rl.weights.ckpt_format import read_our_metadata, resolve_torch_dist
-    from megatron_rl.weights.safe_load import check_torch_dist, safe_globals
-
-    loc = resolve_torch_dist(path)
-    ours = read_our_metadata(loc) or {}
-    if "lora" not in ours:
-        raise ValueError(f"{path} holds no LoRA adapters (a whole model: use mcore-to-hf)")
-    saved = ours["lora"]
-    spec = LoraSpec(saved["rank"], saved["alpha"], tuple(saved["targets"]), saved["base"])
-    meta, _ = check_torch_dist(loc.ckpt_dir)
-    sharded = {}
-    for key, md in meta.state_dict_metadata.items():
-        if isinstance(md, TensorStorageMetadata) and (
-            key.endswith((f"{SUFFIX}.A", f"{SUFFIX}.B")) or ".lora." in key
-        ):
-            size, dtype = tuple(md.size), md.properties.dtype
-            zero = (0,) * len(size)
-            empty = torch.empty(size, dtype=dtype)
-            sharded[key] = ShardedTensor(key, empty, dtype, size, size, zero, axis_fragmentations=None)
-    with torch.serialization.safe_globals(safe_globals()):
-        loaded = dist_checkpointing.load(sharded, loc.ckpt_dir)
-    # dense layers are stacked (decoder.layers.<module> [num_layers, ...]), MoE models' layers are saved
-    # one by one (decoder.layers.{i}.<module>); an expert stack is experts.experts.lora.* [E, ...]
-    flat: dict[str, torch.Tensor] = {}
-    for key, t in loaded.items():
-        if re.match(r"decoder\.layers\.\d+\.", key) or not key.startswith("decoder.layers."):
-            flat[key] = t
-        else:
-            rest = key.removeprefix("decoder.layers.")
-            flat.update({f"decoder.layers.{i}.{rest}": t[i] for i in range(t.shape[0])})
-    linears: Adapters = {}
-    experts: ExpertAdapterSet = {}
-    for name, t in flat.items():
-        if name.endswith(f"{SUFFIX}.A"):
-            linears[name.removesuffix(f"{SUFFIX}.A")] = (t, flat[name[:-1] + "B"])
-        elif ".experts.experts.lora." in name:
-            module, which = name.split(".experts.lora.")
-            experts.setdefault(module, {})[which] = t
-    return spec, linears, experts
-
-
-def hf_deltas(
-    model_args, spec: LoraSpec, linears: Adapters, experts: ExpertAdapterSet
-) -> dict[str, torch.Tensor]:
-    """scale * B @ A (fp32) of every adapted HF weight, by its HF name: what ``ckpt_tools export-peft
-    --merged`` adds to the base."""
-    from megatron_rl.weights.tables import TABLES, layer_index
-
-    out: dict[str, torch.Tensor] = {}
-    tensors = peft_tensors(model_args, linears)
-    for key, a in tensors.items():
-        if key.endswith(".lora_A.weight"):
-            module = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
-            b = tensors[key.replace(".lora_A.", ".lora_B.")]
-            out[f"{module}.weight"] = spec.scale * (b.float() @ a.float())
-    t, f = TABLES[model_args.arch], model_args.moe_ffn_hidden_size
-    for module, ab in experts.items():
-        i = layer_index(module)
-        count = next(v for k, v in ab.items() if k.startswith("A")).shape[0]
-        for e in range(count):
-            if "A1" in ab:  # [gate; up] rows
-                d = spec.scale * (ab["B1"][e].float() @ ab["A1"][e].float())
-                out[t.expert_gate.format(i=i, e=e)], out[t.expert_up.format(i=i, e=e)] = d[:f], d[f:]
-            if "A2" in ab:
-                out[t.expert_down.format(i=i, e=e)] = spec.scale * (ab["B2"][e].float() @ ab["A2"][e].float())
-    return out
-
-
-def peft_config(spec: LoraSpec, target_hf: list[str], base: str) -> dict:
-    """adapter_config.json of a PEFT LoRA adapter."""
-    return {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base,
-        "r": spec.rank,
-        "lora_alpha": spec.alpha,
-        "lora_dropout": 0.0,
-        "target_modules": sorted(target_hf),
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "inference_mode": True,
-        "use_rslora": False,
-    }
-
-
-__all__ = ["LINEARS", "LoRAAdapter", "LoraSpec", "add_adapters", "adapters_disabled", "peft_tensors"]
+__all__ = ["LINEARS", "LoRAAdapter", "LoraSpec", "add_adapters", "adapters_disabled", "merged_params"]

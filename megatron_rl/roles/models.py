@@ -77,7 +77,8 @@ def _model(
     m = build_model(args, ps, role=role, dtype=dtype, sdpa=mcfg.use_sdpa_attention, options=options)
     load_weights(m, path, ps)
     if lora is not None and lora[1].rank > 0:
-        from megatron_rl.models.lora import add_adapters, load_peft
+        from megatron_rl.models.lora import add_adapters
+        from megatron_rl.models.lora_files import load_peft
 
         key, spec, seed = lora
         add_adapters(m, spec, ps, key, path, seed)

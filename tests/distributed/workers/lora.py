@@ -22,7 +22,8 @@ from megatron_rl.config.lora import LoraConfig
 from megatron_rl.model_args import load_model_args
 from megatron_rl.models.builder import TrainingOptions, build_model, load_hf_weights
 from megatron_rl.models.forward import causal_padding_mask, gather_tp
-from megatron_rl.models.lora import adapters, adapters_disabled, add_adapters, load_peft
+from megatron_rl.models.lora import adapters, adapters_disabled, add_adapters
+from megatron_rl.models.lora_files import load_peft
 from megatron_rl.parallel import destroy_parallel, init_parallel
 from megatron_rl.rollout.reshard import iter_hf_buckets
 from megatron_rl.weights.ckpt_write import save_torch_dist
@@ -90,10 +91,13 @@ def peft_space(model, ps, which: str) -> dict[str, torch.Tensor]:
                 full_b[pc.start : pc.stop] += B[off : off + n]
                 if ps.tp_rank == 0 and key not in seen:  # a projection's rows may be several pieces
                     full_a += A
-            else:  # row: A's columns; B replicated
+            elif lay.dim == 1:  # row: A's columns; B replicated
                 full_a[:, pc.start : pc.stop] += A[:, off : off + n]
                 if ps.tp_rank == 0 and key not in seen:
                     full_b += B
+            elif ps.tp_rank == 0:  # whole on every rank
+                full_a += A
+                full_b += B
             off += n
             seen.add(key)
     for t in out.values():

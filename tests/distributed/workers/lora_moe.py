@@ -20,7 +20,8 @@ from safetensors.torch import load_file
 from megatron_rl.config.lora import LoraConfig
 from megatron_rl.model_args import load_model_args
 from megatron_rl.models.builder import TrainingOptions, build_model, load_hf_weights
-from megatron_rl.models.lora import ExpertAdapters, adapters_disabled, add_adapters, fill_from_peft
+from megatron_rl.models.lora import ExpertAdapters, adapters_disabled, add_adapters
+from megatron_rl.models.lora_files import fill_from_peft
 from megatron_rl.parallel import destroy_parallel, init_parallel
 from megatron_rl.rollout.reshard import iter_hf_buckets
 from megatron_rl.weights.ckpt_write import save_torch_dist
