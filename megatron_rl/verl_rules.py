@@ -278,7 +278,7 @@ RULES: tuple[Rule, ...] = (
     _ignored("*.checkpoint.*", "checkpoints always hold model, optimizer and RNG/sampler state"),
     _ignored("*.router_replay.*", REPLAY_ELSEWHERE),
     _ignored("*.lora.freeze_vision_*", NO_MULTIMODAL),
-    _ignored("*.lora.a2a_experimental", "routed experts take no adapters (LoRA is refused for MoE models)"),
+    _ignored("*.lora.a2a_experimental", "routed experts take their adapters inside the grouped experts"),
     _ignored("*.mtp*", "multi-token prediction is not implemented"),
     _ignored("reward_model.forward_max_token_len_per_gpu", "reward_model.use_dynamic_bsz is not implemented"),
     _ignored("*.use_torch_compile", "megatron-core modules run eagerly"),
