@@ -47,7 +47,8 @@ class LoraConfig:
     """Linear layers that take an adapter: linear_qkv, linear_proj, linear_fc1, linear_fc2 (or
     all-linear); HF names are accepted (q_proj, k_proj and v_proj together: one fused linear_qkv). On
     multi-latent attention linear_qkv means its q and kv projections (or name them: linear_q_down_proj,
-    ...)."""
+    ...). An fnmatch pattern over the module's global name picks single layers' linears
+    (``*.layers.0.*.linear_qkv``; routed experts are picked by name only)."""
     exclude_modules: list[str] = field(default_factory=list)
     """Linear layers left without an adapter: a target name, or an fnmatch pattern over the module's
     global name (``decoder.layers.0.*``)."""
@@ -71,6 +72,14 @@ def lora_targets(spec: LoraConfig, key: str) -> tuple[str, ...]:
         return LINEARS + MLA_LINEARS
     out: list[str] = []
     for name in names:
+        if "*" in name or "." in name:  # a pattern over the module's global name: verl's wildcards
+            if not name.endswith(LINEARS + MLA_LINEARS):
+                raise ConfigError(
+                    f"{key}.target_modules: {name!r} names no linear a pattern can pick; end it with one of "
+                    f"{', '.join(LINEARS + MLA_LINEARS)} ('*.layers.0.*.linear_qkv')."
+                )
+            out += [name]
+            continue
         target = name if name in LINEARS + MLA_LINEARS else HF_NAMES.get(name)
         if target is None:
             raise ConfigError(
@@ -89,7 +98,8 @@ def lora_targets(spec: LoraConfig, key: str) -> tuple[str, ...]:
                 f"{'/'.join(parts)} are one fused {fused} here, which takes one adapter; list all of them "
                 f"(or {fused})."
             )
-    return tuple(t for t in LINEARS + MLA_LINEARS if t in out)
+    patterns = tuple(t for t in out if t not in LINEARS + MLA_LINEARS)
+    return tuple(t for t in LINEARS + MLA_LINEARS if t in out) + patterns
 
 
 def check_lora(cfg) -> None:

@@ -244,14 +244,16 @@ def add_adapters(model: Any, spec: LoraConfig, ps: ParallelState, key: str, base
             found |= {"routed experts"} if n else set()
             continue
         leaf = name.rsplit(".", 1)[-1]
-        if leaf not in targets or not isinstance(module, linears):
+        full = global_layer_name(name, model.layer_offset)
+        if not isinstance(module, linears) or not (
+            leaf in targets or any(fnmatch.fnmatchcase(full, p) for p in targets if "." in p or "*" in p)
+        ):
             continue
         if ".experts.local_experts." in name:
             raise ValueError(
                 f"{key}: adapters on routed experts need grouped experts: set "
                 "*.megatron.override_transformer_config.moe_grouped_gemm=true (the default)."
             )
-        full = global_layer_name(name, model.layer_offset)
         if any(p == leaf or fnmatch.fnmatchcase(full, p) for p in spec.exclude_modules):
             continue
         parallel = {ColumnParallelLinear: "column", RowParallelLinear: "row"}.get(type(module), "duplicated")
