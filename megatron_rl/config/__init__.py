@@ -19,7 +19,7 @@ from megatron_rl.config.checks import validate
 from megatron_rl.config.describe import describe_keys, field_docs, main
 from megatron_rl.config.errors import ConfigError, DataError
 from megatron_rl.config.layout import check_layout_against_model
-from megatron_rl.config.load import keeps_engine_log_probs, known_keys, load_config, to_dict
+from megatron_rl.config.load import keeps_engine_log_probs, known_keys, load_config, needs_reference, to_dict
 from megatron_rl.config.ranges import RANGES, get_key, range_rule
 from megatron_rl.config.schema import (
     ActorConfig,
@@ -51,6 +51,7 @@ from megatron_rl.config.schema import (
 
 __all__ = [
     "keeps_engine_log_probs",
+    "needs_reference",
     "ActorConfig",
     "ActorMegatronConfig",
     "ActorRolloutRefConfig",

@@ -19,6 +19,7 @@ from megatron_rl.config.layout import (
     parallel_sizes,
     uneven_stages,
 )
+from megatron_rl.config.load import needs_reference
 from megatron_rl.config.lora import check_lora
 from megatron_rl.config.model_sections import FrozenMegatronConfig
 from megatron_rl.config.placement import resolve_placement
@@ -84,7 +85,7 @@ def _validate_token_budgets(cfg: Config) -> None:
             actor,
         ),
     ]
-    if arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:  # the reference model runs
+    if needs_reference(cfg):  # the reference model runs
         passes.append(
             (
                 "actor_rollout_ref.ref.log_prob_use_dynamic_bsz",

@@ -307,6 +307,12 @@ def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
 
+def needs_reference(cfg) -> bool:
+    """Whether a KL term reads the reference policy's log-probs (the KL loss, or the KL penalty in the
+    reward): its own frozen model then, or with LoRA the actor without its adapters."""
+    return bool(cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
+
+
 def keeps_engine_log_probs(cfg) -> bool:
     """Whether the rollout keeps the engine's log-probs of the sampled tokens: asked for
     (``rollout.calculate_log_probs``), needed by the rollout correction (``rollout_is`` /

@@ -245,16 +245,14 @@ def add_adapters(model: Any, spec: LoraConfig, ps: ParallelState, key: str, base
             continue
         leaf = name.rsplit(".", 1)[-1]
         full = global_layer_name(name, model.layer_offset)
-        if not isinstance(module, linears) or not (
-            leaf in targets or any(fnmatch.fnmatchcase(full, p) for p in targets if "." in p or "*" in p)
-        ):
+        if not isinstance(module, linears) or not _named(targets, leaf, full):
             continue
         if ".experts.local_experts." in name:
             raise ValueError(
                 f"{key}: adapters on routed experts need grouped experts: set "
                 "*.megatron.override_transformer_config.moe_grouped_gemm=true (the default)."
             )
-        if any(p == leaf or fnmatch.fnmatchcase(full, p) for p in spec.exclude_modules):
+        if _named(spec.exclude_modules, leaf, full):
             continue
         parallel = {ColumnParallelLinear: "column", RowParallelLinear: "row"}.get(type(module), "duplicated")
         adapter = LoRAAdapter(
@@ -288,6 +286,12 @@ def add_adapters(model: Any, spec: LoraConfig, ps: ParallelState, key: str, base
     model.lora = LoraSpec(spec.rank, spec.alpha, targets, base)
 
 
+def _named(names, leaf: str, full: str) -> bool:
+    """Whether ``target_modules`` / ``exclude_modules`` name a module: by its leaf name
+    (``linear_qkv``) or by an fnmatch pattern over its global name (``decoder.layers.0.*``)."""
+    return any(p == leaf or fnmatch.fnmatchcase(full, p) for p in names)
+
+
 def _add_expert_adapters(
     model: Any, name: str, experts: Any, spec: LoraConfig, ps: ParallelState, key: str, targets, seed: int
 ) -> int:
@@ -296,9 +300,7 @@ def _add_expert_adapters(
 
     wanted = tuple(t for t in ("linear_fc1", "linear_fc2") if t in targets)
     prefix = global_layer_name(name, model.layer_offset)  # decoder.layers.{i}.mlp.experts
-    wanted = tuple(
-        t for t in wanted if not any(fnmatch.fnmatchcase(prefix, p) or p == t for p in spec.exclude_modules)
-    )
+    wanted = tuple(t for t in wanted if not _named(spec.exclude_modules, t, prefix))
     if not wanted:
         return 0
     if ps.etp_size > 1:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from megatron_rl.config import Config, keeps_engine_log_probs
+from megatron_rl.config import Config, keeps_engine_log_probs, needs_reference
 from megatron_rl.config.placement import Placement
 from megatron_rl.microbatches import ForwardPasses
 from megatron_rl.parallel import ParallelState
@@ -125,11 +125,9 @@ def build_roles(
 
 
 def ref_role(cfg: Config, ps: ParallelState, models: Models, passes: ForwardPasses, timer: Timer) -> RefRole:
-    """The reference policy: its own frozen model, or the LoRA actor without its adapters (when a KL
-    term needs one), or none."""
-    arr = cfg.actor_rollout_ref
-    kl = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
-    if models.ref is None and arr.model.lora.rank and kl:
+    """The reference policy when a KL term needs one: its own frozen model, or with LoRA (no reference
+    weights built) the actor without its adapters; else none."""
+    if needs_reference(cfg) and cfg.actor_rollout_ref.model.lora.rank:
         return RefRole(cfg, ps, models.actor, passes, timer, adapters_off=True)
     return RefRole(cfg, ps, models.ref, passes, timer)
 

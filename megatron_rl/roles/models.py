@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_rl.config import Config, FrozenMegatronConfig
+from megatron_rl.config import Config, FrozenMegatronConfig, needs_reference
 from megatron_rl.config.layout import check_replay_model
 from megatron_rl.config.lora import LoraConfig
 from megatron_rl.parallel import ParallelState
@@ -173,7 +173,7 @@ def build_models(
         seed=arr.actor.megatron.seed,
     )
     ref = None  # with LoRA the reference is the actor without its adapters (roles.actor.RefRole)
-    if (cfg.algorithm.use_kl_in_reward or arr.actor.use_kl_loss) and not arr.model.lora.rank:
+    if needs_reference(cfg) and not arr.model.lora.rank:
         ref = _model(ps, model_args, "actor", arr.model.path, arr.ref.megatron).eval()
     critic = None
     if cfg.critic.enable and with_critic:
