@@ -65,6 +65,7 @@ _CHOICES = {
     "actor_rollout_ref.model.lora.lora_A_init_method": ("xavier", "kaiming"),
     "critic.model.lora.lora_A_init_method": ("xavier", "kaiming"),
     "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side": ("left", "middle", "right"),
+    "actor_rollout_ref.rollout.multi_turn.schedule": ("async", "lockstep"),
 }
 
 

@@ -188,8 +188,7 @@ class OpenAIServerConfig:
 @dataclass
 class MultiTurnConfig:
     enable: bool = False
-    """Multi-turn rollouts: generate -> tool calls / a simulated user -> generate again
-    (docs/multi_turn.md)."""
+    """Multi-turn rollouts: generate -> tool calls / a simulated user -> generate again (multi_turn.md)."""
     max_assistant_turns: int | None = None
     """Most model turns per episode; None = until the response budget (data.max_response_length) is spent."""
     max_user_turns: int | None = None
@@ -214,14 +213,15 @@ class MultiTurnConfig:
     """Most tokens of one model turn (its max_new_tokens); None: the response budget left. A turn that
     reaches it ends there as if the model had stopped (its calls are parsed, tools and the user go on);
     the episode still ends at data.max_response_length."""
+    schedule: str = "async"
+    """async: an episode's next turn goes to the engine once its own turn and tools are done | lockstep:
+    every turn waits for all running episodes (batch-synchronous, for comparison); docs/multi_turn.md."""
     tool_workers: int = 128
-    """Threads running tool and interaction calls concurrently: calls beyond it wait for a thread, so a
-    turn whose tools each take t seconds waits about ceil(calls / tool_workers) x t (tools mostly wait
-    on I/O: threads are cheap)."""
+    """Threads running tool and interaction calls concurrently; calls beyond it wait for a thread (tools
+    mostly wait on I/O: threads are cheap)."""
     max_abandoned_tool_calls: int = 64
-    """Timed-out tool calls whose threads may still run (a Python thread cannot be killed): each gets a
-    fresh worker in its place; with this many still running, new calls are refused at once with an error
-    message to the model (logged as multi_turn/abandoned_tool_calls)."""
+    """Timed-out tool calls whose threads may still run (a thread cannot be killed; each gets a fresh
+    worker in its place); beyond it new calls are refused (multi_turn/abandoned_tool_calls)."""
     tool_reward_weight: float = 0.0
     """Each episode's tool rewards (execute's step rewards + calc_reward, or the agent function's
     reward) times this are added to its score."""

@@ -5,7 +5,8 @@
                         (rollout.agent.agent_loop.AgentLoop), or with multi_turn.agent_function.path the
                         user's harness against the OpenAI-compatible endpoint
                         (rollout.agent.agent_function.AgentFunctionLoop); both take AgentLoop.run's
-                        arguments. The episodes of training rollouts add to multi_turn/* (EpisodeStats).
+                        arguments. The episodes of training rollouts add to multi_turn/* (EpisodeStats),
+                        with what their runs cost the engine (busy share, prefix-cache hits).
 
 Either raises rollout.base.EngineFailure when the engine dies (the supervisor restarts it in place,
 roles.rollout.supervisor); anything else propagates.
@@ -57,7 +58,7 @@ class EngineGenerator:
 
 class EpisodeGenerator:
     """Multi-turn episodes run by ``runner`` (AgentLoop or AgentFunctionLoop), counted in ``stats``
-    (rollout.agent.agent_loop.EpisodeStats) for training rollouts."""
+    (rollout.agent.episode_stats.EpisodeStats) for training rollouts."""
 
     def __init__(self, runner: Any, stats: Any) -> None:
         self.runner, self.stats = runner, stats
@@ -68,8 +69,8 @@ class EpisodeGenerator:
         return self.runner.run(engine, prompt_ids, params, items)
 
     def record(self, request: Request, gens: list[list[Generation]]) -> None:
-        if request.trains:
-            self.stats.add(gens)
+        if request.trains:  # with what the run cost the engine, where it ran (AgentLoop.last_run)
+            self.stats.add(gens, getattr(self.runner, "last_run", None))
 
     def metrics(self, ps: ParallelState) -> dict[str, float]:
         return self.stats.pop(ps)

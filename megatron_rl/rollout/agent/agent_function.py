@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_rl.config.schema import OpenAIServerConfig
 from megatron_rl.errors import LaunchError
-from megatron_rl.rollout.agent.agent_loop import ToolPool
 from megatron_rl.rollout.agent.openai_server import OpenAIServer, Session
+from megatron_rl.rollout.agent.tool_pool import ToolPool
 from megatron_rl.rollout.base import Generation, SamplingParams
 
 if TYPE_CHECKING:

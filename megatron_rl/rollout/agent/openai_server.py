@@ -57,7 +57,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal, TypeVar
 
 from megatron_rl.config.schema import OpenAIServerConfig
-from megatron_rl.rollout.agent.agent_loop import TurnEncoder
+from megatron_rl.rollout.agent.episode import TurnEncoder
 from megatron_rl.rollout.agent.openai_http import (
     SESSION_PATH,
     EndpointHTTPServer,
@@ -70,7 +70,7 @@ from megatron_rl.rollout.base import EngineFailure, Generation, SamplingParams
 
 log = logging.getLogger(__name__)
 
-_TURN_SEED_STRIDE = 7919  # each engine call samples from its own stream (as agent_loop's turns do)
+_TURN_SEED_STRIDE = 7919  # each engine call samples from its own stream
 _MAX_ENCODERS = 64  # distinct tool lists whose TurnEncoder is kept (a harness may vary them per session)
 _T = TypeVar("_T")
 
