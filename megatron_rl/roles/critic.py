@@ -19,16 +19,19 @@ the actor's wait for the critic ranks).
 
 On ranks of its own the critic is a server (``roles.critic_server.CriticServer``) working through
 requests the actor's rank 0 posts in the job's store (``roles.transport.Mailbox`` under "critic/");
-batches, values and returns travel the same way, CPU tensors in the store's wire format (never pickle):
+the rows travel over a process group of both roles' ranks, each rank receiving only its own rows and
+only the fields it reads (``roles.critic_data``):
 
-    ("init", total_steps, pad_id)   build the critic and its optimizer (LR schedule over the run)
-    ("values", step, parts)         actor DP rank p put batch/<step>/<p>; the critic concatenates the
-                                    parts in DP order, its DP rank j computes values of slice j, its
-                                    rank 0 puts values/<step>/<p> (part p's rows and response width)
-    ("update", step, seed)          actor DP rank p put returns and response mask (rejection sampling
-                                    may have masked rows since); update_critic on each slice; rank 0
-                                    puts metrics/<step> (with perf/critic_busy_s, its seconds of
-                                    values and update) and the optimizer's counters
+    ("init", total_steps, pad_id)   build the critic and its optimizer (LR schedule over the run); its
+                                    rank 0 puts its layout (DP rank of each critic rank)
+    ("link", actor layout)          at the first batch: both roles build the bridge group
+    ("values", step, parts, dtypes) each actor DP leader sends its part's rows to the critic ranks whose
+                                    DP slice holds them; the critic's DP leaders send the values back
+                                    to the actor ranks of each part
+    ("update", step, seed, dtypes)  the actor DP leaders send returns and response mask the same way
+                                    (rejection sampling may have masked rows since); update_critic on
+                                    each slice; rank 0 puts metrics/<step> (with perf/critic_busy_s,
+                                    its seconds of values and update) and the optimizer's counters
     ("save", dir) / ("load", path, counters)   critic/ and critic_optim/ in the checkpoint; ack/<i>
     ("stop",)
 
@@ -39,16 +42,29 @@ the step). A new kind of critic implements :class:`CriticRole`.
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, runtime_checkable
 
 import torch
+import torch.distributed as dist
 
 from megatron_rl.batch import RolloutBatch, SeqMeta
 from megatron_rl.config import Config
 from megatron_rl.microbatches import ForwardPasses, TokenStats
 from megatron_rl.parallel import ParallelState
-from megatron_rl.roles.transport import broadcast_object, job_mailbox
+from megatron_rl.roles.critic_data import (
+    CRITIC_FIELDS,
+    RETURN_FIELDS,
+    Bridge,
+    Layout,
+    Route,
+    dtype_names,
+    recv_values,
+    row_routes,
+    send_rows,
+)
+from megatron_rl.roles.transport import broadcast_object, job_mailbox, job_store
 from megatron_rl.run.metrics import Timer
 from megatron_rl.run.state import SHARD, StateRegistry
 
@@ -166,21 +182,26 @@ class LocalCritic:
 
 class RemoteCritic:
     """The actor's side of a critic on ranks of its own (module docstring). Every call is collective
-    over the actor's ranks; only rank 0 posts requests."""
+    over the actor's ranks; only rank 0 posts requests; the rows travel over the bridge group
+    (``roles.critic_data``)."""
 
     model: torch.nn.Module | None = None
     optim: ModelOptimizer | None = None
 
-    def __init__(self, ps: ParallelState, total_steps: int, pad_id: int, timer: Timer) -> None:
+    def __init__(
+        self,
+        ps: ParallelState,
+        total_steps: int,
+        pad_id: int,
+        timer: Timer,
+        timeout: datetime.timedelta = datetime.timedelta(minutes=30),
+    ) -> None:
         self.ps, self.box, self.timer = ps, job_mailbox(ps, "critic/", MESSAGE_TYPES), timer
-        self.posted = 0
+        self.timeout, self.posted = timeout, 0
         self._counters: dict[str, int] = {"num_steps": 0, "skipped_steps": 0}
+        self._link: tuple[Bridge, Layout, Layout] | None = None  # at the first batch
+        self._routes: dict[int, list[Route]] = {}  # step -> its routes, until its update
         self._post({"kind": "init", "total_steps": total_steps, "pad_id": pad_id})
-
-    @property
-    def _puts_rows(self) -> bool:
-        """One rank per actor DP replica sends its rows (TP/PP peers hold the same)."""
-        return self.ps.tp_rank == 0 and self.ps.pp_rank == 0
 
     def _post(self, msg: dict) -> int:
         i = self.posted
@@ -189,29 +210,67 @@ class RemoteCritic:
         self.posted += 1
         return i
 
-    def values_async(self, step: int, batch: RolloutBatch, stats: TokenStats) -> Pending[torch.Tensor]:
+    def _bridge(self) -> tuple[Bridge, Layout, Layout]:
+        """The bridge group, the critic's layout (from the store, after its init) and the actor's."""
+        if self._link is None:  # the critic ranks build the group as they read the "link" request
+            actor = Layout.gather(self.ps)
+            self._post({"kind": "link", "actor": actor.as_message()})
+            critic = Layout.of_message(self.box.take("layout", self.ps.world_size))
+            bridge = Bridge(
+                self.ps, job_store(self.ps), self.ps.world_size, len(critic.dp_of_rank), True, self.timeout
+            )
+            self._link = bridge, critic, actor
+        return self._link
+
+    def _parts(self, batch: RolloutBatch) -> list[list[int]]:
+        """[rows, prompt width, response width] of every actor DP part, in DP order (collective)."""
         ps = self.ps
-        if self._puts_rows:
-            self.box.put(f"batch/{step}/{ps.dp_rank}", batch.to(torch.device("cpu")))
-        self._post({"kind": "values", "step": step, "parts": ps.dp_size})
+        mine = torch.tensor([len(batch), batch.prompts.shape[1], batch.response_length], device=ps.device)
+        every = [torch.zeros_like(mine) for _ in range(ps.dp_size)]
+        dist.all_gather(every, mine, group=ps.dp_group)
+        return [[int(x) for x in t] for t in every]
+
+    def _peer_alive(self, work: Callable[[], T]) -> T:
+        """``work()``; a failure of the bridge group raises the critic rank's own cause when it left one."""
+        try:
+            return work()
+        except RuntimeError:
+            self.box.raise_if_peer_left()
+            raise
+
+    def values_async(self, step: int, batch: RolloutBatch, stats: TokenStats) -> Pending[torch.Tensor]:
+        ps, parts = self.ps, self._parts(batch)
+        bridge, critic, _ = self._bridge()
+        msg = {"kind": "values", "step": step, "parts": parts, "dtypes": dtype_names(batch, CRITIC_FIELDS)}
+        self._post(msg)
+        routes = self._routes[step] = row_routes([p[0] for p in parts], max(critic.dp_of_rank) + 1)
+        if ps.is_dp_leader:  # TP/PP peers hold the same rows
+            send_rows(bridge, batch, ps.dp_rank, routes, critic, "batch")
 
         def wait() -> torch.Tensor:
             with self.timer("values"):
-                return self.box.take(f"values/{step}/{ps.dp_rank}", ps.tp_size * ps.pp_size).to(ps.device)
+                width = parts[ps.dp_rank][2]
+                values = self._peer_alive(lambda: recv_values(bridge, ps.dp_rank, width, routes, critic))
+                self._peer_alive(bridge.wait_sends)
+                return values
 
         return Pending(wait)
 
     def update_async(self, step: int, batch: RolloutBatch, stats: TokenStats) -> Pending[dict[str, float]]:
+        bridge, critic, _ = self._bridge()
         with self.timer("update_critic"):
-            if self._puts_rows:
-                assert batch.returns is not None, "the advantage stage sets the returns"
-                rows = (batch.returns.cpu(), batch.response_mask.cpu())
-                self.box.put(f"returns/{step}/{self.ps.dp_rank}", rows)
-            self._post({"kind": "update", "step": step, "seed": step})
+            assert batch.returns is not None, "the advantage stage sets the returns"
+            self._post(
+                {"kind": "update", "step": step, "seed": step, "dtypes": dtype_names(batch, RETURN_FIELDS)}
+            )
+            routes = self._routes.pop(step)
+            if self.ps.is_dp_leader:
+                send_rows(bridge, batch, self.ps.dp_rank, routes, critic, "update")
 
         def wait() -> dict[str, float]:
             with self.timer("update_critic"):
                 metrics, self._counters = self.box.take(f"metrics/{step}", self.ps.world_size)
+                self._peer_alive(bridge.wait_sends)
             return metrics
 
         return Pending(wait)
@@ -264,7 +323,8 @@ def make_critic(
     if not cfg.critic.enable:
         return NullCritic()
     if separate:
-        return RemoteCritic(ps, total_steps, pad_id, timer)
+        timeout = datetime.timedelta(minutes=cfg.trainer.dist_timeout_minutes)
+        return RemoteCritic(ps, total_steps, pad_id, timer, timeout)
     if built is None:
         raise ValueError("critic.enable: build_models(with_critic=True) builds the critic for these ranks")
     return LocalCritic(cfg, ps, built[0], built[1], passes, timer)

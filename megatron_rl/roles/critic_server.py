@@ -14,6 +14,7 @@ traceback: disk, permissions, missing files) only for a checkpoint problem, chai
 
 from __future__ import annotations
 
+import datetime
 import logging
 import time
 import traceback
@@ -26,7 +27,8 @@ from megatron_rl.config import Config
 from megatron_rl.errors import CheckpointError
 from megatron_rl.microbatches import ForwardPasses
 from megatron_rl.parallel import ParallelState
-from megatron_rl.roles.transport import all_gather_objects, job_mailbox, slice_bounds
+from megatron_rl.roles.critic_data import Bridge, Layout, recv_returns, recv_slice, send_values
+from megatron_rl.roles.transport import all_gather_objects, job_mailbox, job_store
 
 if TYPE_CHECKING:
     from megatron_rl.optim import ModelOptimizer
@@ -90,7 +92,9 @@ class CriticServer:
         self._built: tuple[torch.nn.Module, ModelOptimizer] | None = None  # by the "init" request
         self.pad_id = 0
         self.mine: RolloutBatch | None = None  # this rank's slice of the step's batch
-        self.part_rows: list[tuple[int, int]] = []  # (rows, response width) of each actor DP part
+        self.parts: list[list[int]] = []  # [rows, prompt width, response width] of each actor DP part
+        self.bridge: Bridge | None = None  # the group of both roles' ranks (the "link" request)
+        self.actor: Layout | None = None  # the actor's ranks: DP rank, DP leaders
         self.passes = ForwardPasses.from_config(cfg)
         self.values_seconds = 0.0  # of the step's values request (perf/critic_busy_s adds the update's)
 
@@ -115,6 +119,15 @@ class CriticServer:
 
         self.pad_id = msg["pad_id"]
         self._built = build_critic(self.cfg, self.ps, msg["total_steps"])
+        layout = Layout.gather(self.ps)  # which critic ranks train which rows: the actor's ranks read it
+        if self.ps.rank == 0:
+            self.box.put("layout", layout.as_message())
+
+    def _link(self, i: int, msg: dict) -> None:
+        store, ps = job_store(self.ps), self.ps
+        self.actor = Layout.of_message(msg["actor"])
+        timeout = datetime.timedelta(minutes=self.cfg.trainer.dist_timeout_minutes)
+        self.bridge = Bridge(ps, store, len(self.actor.dp_of_rank), ps.world_size, False, timeout)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -128,28 +141,21 @@ class CriticServer:
             raise RuntimeError("the critic server got a request before its init request")
         return self._built[1]
 
-    def _slice(self, rows: int) -> slice:
-        a, b = slice_bounds(rows, self.ps.dp_size)[self.ps.dp_rank]
-        return slice(a, b)
+    def _linked(self) -> tuple[Bridge, Layout]:
+        if self.bridge is None or self.actor is None:
+            raise RuntimeError("the critic server got a batch before its link request")
+        return self.bridge, self.actor
 
     def _values(self, i: int, msg: dict) -> None:
         from megatron_rl import ppo
 
-        ps, step, start = self.ps, msg["step"], time.perf_counter()
-        parts = [self.box.take(f"batch/{step}/{p}", ps.world_size) for p in range(msg["parts"])]
-        self.part_rows = [(len(b), b.response_length) for b in parts]
-        full = parts[0] if len(parts) == 1 else RolloutBatch.concat(parts, self.pad_id)
-        self.mine = mine = full.select(self._slice(len(full))).to(ps.device)
+        ps, start, (bridge, actor) = self.ps, time.perf_counter(), self._linked()
+        self.parts = msg["parts"]  # [rows, prompt width, response width] of each actor DP part
+        self.mine = mine = recv_slice(bridge, self.parts, msg["dtypes"], actor, self.pad_id)
         mine.values = ppo.compute_values(self.model, ps, mine, self.passes.values)  # [b, R]
-        # rank 0 collects every DP replica's slice and hands each actor DP rank its part
-        slices: list = []
-        if ps.is_dp_leader:  # no pickle: the store's wire format over the group
-            slices = all_gather_objects(mine.values.cpu(), ps.dp_group, ps.device)
-        if ps.rank == 0:
-            values, first = torch.cat(slices), 0  # [B, R]
-            for p, (rows, width) in enumerate(self.part_rows):
-                self.box.put(f"values/{step}/{p}", values[first : first + rows, :width].clone())
-                first += rows
+        if ps.is_dp_leader:  # TP/PP peers hold the same values
+            send_values(bridge, mine.values, self.parts, actor)
+        bridge.wait_sends()
         self.values_seconds = time.perf_counter() - start
 
     def _update(self, i: int, msg: dict) -> None:
@@ -158,15 +164,9 @@ class CriticServer:
         ps, step, start, mine = self.ps, msg["step"], time.perf_counter(), self.mine
         if mine is None:
             raise RuntimeError(f"the critic server got the update of step {step} before its values request")
-        width = mine.response_length
-        parts = [self.box.take(f"returns/{step}/{p}", ps.world_size) for p in range(len(self.part_rows))]
-
-        def full(k: int) -> torch.Tensor:  # [B, R]: the parts right-padded with zeros (off the mask)
-            return torch.cat([torch.nn.functional.pad(t[k], (0, width - t[k].shape[1])) for t in parts])
-
-        rows = self._slice(sum(n for n, _ in self.part_rows))
-        mine.returns = full(0)[rows].to(ps.device)
-        mine.response_mask = full(1)[rows].to(ps.device)
+        bridge, actor = self._linked()
+        returns, mask = recv_returns(bridge, self.parts, mine.response_length, msg["dtypes"], actor)
+        mine.returns, mine.response_mask = returns, mask  # [b, R]
         n = self.cfg.actor_rollout_ref.rollout.n
         metrics = ppo.update_critic(
             self.model, self.optim, ps, mine, self.cfg.critic, n, shuffle_seed=msg["seed"]

@@ -1,11 +1,12 @@
-"""How roles on ranks of their own talk: the job's key-value store (:class:`Mailbox`), pair groups
-for bulk tensors (:func:`pair_group`), and the store's wire format -- signed, a JSON header and raw
-tensor bytes, never pickle.
+"""How roles on ranks of their own talk: the job's key-value store (:class:`Mailbox`), process groups
+across roles for bulk tensors (:func:`bridge_group`), and the store's wire format -- signed, a JSON
+header and raw tensor bytes, never pickle.
 
 Roles on ranks of their own (``roles.remote_rollout``, ``roles.critic_server``) exchange requests,
-generations, batches and values through torchrun's TCPStore, which any process that reaches its port
-can write to. Every value a Mailbox puts is signed with the job's secret (``job_secret.JobSecret``,
-from the launcher), and a reader checks the signature before it decodes anything:
+generations and small results through torchrun's TCPStore (the critic's batches and values travel over
+a bridge group: ``roles.critic_data``), which any process that reaches its port can write to. Every
+value a Mailbox puts is signed with the job's secret (``job_secret.JobSecret``, from the launcher), and
+a reader checks the signature before it decodes anything:
 
     b"MRLS1\\n" | HMAC-SHA256(secret; DOMAIN, full key, payload) (32 bytes) | payload
 
@@ -437,14 +438,20 @@ class Mailbox:
             raise PeerLeft(f"{role} rank {note['rank']} left: {note['cause']} ({COLLATERAL})")
 
 
-def pair_group(store: dist.Store, rank: int, size: int, backend: str, timeout: datetime.timedelta):
-    """A group of a leader (rank 0) and another role's ranks (1..), e.g. the separate rollout's
-    weights group: built directly on the job's store, since each side's torch.distributed world holds
-    only its own ranks."""
-    prefix = dist.PrefixStore("rollout/weights-group", store)
+def bridge_group(
+    store: dist.Store, name: str, rank: int, size: int, backend: str, timeout: datetime.timedelta
+):
+    """A process group over ranks of two roles (``name``: its keys in the job's store), built directly
+    on the job's store, since each role's torch.distributed world holds only its own ranks."""
+    prefix = dist.PrefixStore(name, store)
     if backend == "nccl":
         return dist.ProcessGroupNCCL(prefix, rank, size, dist.ProcessGroupNCCL.Options())
     return dist.ProcessGroupGloo(prefix, rank, size, timeout)
+
+
+def pair_group(store: dist.Store, rank: int, size: int, backend: str, timeout: datetime.timedelta):
+    """A group of a leader (rank 0) and another role's ranks (1..): the separate rollout's weights group."""
+    return bridge_group(store, "rollout/weights-group", rank, size, backend, timeout)
 
 
 def broadcast_root(group, tensor: torch.Tensor) -> None:

@@ -69,6 +69,26 @@ def test_critic_and_rollout_on_ranks_of_their_own_give_the_colocated_numbers(dem
 
 
 @pytest.mark.slow  # over 45 s: `make test-slow` (CI runs it)
+def test_a_critic_of_two_dp_ranks_of_its_own_gives_the_colocated_numbers(demo, tmp_path, torchrun):
+    """The actor and the engines on ranks [0, 1] (DP 2), the critic on [2, 3] (DP 2), against all on
+    [0, 1]: each critic DP rank receives the rows its colocated twin holds (over the bridge group, not
+    the job's store), so two steps are equal."""
+    kw = {
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size": 1,
+        "trainer.total_training_steps": 2,
+        "trainer.save_freq": -1,
+    }
+    colocated, separate = str(tmp_path / "colocated"), str(tmp_path / "separate")
+    torchrun("train.py", 2, overrides(demo, colocated, **kw))
+    torchrun("train.py", 4, overrides(demo, separate, **kw, **{"trainer.placement.critic": "[2,3]"}))
+    a, b = metrics(colocated), metrics(separate)
+    assert [r["step"] for r in b] == [1, 2] and "critic/vf_loss" in b[-1]
+    assert all(r["perf/critic_busy_s"] > 0 for r in b)  # measured on the critic's own ranks
+    for ra, rb in zip(a, b, strict=True):
+        assert stable(ra) == stable(rb), f"step {ra['step']} differs"
+
+
+@pytest.mark.slow  # over 45 s: `make test-slow` (CI runs it)
 def test_one_step_off_policy_rollout_learns_and_resumes_with_its_queue(demo, tmp_path, torchrun):
     """max_staleness=1: step k+1 is generated while step k trains, and the policy still learns. The
     checkpoint of step 30 holds the generations already asked for (step 31's, sampled by version 29,
