@@ -53,6 +53,9 @@ class LoraSpec:
     targets: tuple[str, ...]
     base: str
     """The base model's path (the checkpoint holds the adapters, not the base)."""
+    merge: bool | None = None
+    """``lora.merge``: how the rollout engine gets the adapters (rollout.lora_sync); recorded, not
+    compared on resume."""
 
     @property
     def scale(self) -> float:
@@ -283,7 +286,7 @@ def add_adapters(model: Any, spec: LoraConfig, ps: ParallelState, key: str, base
         )
     if not added:
         raise ValueError(f"{key}.exclude_modules={spec.exclude_modules} leaves no linear for an adapter")
-    model.lora = LoraSpec(spec.rank, spec.alpha, targets, base)
+    model.lora = LoraSpec(spec.rank, spec.alpha, targets, base, spec.merge)
 
 
 def _named(names, leaf: str, full: str) -> bool:
@@ -351,17 +354,21 @@ def adapters_disabled(model: Any) -> Iterator[None]:
 
 class MergedParams(Mapping):
     """``named_global_params(model)`` with every adapted weight replaced by W + scale * B @ A, computed
-    when read (one weight at a time: never a second copy of the model)."""
+    when read (one weight at a time: never a second copy of the model). Adapters switched off
+    (:func:`adapters_disabled`) are left out: the base's weights as they are."""
 
     def __init__(self, model: Any, params: dict[str, torch.Tensor]) -> None:
         from megatron_rl.weights.tables import global_expert_name, global_layer_name
 
         self.params = params
         self.deltas: dict[str, Callable[[], torch.Tensor]] = {
-            global_layer_name(f"{name}.weight", model.layer_offset): a.delta for name, a in adapters(model)
+            global_layer_name(f"{name}.weight", model.layer_offset): a.delta
+            for name, a in adapters(model)
+            if a.enabled
         }
         for name, module in model.named_modules():
-            if isinstance(module, ExpertAdapters):  # {...}.mlp.experts.lora: each expert's fc1 / fc2
+            # {...}.mlp.experts.lora: each expert's fc1 / fc2
+            if isinstance(module, ExpertAdapters) and module.enabled:
                 experts = global_layer_name(name.removesuffix(".lora"), model.layer_offset)
                 for j in range(module.local_experts):
                     for which, on in ((1, module.fc1), (2, module.fc2)):

@@ -4,6 +4,7 @@ adapters read without the model (ckpt_tools export-peft).
 
     peft_tensors(args, adapters)      full (TP=1) adapters of megatron's linears -> PEFT's tensors
     load_peft / fill_from_peft        PEFT's tensors -> this rank's shard of every adapter
+    gather_peft(model, ps)            this stage's adapter shards -> full PEFT tensors (rollout.lora_sync)
     read_adapters(path)               a LoRA torch_dist checkpoint -> its spec, linears' and experts' adapters
     hf_deltas(...)                    scale * B @ A of every adapted HF weight (an export with --merged)
 """
@@ -118,6 +119,50 @@ def fill_from_peft(model: Any, tensors: dict[str, torch.Tensor], ps: ParallelSta
             w, b = get(pieces[0].hf_name, "A"), get(pieces[0].hf_name, "B")
         a.A.copy_(w)
         a.B.copy_(b)
+
+
+@torch.no_grad()
+def gather_peft(model: Any, ps: ParallelState) -> dict[str, torch.Tensor]:
+    """Collective over the TP group: the full PEFT tensors (``base_model.model.<hf module>.lora_{A,B}
+    .weight``) of this pipeline stage's linear adapters, the inverse of :func:`fill_from_peft`: the
+    split factor (a column linear's B [out/TP, r], a row linear's A [r, in/TP]) all-gathered, each
+    rank's rows / columns placed by the weight table's pieces; the whole factor shared (A of q, k and
+    v; B of a row linear). In the adapters' dtype, on their device."""
+    import torch.distributed as dist
+
+    from megatron_rl.weights.tables import global_layer_name, hf_shapes, param_layouts
+
+    layouts = {lay.name: lay for lay in param_layouts(model.args, ps.tp_size)}
+    shapes = hf_shapes(model.args)  # HF [rows, cols] of each projection
+    out: dict[str, torch.Tensor] = {}
+    for name, a in adapters(model):
+        lay = layouts[global_layer_name(f"{name}.weight", model.layer_offset)]
+        A, B = a.A.detach(), a.B.detach()
+        if lay.dim is None:  # whole on every rank
+            key = f"base_model.model.{lay.pieces[0][0].hf_name.removesuffix('.weight')}"
+            out[f"{key}.lora_A.weight"], out[f"{key}.lora_B.weight"] = A.clone(), B.clone()
+            continue
+        split = (B if lay.dim == 0 else A).contiguous()
+        shards = [split]
+        if ps.tp_size > 1:
+            shards = [torch.empty_like(split) for _ in range(ps.tp_size)]
+            dist.all_gather(shards, split, group=ps.tp_group)
+        for r, shard in enumerate(shards):
+            off = 0
+            for pc in lay.pieces[r]:
+                n = pc.stop - pc.start
+                key = f"base_model.model.{pc.hf_name.removesuffix('.weight')}"
+                rows, cols = shapes[pc.hf_name]
+                if lay.dim == 0:  # column: this rank's rows of B; A shared
+                    full = out.setdefault(f"{key}.lora_B.weight", B.new_empty(rows, B.shape[1]))
+                    full[pc.start : pc.stop] = shard[off : off + n]
+                    out.setdefault(f"{key}.lora_A.weight", A.clone())
+                else:  # row: this rank's columns of A; B shared
+                    full = out.setdefault(f"{key}.lora_A.weight", A.new_empty(A.shape[0], cols))
+                    full[:, pc.start : pc.stop] = shard[:, off : off + n]
+                    out.setdefault(f"{key}.lora_B.weight", B.clone())
+                off += n
+    return out
 
 
 Adapters = dict[str, tuple[torch.Tensor, torch.Tensor]]

@@ -19,6 +19,11 @@ expert ids of every forward: prefill and decode steps together give each row's
 
 release_memory/resume_memory move the weights to the host and back on a GPU; on the CPU they are
 no-ops (nothing to give back).
+
+LoRA unmerged (rollout.lora_sync): :meth:`HFEngine.load_adapters` takes the actor's adapters in PEFT's
+names; each adapted projection (``q_proj`` ... ``down_proj``, an ``nn.Linear``) then returns
+W x + b + (alpha / r) B (A x) through a forward hook (:class:`HFAdapters`), in the engine's dtype, as
+the trainer computes it beside megatron's linears. The base stays as the first sync streamed it.
 """
 
 from __future__ import annotations
@@ -134,6 +139,21 @@ class HFEngine:
         self._synced = False
         self._ever_set: set[str] = set()  # parameters some sync has filled
         self._unseeded_calls = 0  # requests without a seed draw from (engine seed, call number)
+        self.adapters: HFAdapters | None = None  # LoRA unmerged: the actor's adapters (rollout.lora_sync)
+        self.adapter_base = False  # rollout.lora_sync: the base has been streamed into this engine
+
+    takes_adapters = True
+    """LoRA adapters can be loaded apart from the base (:meth:`load_adapters`)."""
+
+    @torch.no_grad()
+    def load_adapters(self, tensors: dict[str, torch.Tensor], config: dict) -> None:
+        """The actor's adapters (PEFT names, full tensors; ``config``: PEFT's adapter_config) replace the
+        ones held; the DP leader applies them from the next generate on, the other ranks hold nothing."""
+        if self.model is None:
+            return
+        if self.adapters is None:
+            self.adapters = HFAdapters(self.model)
+        self.adapters.load(tensors, float(config["lora_alpha"]) / int(config["r"]), self.dtype)
 
     # -- weights ---------------------------------------------------------------------------------
 
@@ -287,6 +307,48 @@ class HFEngine:
             )
             cache, logits = out.past_key_values, out.logits[:, -1].float()
         return toks, lps
+
+
+class HFAdapters(torch.nn.Module):
+    """LoRA on an HF model's projections through forward hooks: module ``m`` with adapter (A [r, in],
+    B [out, r]) returns m(x) + scale * (x A^T) B^T. A submodule of the model, so its tensors move with
+    the model's ``.to()``."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model_ref = [model]  # not a submodule: the model holds this module, not the reverse
+        self.hooked: dict[str, object] = {}  # projection name -> its hook's handle
+        self.scale = 1.0
+        model.add_module("megatron_rl_lora", self)
+
+    def load(self, tensors: dict[str, torch.Tensor], scale: float, dtype: torch.dtype) -> None:
+        model = self.model_ref[0]
+        self.scale = scale
+        device = next(model.parameters()).device
+        names = sorted({k.removeprefix("base_model.model.").rsplit(".", 2)[0] for k in tensors})
+        for name in set(self.hooked) - set(names):  # an adapter no longer sent: its projection is base
+            self.hooked.pop(name).remove()  # type: ignore[attr-defined]
+        for i, name in enumerate(names):
+            key = f"base_model.model.{name}"
+            for which in ("A", "B"):
+                t = tensors[f"{key}.lora_{which}.weight"].to(device=device, dtype=dtype)
+                self.register_buffer(f"{which}{i}", t.clone(), persistent=False)
+            if name in self.hooked:
+                self.hooked.pop(name).remove()  # type: ignore[attr-defined]
+            self.hooked[name] = model.get_submodule(name).register_forward_hook(self._hook(i))
+
+    def _hook(self, i: int):
+        def add(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+            a, b = getattr(self, f"A{i}"), getattr(self, f"B{i}")
+            return output + torch.nn.functional.linear(torch.nn.functional.linear(args[0], a), b) * self.scale
+
+        return add
+
+    def remove(self) -> None:
+        """Every hook off: the model is its base again."""
+        for handle in self.hooked.values():
+            handle.remove()  # type: ignore[attr-defined]
+        self.hooked.clear()
 
 
 class _RoutingRecorder:

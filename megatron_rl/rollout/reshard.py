@@ -342,6 +342,11 @@ def sync_weights(
     """Stream the actor into ``engine`` (collective) and check the engine's copy (module docstring).
     Returns bytes sent, buckets, seconds (check_seconds: the integrity check's share)."""
     global _syncs
+    from megatron_rl.rollout.lora_sync import sync_adapters
+
+    again = lambda: sync_weights(model, ps, engine, bucket_megabytes, dtype)  # noqa: E731
+    if (adapters := sync_adapters(unwrap(model), ps, engine, dtype, again)) is not None:
+        return adapters  # LoRA unmerged: the base once, then the adapters alone (rollout.lora_sync)
     _syncs += 1
     dtype = dtype or engine.dtype
     stats = {"bytes": 0.0, "buckets": 0.0}

@@ -31,6 +31,13 @@ error becomes a :class:`~megatron_rl.rollout.base.RolloutOOMError` naming the si
 
 Memory. ``release_memory`` frees weights, KV cache and CUDA graphs (torch_memory_saver);
 ``resume_memory`` maps them back, after which the weights must be synced again.
+
+LoRA unmerged (rollout.lora_sync; config.lora.EngineLora on the rollout config says so at start): the
+engine starts with SGLang's LoRA support (``enable_lora``, ``max_lora_rank``, ``lora_target_modules``
+as HF projections), :meth:`SGLangEngine.load_adapters` replaces the adapter ``lora_sync.ADAPTER``
+(``unload_lora_adapter``, then ``load_lora_adapter_from_tensors``: full PEFT tensors, which SGLang
+slices for its TP ranks), every request names it (``lora_path``), and ``release_memory`` keeps the
+weights (only the KV cache and CUDA graphs go), so the frozen base streams once per engine.
 """
 
 from __future__ import annotations
@@ -151,6 +158,9 @@ class SGLangEngine:
         self.engine = None
         self._config_dir: str | None = None
         self._workers: list[int] = []
+        self.takes_adapters = self._lora_arguments(cfg, args, engine_kwargs)
+        self.adapter_base = False  # rollout.lora_sync: the base has been streamed into this engine
+        self._adapter_loaded = False
         if self.group_rank == 0:
             self.engine = self._start(engine_kwargs)
         if r > 1:
@@ -159,6 +169,50 @@ class SGLangEngine:
         self._released = False
         self._shapes: dict[str, list[int]] = {}  # every tensor streamed: its checkpoint shape
         self.unreadable: set[str] = set()  # streamed tensors the read-back does not find (logged once)
+
+    @staticmethod
+    def _lora_arguments(cfg, args: ModelArgs, engine_kwargs: dict) -> bool:
+        """Add SGLang's LoRA arguments to ``engine_kwargs`` when the actor's adapters come unmerged
+        (config.lora.ENGINE_LORA); whether they do."""
+        from megatron_rl.config.lora import ENGINE_LORA
+        from megatron_rl.rollout.lora_sync import refusal, unsupported
+
+        lora = getattr(cfg, ENGINE_LORA, None)
+        if lora is None:
+            return False
+        why = unsupported(args)
+        if why is not None:
+            if lora.merge is False:
+                raise ValueError(refusal(why))
+            return False
+        engine_kwargs.setdefault("enable_lora", True)
+        engine_kwargs.setdefault("max_lora_rank", lora.rank)
+        engine_kwargs.setdefault("lora_target_modules", list(lora.hf_targets))
+        engine_kwargs.setdefault("max_loras_per_batch", 2)  # the adapter and the base (SGLang's slot 0)
+        return True
+
+    def load_adapters(self, tensors: dict[str, torch.Tensor], config: dict) -> None:
+        """Collective over the engine group: the actor's adapters (PEFT names, full tensors on this
+        rank's GPU; ``config``: PEFT's adapter_config) replace the engine's (module docstring)."""
+        from megatron_rl.rollout.lora_sync import ADAPTER
+
+        if self.engine is not None:
+            from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+            monkey_patch_torch_reductions()
+            torch.cuda.current_stream().synchronize()  # SGLang's workers read them from another process
+            if self._adapter_loaded:
+                out = self.engine.unload_lora_adapter(ADAPTER)
+                if not out.success:
+                    raise RuntimeError(f"SGLang could not unload the previous adapters: {out.error_message}")
+                self._adapter_loaded = False
+            out = self.engine.load_lora_adapter_from_tensors(ADAPTER, tensors, config)
+            if not out.success:
+                raise RuntimeError(f"SGLang rejected the actor's LoRA adapters: {out.error_message}")
+            self._adapter_loaded = True
+            self.engine.flush_cache()
+        if self.group_size > 1:
+            dist.barrier(group=self._group)  # the leader's tensors stay intact until the load ends
 
     def _start(self, engine_kwargs: dict):
         self._config_dir = config_dir = tempfile.mkdtemp(prefix="megatron_rl_sglang_")
@@ -297,15 +351,22 @@ class SGLangEngine:
             self.engine.tokenizer_manager.update_weights_from_tensor(req, None)
         )
 
+    def _memory_tags(self) -> list[str] | None:
+        """What release_memory gives back: everything (None), or with unmerged LoRA all but the weights
+        (the frozen base is kept; SGLang's adapter buffers live outside its memory saver)."""
+        return ["kv_cache", "cuda_graph"] if self.takes_adapters else None
+
     def release_memory(self) -> None:
         if self.engine is not None and not self._released:
-            self.engine.release_memory_occupation()
+            self.engine.release_memory_occupation(self._memory_tags())
         self._released = True
-        self._synced = False  # SGLang does not keep the weights across a release
+        if not self.takes_adapters:
+            self._synced = False  # SGLang does not keep the weights across a release
+            self.adapter_base = False
 
     def resume_memory(self) -> None:
         if self.engine is not None and self._released:
-            self.engine.resume_memory_occupation()
+            self.engine.resume_memory_occupation(self._memory_tags())
         self._released = False
 
     def shutdown(self) -> None:
@@ -361,7 +422,11 @@ class SGLangEngine:
         sampling = [self._sampling(params, s) for s in seeds]
         assert self.engine is not None  # generate() runs this only where the engine is hosted
         try:
-            extra = {"return_routed_experts": True} if params.return_routed_experts else {}
+            extra: dict[str, Any] = {"return_routed_experts": True} if params.return_routed_experts else {}
+            if self._adapter_loaded:  # LoRA unmerged: every request runs the actor's adapters
+                from megatron_rl.rollout.lora_sync import ADAPTER
+
+                extra["lora_path"] = [ADAPTER] * len(rows)
             outs = self.engine.generate(
                 input_ids=rows, sampling_params=sampling, return_logprob=params.return_logprobs, **extra
             )

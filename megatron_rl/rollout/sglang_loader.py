@@ -282,7 +282,9 @@ def engine_share(model: Any, params: dict, name: str, shape: list[int], rank: in
 
 
 def _module_of(model: Any, param_name: str) -> Any:
-    return model.get_submodule(param_name.rsplit(".", 1)[0])
+    """The layer holding ``param_name``; under SGLang's LoRA wrapper (enable_lora), the wrapped layer."""
+    module = model.get_submodule(param_name.rsplit(".", 1)[0])
+    return getattr(module, "base_layer", module)
 
 
 def _expert_share(model: Any, layer: int, expert: int, proj: str, cols: int) -> torch.Tensor | None:

@@ -5,7 +5,15 @@ model (a world of one)."""
 import pytest
 
 from megatron_rl.config import Config, ConfigError
-from megatron_rl.config.lora import LINEARS, MLA_LINEARS, LoraConfig, check_lora, lora_targets
+from megatron_rl.config.lora import (
+    ENGINE_LORA,
+    LINEARS,
+    MLA_LINEARS,
+    EngineLora,
+    LoraConfig,
+    check_lora,
+    lora_targets,
+)
 
 KEY = "actor_rollout_ref.model.lora"
 
@@ -42,13 +50,62 @@ def test_refused_targets(names, match):
         lora_targets(LoraConfig(rank=8, target_modules=names), KEY)
 
 
-def test_merge_false_is_refused_naming_the_key():
+def test_merge_false_is_refused_naming_the_key_where_the_engine_is_apart():
     cfg = Config()
-    cfg.critic.model.lora = LoraConfig(rank=4, merge=False)
-    with pytest.raises(ConfigError, match=r"critic.model.lora.merge=false"):
+    cfg.actor_rollout_ref.model.lora = LoraConfig(rank=4, merge=False)
+    cfg.trainer.placement.rollout = [1]
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.model.lora.merge=false: .*colocated"):
         check_lora(cfg)
-    cfg.critic.model.lora = LoraConfig(rank=0, merge=False)  # LoRA off: nothing to check
+    cfg.actor_rollout_ref.model.lora = LoraConfig(rank=4)  # unset: merged where the engine is apart
     check_lora(cfg)
+    assert getattr(cfg.actor_rollout_ref.rollout, ENGINE_LORA) is None
+
+
+def test_the_engine_is_told_what_adapters_come_unmerged():
+    cfg = Config()
+    cfg.actor_rollout_ref.model.lora = LoraConfig(
+        rank=8, target_modules=["q_proj", "k_proj", "v_proj", "down_proj"]
+    )
+    cfg.critic.model.lora = LoraConfig(rank=4, merge=False)  # the critic never reaches an engine
+    check_lora(cfg)
+    want = EngineLora(8, None, ("down_proj", "k_proj", "q_proj", "v_proj"))
+    assert getattr(cfg.actor_rollout_ref.rollout, ENGINE_LORA) == want
+    cfg.actor_rollout_ref.model.lora = LoraConfig(rank=8, target_modules=["all-linear"], merge=True)
+    check_lora(cfg)
+    assert getattr(cfg.actor_rollout_ref.rollout, ENGINE_LORA) is None
+    cfg.actor_rollout_ref.model.lora = LoraConfig(
+        rank=8, target_modules=["*.layers.0.*.linear_fc1"], merge=False
+    )
+    check_lora(cfg)
+    assert getattr(cfg.actor_rollout_ref.rollout, ENGINE_LORA) == EngineLora(
+        8, False, ("gate_proj", "up_proj")
+    )
+
+
+@pytest.mark.parametrize("arch, why", [("qwen2_moe", "mixture-of-experts"), ("deepseek_v3", "multi-latent")])
+def test_unmerged_adapters_refused_where_the_engine_cannot_take_them(tmp_path, arch, why):
+    from types import SimpleNamespace
+
+    from megatron_rl.model_args import load_model_args
+    from megatron_rl.models.lora import LoraSpec
+    from megatron_rl.models.random_hf import save_random_hf_model
+    from megatron_rl.rollout.lora_sync import unmerged, unsupported
+
+    args = load_model_args(save_random_hf_model(str(tmp_path / arch), arch, seed=1))
+    assert why in (unsupported(args) or "")
+    engine = SimpleNamespace(takes_adapters=True)
+    actor = SimpleNamespace(args=args, lora=LoraSpec(4, 8.0, ("linear_qkv",), "base", merge=False))
+    with pytest.raises(
+        ValueError, match=rf"actor_rollout_ref.model.lora.merge=false: .*{why}.*set it to true"
+    ):
+        unmerged(actor, engine)
+    actor.lora = LoraSpec(4, 8.0, ("linear_qkv",), "base", merge=None)  # unset: the merged stream
+    assert not unmerged(actor, engine)
+    dense = load_model_args(save_random_hf_model(str(tmp_path / "qwen2"), "qwen2", seed=1))
+    assert unsupported(dense) is None
+    assert unmerged(SimpleNamespace(args=dense, lora=actor.lora), engine)
+    with pytest.raises(ValueError, match=r"merge=false: the rollout engine .* was not started with LoRA"):
+        unmerged(SimpleNamespace(args=dense, lora=LoraSpec(4, 8.0, (), "b", False)), SimpleNamespace())
 
 
 def test_a_pattern_picks_one_layers_linear(ps, tmp_path):
