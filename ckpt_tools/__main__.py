@@ -57,6 +57,16 @@ def _layout(p: argparse.ArgumentParser, default: int | None = 1) -> None:
     p.add_argument("--pp", type=int, default=default, help=f"pipeline-parallel size (default {what})")
 
 
+def _virtual(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--vpp",
+        type=int,
+        default=1,
+        help="model chunks per pipeline stage (interleaved pipelines; default 1): torch_dist files are "
+        "the same at any layout, this builds and checks the model at it",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m ckpt_tools",
@@ -89,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf", required=True, help="HF model directory (config.json + safetensors)")
     p.add_argument("--out", required=True, help="output torch_dist checkpoint directory")
     _layout(p)
+    _virtual(p)
     _expert_layout(p)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the config's dtype")
 
@@ -115,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ckpt", required=True, help="torch_dist checkpoint directory")
     p.add_argument("--out", required=True, help="output torch_dist checkpoint directory")
     _layout(p)
+    _virtual(p)
 
     p = verb("mcore-to-legacy", False)
     p.add_argument("--ckpt", required=True, help="HF, torch_dist or legacy checkpoint directory")
@@ -133,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf", required=True, help="reference HF model directory")
     p.add_argument("--ckpt", required=True, help="checkpoint to check: HF, torch_dist or legacy")
     _layout(p)
+    _virtual(p)
     _expert_layout(p)
     p.add_argument(
         "--tol", type=float, default=5e-3, help="max allowed |logit difference| (default 5e-3, float32)"

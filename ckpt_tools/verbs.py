@@ -95,9 +95,9 @@ def _side_dirs(path: str) -> list[str]:
     return [*dirs, os.path.dirname(os.path.abspath(dirs[-1]))]
 
 
-def _check_layout(path: str, tp: int, pp: int) -> None:
-    """The trainer's layout check, before any rank starts: ``--tp`` must divide the model's heads and
-    ``--pp`` its layers (one line instead of N ranks failing)."""
+def _check_layout(path: str, tp: int, pp: int, vpp: int = 1) -> None:
+    """The trainer's layout check, before any rank starts: ``--tp`` must divide the model's heads,
+    ``--pp`` its layers and ``--vpp`` each stage's (one line instead of N ranks failing)."""
     from megatron_rl.config import ConfigError, check_layout_against_model
     from megatron_rl.models.loading import load_model_args_any
 
@@ -105,10 +105,18 @@ def _check_layout(path: str, tp: int, pp: int) -> None:
     dims = {"num_attention_heads": args.num_heads, "num_key_value_heads": args.num_kv_heads}
     try:
         check_layout_against_model(
-            {**dims, "num_layers": args.num_layers}, tp, pp, tp_key="--tp", pp_key="--pp"
+            {**dims, "num_layers": args.num_layers}, tp, pp, tp_key="--tp", pp_key="--pp", vpp=vpp
         )
     except ConfigError as e:
-        raise SystemExit(f"ckpt_tools: {path}: {e}") from None
+        msg = str(e).replace("actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size", "--vpp")
+        raise SystemExit(f"ckpt_tools: {path}: {msg}") from None
+
+
+def _chunks(a: argparse.Namespace):
+    """The build options of ``--vpp`` (model chunks per pipeline stage)."""
+    from megatron_rl.models.builder import TrainingOptions
+
+    return TrainingOptions(virtual_pipeline=a.vpp)
 
 
 def _check_experts(path: str, ep: int) -> None:
@@ -134,7 +142,7 @@ def _legacy(path: str):
 def hf_to_mcore(a: argparse.Namespace) -> int:
     """Each rank reads its HF slices into its shard; save_torch_dist writes them."""
     _check_digests(a.hf, quiet=True)
-    _check_layout(a.hf, a.tp, a.pp)
+    _check_layout(a.hf, a.tp, a.pp, a.vpp)
     _check_experts(a.hf, a.ep)
     rc = relaunch_if_needed(a.tp * a.pp * a.ep, a.argv)
     if rc is not None:
@@ -147,7 +155,7 @@ def hf_to_mcore(a: argparse.Namespace) -> int:
     with _parallel(a.tp, a.pp, ep=a.ep) as ps:
         args = load_model_args(a.hf)
         dtype = _dtype(a.dtype) if a.dtype else _config_dtype(args)
-        model = build_model(args, ps, dtype=dtype, sdpa=False)
+        model = build_model(args, ps, dtype=dtype, sdpa=False, options=_chunks(a))
         fill_from_reader(model, ps, HFReader(a.hf), progress=ps.rank == 0)
         save_torch_dist(model, ps, a.out, extra={"source": os.path.abspath(a.hf)})
         if ps.rank == 0:
@@ -277,7 +285,7 @@ def legacy_to_dist(a: argparse.Namespace) -> int:
 def reshard(a: argparse.Namespace) -> int:
     """Load a torch_dist checkpoint at the target TP/PP (actor or critic) and save it again."""
     _check_digests(a.ckpt)
-    _check_layout(a.ckpt, a.tp, a.pp)
+    _check_layout(a.ckpt, a.tp, a.pp, a.vpp)
     rc = relaunch_if_needed(a.tp * a.pp, a.argv)
     if rc is not None:
         return rc
@@ -298,7 +306,8 @@ def reshard(a: argparse.Namespace) -> int:
         meta, _ = check_torch_dist(loc.ckpt_dir)
         saved = meta.state_dict_metadata["embedding.word_embeddings.weight"].properties.dtype
         dtype = _dtype(ours["dtype"]) if ours.get("dtype") in ("float32", "bfloat16", "float16") else saved
-        model = build_model(args, ps, role=ours.get("role", "actor"), dtype=dtype, sdpa=False)
+        role = ours.get("role", "actor")
+        model = build_model(args, ps, role=role, dtype=dtype, sdpa=False, options=_chunks(a))
         load_torch_dist(model, ps, a.ckpt)
         save_torch_dist(model, ps, a.out, extra={"source": os.path.abspath(a.ckpt)})
         if ps.rank == 0:
@@ -339,7 +348,7 @@ def verify(a: argparse.Namespace) -> int:
     """Max |logit difference| between the checkpoint (any format, at --tp/--pp/--ep) and the HF model."""
     _check_digests(a.ckpt)
     _check_digests(a.hf, quiet=True)
-    _check_layout(a.ckpt, a.tp, a.pp)
+    _check_layout(a.ckpt, a.tp, a.pp, a.vpp)
     _check_experts(a.ckpt, a.ep)
     rc = relaunch_if_needed(a.tp * a.pp * a.ep, a.argv)
     if rc is not None:
@@ -357,7 +366,7 @@ def verify(a: argparse.Namespace) -> int:
         with open(os.path.join(a.hf, "config.json")) as f:
             hf_vocab = json.load(f)["vocab_size"]
         args = load_model_args_any(a.ckpt)
-        model = build_model(args, ps, dtype=torch.float32)
+        model = build_model(args, ps, dtype=torch.float32, options=_chunks(a))
         fmt = load_weights(model, a.ckpt, ps)
         model.eval()
         vocab = min(args.vocab_size, hf_vocab)  # Megatron-LM pads its vocabulary; compare real tokens

@@ -142,10 +142,11 @@ def split_to_count(groups: list[list[int]], count: int, lengths: list[int]) -> l
 
 
 def plan(
-    batch: RolloutBatch, mb: MicroBatching, multiple: int, dp_group=None, device=None
+    batch: RolloutBatch, mb: MicroBatching, multiple: int, dp_group=None, device=None, count_multiple: int = 1
 ) -> list[list[int]]:
     """Row indices of each micro-batch of ``batch`` under ``mb`` (see the module docstring). The fixed
-    path's last group may be short (the caller fills it up)."""
+    path's last group may be short (the caller fills it up). ``count_multiple``: the dynamic path
+    splits groups until their count is a multiple of it (interleaved pipelines: PP)."""
     n = len(batch)
     if not mb.dynamic:
         if mb.size <= 0:
@@ -155,13 +156,20 @@ def plan(
     longest = _round_up(max(lengths), multiple)
     # an over-budget sequence fails on every DP rank together (not one rank, with the others waiting)
     groups = token_budget_groups(lengths, mb.max_tokens, multiple, mb.key) if longest <= mb.max_tokens else []
+    count = len(groups)
     if dp_group is not None and dist.get_world_size(dp_group) > 1:
         counts = torch.tensor([len(groups), longest], device=device)
         dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=dp_group)
         count, longest = counts.tolist()
-        if longest <= mb.max_tokens:
-            groups = split_to_count(groups, count, lengths)
     _check_fits(longest, mb.max_tokens, mb.key)
+    count = _round_up(count, count_multiple)
+    groups = split_to_count(groups, count, lengths)
+    if len(groups) != count and count_multiple > 1:  # fewer rows than micro-batches needed
+        raise ConfigError(
+            f"{len(batch)} sequences cannot make {count} micro-batches, a multiple of "
+            f"pipeline_model_parallel_size={count_multiple} as interleaved pipelines need: lower "
+            "*.megatron.virtual_pipeline_model_parallel_size to 1 or give each rank more sequences."
+        )
     return groups
 
 
@@ -172,11 +180,13 @@ def micro_batches(
     dp_group=None,
     device=None,
     stats: TokenStats | None = None,
+    count_multiple: int = 1,
 ) -> tuple[list[RolloutBatch], list[list[int]]]:
     """The micro-batches of ``batch`` and the rows of ``batch`` each holds (fixed path: the filler rows
     of the last micro-batch are not listed). ``multiple``: the sequence length the forward pads to (TP
-    under sequence parallelism). ``stats`` counts the tokens of this pass."""
-    groups = plan(batch, mb, multiple, dp_group, device)
+    under sequence parallelism); ``count_multiple``: see :func:`plan`. ``stats`` counts the tokens of
+    this pass."""
+    groups = plan(batch, mb, multiple, dp_group, device, count_multiple)
     if mb.dynamic:
         micro = [batch.select(g).compacted() for g in groups]
     else:

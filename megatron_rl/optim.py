@@ -39,6 +39,7 @@ from torch import nn
 from megatron_rl import cpu_bridge
 from megatron_rl.config import ConfigError, MegatronConfig, OptimConfig
 from megatron_rl.errors import LaunchError
+from megatron_rl.models.chunks import ModelChunks, chunks_of
 from megatron_rl.parallel import ParallelState
 
 BUCKET_NUMEL = 1 << 25  # 32M elements per DDP bucket (megatron's default scales with DP; fixed here)
@@ -95,11 +96,10 @@ def _finalize_grads(model: list[nn.Module], num_tokens: torch.Tensor | None = No
 
 
 class ModelOptimizer:
-    """megatron-core DDP + optimizer over one model shard, with an LR schedule (see the module docstring).
+    """megatron-core DDP (one per model chunk) + optimizer over one model shard, with an LR schedule.
 
-    ``ddp`` is the module the training passes run (``run_pipeline(optimizer.ddp, ...)``); the plain
-    ``model`` stays valid for no-grad forwards, the weight sync and checkpoints (same parameters).
-    """
+    ``ddp`` is the module the training passes run (``run_pipeline(optimizer.ddp, ...)``: a DDP, or a
+    ModelChunks of them); the plain ``model`` serves no-grad forwards, the weight sync and checkpoints."""
 
     def __init__(
         self,
@@ -123,8 +123,7 @@ class ModelOptimizer:
         self.skipped_steps = 0  # updates skipped for a non-finite norm the loss scaler cannot fix
         self.loss_scale_skips = 0  # fp16: updates skipped by the dynamic loss scaler (an overflow)
         self.seed = seed
-        # At DP = 1 the distributed optimizer holds the whole state, as the plain one would; using it at
-        # every DP size gives checkpoints one format that any DP size loads.
+        # the distributed optimizer at every DP size (at 1 it holds all): one checkpoint format for any DP
         self.distributed = distributed = mcfg.use_distributed_optimizer
         self.overlap_param_gather = distributed and mcfg.overlap_param_gather
         config = model.config  # the TransformerConfig the schedule reads its hooks from
@@ -157,16 +156,18 @@ class ModelOptimizer:
             use_distributed_optimizer=distributed,
             overlap_param_gather=self.overlap_param_gather,
         )
-        with cpu_bridge.device_mode():
-            self.ddp = DistributedDataParallel(config, ddp_config, model)
-            self.optimizer = get_megatron_optimizer(optim_config, [self.ddp])
+        with cpu_bridge.device_mode():  # one DDP per model chunk (interleaved pipelines), bucketed first
+            chunks = enumerate(chunks_of(model))
+            ddp = [DistributedDataParallel(config, ddp_config, c, disable_bucketing=i > 0) for i, c in chunks]
+            self.chunks, self.optimizer = ddp, get_megatron_optimizer(optim_config, ddp)
+        self.ddp = self.chunks[0] if len(self.chunks) == 1 else ModelChunks(self.chunks)
         self.ddp.role, self.ddp.args = model.role, model.args
         config.finalize_model_grads_func = _finalize_grads
         config.grad_scale_func = self.optimizer.scale_loss  # the fp16 loss scale (1 otherwise)
-        config.no_sync_func = self.ddp.no_sync if mcfg.overlap_grad_reduce else None
+        syncs = [d.no_sync for d in ddp] if len(ddp) > 1 else ddp[0].no_sync  # the schedule takes either
+        config.no_sync_func = syncs if mcfg.overlap_grad_reduce else None
         self._init_adam_state()
-        # Low-precision models: megatron's copy of the fp32 main weights into the model's parameters is
-        # replaced by one that can round stochastically and counts the elements that change.
+        # bf16/fp16: our copy of the fp32 mains into the model (stochastic rounding; counts changes)
         self.stochastic_rounding = cfg.stochastic_rounding
         self._changed = torch.zeros((), dtype=torch.float64, device=ps.device)
         self._elements = torch.zeros((), dtype=torch.float64, device=ps.device)
@@ -180,8 +181,7 @@ class ModelOptimizer:
         return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
 
     def _main_params(self) -> Iterator[tuple[torch.optim.Optimizer, dict, torch.Tensor]]:
-        """(torch optimizer, param group, main parameter) for every parameter that megatron's
-        optimizers step on this rank."""
+        """(torch optimizer, param group, main parameter) of each parameter stepped on this rank."""
         for sub in self._sub_optimizers:
             inner = getattr(sub, "optimizer", None)
             for group in inner.param_groups if inner is not None else ():
@@ -239,7 +239,8 @@ class ModelOptimizer:
     # -- the step -----------------------------------------------------------------------------------
 
     def zero_grad(self) -> None:
-        self.ddp.zero_grad_buffer()
+        for d in self.chunks:
+            d.zero_grad_buffer()
         self.optimizer.zero_grad()
 
     @torch.no_grad()
@@ -280,7 +281,8 @@ class ModelOptimizer:
             self.optimizer.step_with_ready_grads()
             if self.overlap_param_gather:
                 # The next forward may be the weight sync or a no-grad pass outside DDP: gather now.
-                self.ddp.start_param_sync(force_sync=True)
+                for d in self.chunks:
+                    d.start_param_sync(force_sync=True)
         self.num_steps += 1
         return norm, lr
 
@@ -311,7 +313,7 @@ class ModelOptimizer:
 
     def grad_tensors(self) -> list[torch.Tensor]:
         """DDP's gradient buffers; zeroed before every update, so their values need not be kept."""
-        return [buf.grad_data for buf in self.ddp.buffers + self.ddp.expert_parallel_buffers]
+        return [b.grad_data for d in self.chunks for b in d.buffers + d.expert_parallel_buffers]
 
     def state_bytes(self) -> int:
         """Bytes of :meth:`state_tensors` on this rank (optimizer-state memory per GPU)."""
@@ -326,9 +328,7 @@ class ModelOptimizer:
 
     def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False) -> dict:
         """megatron's sharded optimizer state (dist_checkpointing); with the distributed optimizer it
-        loads at any DP size."""
-        # The distributed optimizer writes each DP rank's buffer shards in parallel; loading re-slices
-        # them for the current DP size (TP/PP must match, as for the rest of a trainer checkpoint).
+        loads at any DP size (each DP rank's buffer shards re-sliced), at the TP/PP/VPP it was saved at."""
         kwargs = {"metadata": {"distrib_optim_sharding_type": "dp_reshardable"}} if self.distributed else {}
         state = self.optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading, **kwargs)
         if not is_loading:

@@ -37,6 +37,7 @@ from megatron_rl.algos import agg_loss
 from megatron_rl.batch import RolloutBatch
 from megatron_rl.config import ConfigError
 from megatron_rl.microbatches import MicroBatching, TokenStats, micro_batches
+from megatron_rl.models.chunks import num_chunks
 from megatron_rl.models.forward import Positions, broadcast_from_last_stage, run_pipeline, sequence_multiple
 from megatron_rl.optim import ModelOptimizer
 from megatron_rl.parallel import ParallelState
@@ -48,8 +49,10 @@ Head = Callable[[RolloutBatch, torch.Tensor, torch.Tensor], torch.Tensor]
 def split(
     model: nn.Module, ps: ParallelState, batch: RolloutBatch, micro: MicroBatching, stats: TokenStats | None
 ) -> tuple[list[RolloutBatch], list[list[int]]]:
-    """``batch``'s micro-batches (and their rows) for ``model``'s forward (padded to TP under SP)."""
-    return micro_batches(batch, micro, sequence_multiple(model, ps), ps.dp_group, ps.device, stats)
+    """``batch``'s micro-batches (and their rows) for ``model``'s forward (padded to TP under SP;
+    interleaved pipelines: token-budget micro-batches made a multiple of PP in count)."""
+    count = ps.pp_size if num_chunks(model) > 1 else 1
+    return micro_batches(batch, micro, sequence_multiple(model, ps), ps.dp_group, ps.device, stats, count)
 
 
 class UpdateConfig(Protocol):

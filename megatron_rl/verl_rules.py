@@ -202,12 +202,6 @@ RULES: tuple[Rule, ...] = (
     _refused(
         "*.megatron.expert_tensor_parallel_size", "mixture-of-experts models are not supported", 1, None
     ),
-    _refused(
-        "*.megatron.virtual_pipeline_model_parallel_size",
-        "interleaved pipeline stages are not implemented",
-        1,
-        None,
-    ),
     _refused("*.optim.optimizer", "the optimizer is megatron-core's Adam (AdamW)", "adam", "adamw"),
     _refused("*.lora.type", "adapters are plain LoRA (B @ A beside each target linear)", "lora"),
     _refused("*.lora.dropout_position", "dropout acts on the adapter's input", "pre"),

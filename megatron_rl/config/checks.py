@@ -14,10 +14,12 @@ from megatron_rl.config.errors import ConfigError
 from megatron_rl.config.layout import (
     _read_model_dims,
     check_expert_layout,
+    check_interleaving,
     check_layout_against_model,
     check_router_replay,
     parallel_sizes,
     uneven_stages,
+    virtual_stages,
 )
 from megatron_rl.config.load import needs_reference
 from megatron_rl.config.lora import check_lora
@@ -157,6 +159,13 @@ def validate(cfg: Config, world_size: int, model_dims: dict[str, int] | None = N
                 f"{m.tensor_model_parallel_size}/{m.pipeline_model_parallel_size} differ from the actor's "
                 f"{tp}/{pp}; all models share one parallel layout: set them equal."
             )
+    vpp = virtual_stages(actor.megatron)
+    for name, m in others:
+        if virtual_stages(m, actor.megatron) != vpp:
+            raise ConfigError(
+                f"{name}.megatron.virtual_pipeline_model_parallel_size = {virtual_stages(m)} differs from "
+                f"the actor's {vpp}; all models share one parallel layout: set them equal."
+            )
     if tp < 1 or pp < 1 or world_size % (tp * pp):
         who = (
             f"World size {world_size}"
@@ -186,6 +195,7 @@ def validate(cfg: Config, world_size: int, model_dims: dict[str, int] | None = N
         )
 
     check_batch_sizes(cfg, dp, tp, pp, placement)
+    check_interleaving(cfg, dp, pp, vpp)
     _validate_token_budgets(cfg)
     if cfg.algorithm.adv_estimator in ("grpo", "rloo") and rollout.n < 2:
         raise ConfigError(
@@ -237,7 +247,8 @@ def validate(cfg: Config, world_size: int, model_dims: dict[str, int] | None = N
     if model_dims is None:
         model_dims = _read_model_dims(arr.model.path)
     if model_dims:
-        check_layout_against_model(model_dims, tp, pp, rtp, *uneven_stages(arr.actor.megatron))
+        am = arr.actor.megatron
+        check_layout_against_model(model_dims, tp, pp, rtp, *uneven_stages(am), vpp=virtual_stages(am))
     if not placement.separate_rollout and rollout.name == "sglang":  # hf: a model on each DP leader only
         idle = placement.idle_colocated_engines(tp, pp, rtp)
         if idle:

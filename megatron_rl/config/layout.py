@@ -50,10 +50,12 @@ def check_layout_against_model(
     last: int | None = None,
     tp_key: str = TP_KEY,
     pp_key: str = PP_KEY,
+    vpp: int = 1,
 ) -> None:
     """TP (and the rollout's TP) must divide the attention and key/value heads, PP the layers (or the
-    layers the first / last stage do not take: ``first``, ``last``). The trainer's config check;
-    ``ckpt_tools`` runs it too, naming its own ``--tp``/``--pp``."""
+    layers the first / last stage do not take: ``first``, ``last``), ``vpp`` (model chunks per stage)
+    each stage's layers. The trainer's config check; ``ckpt_tools`` runs it too, naming its own
+    ``--tp``/``--pp``."""
     heads, kv, layers = dims["num_attention_heads"], dims["num_key_value_heads"], dims["num_layers"]
     sizes = [(tp_key, tp)] + (
         [] if rollout_tp is None else [("actor_rollout_ref.rollout.tensor_model_parallel_size", rollout_tp)]
@@ -64,9 +66,9 @@ def check_layout_against_model(
                 f"{key}={size} must divide the model's attention heads ({heads}) and key/value heads ({kv}); "
                 f"choose one of {[d for d in range(1, kv + 1) if heads % d == 0 and kv % d == 0]}."
             )
-    if first is not None or last is not None:
+    if first is not None or last is not None or vpp > 1:
         try:
-            pipeline_split(layers, pp, first, last)
+            pipeline_split(layers, pp, first, last, vpp)
         except ValueError as e:
             raise ConfigError(str(e).replace("*.", "actor_rollout_ref.actor.")) from None
     elif layers % pp:
@@ -177,14 +179,17 @@ def check_router_replay(cfg, separate_rollout: bool) -> None:
 
 FIRST_STAGE = "*.megatron.override_transformer_config.num_layers_in_first_pipeline_stage"
 LAST_STAGE = "*.megatron.override_transformer_config.num_layers_in_last_pipeline_stage"
+VPP_KEY = "*.megatron.virtual_pipeline_model_parallel_size"
 
 
 def pipeline_split(
-    num_layers: int, pp: int, first: int | None = None, last: int | None = None
+    num_layers: int, pp: int, first: int | None = None, last: int | None = None, vpp: int = 1
 ) -> tuple[int, ...]:
     """Decoder layers of each pipeline stage, as megatron-core splits them: ``first`` on stage 0 and
     ``last`` on the last stage where given (``num_layers_in_first/last_pipeline_stage``), the others
-    evenly over the remaining stages. A ValueError names the key to change."""
+    evenly over the remaining stages. With ``vpp`` > 1 (interleaved 1F1B) each stage's layers are cut
+    into ``vpp`` equal model chunks and the result lists the pp x vpp virtual stages in model order:
+    virtual stage ``v * pp + p`` is chunk v of pipeline rank p. A ValueError names the key to change."""
     given = [x for x in (first, last) if x is not None]
     if any(x < 1 for x in given):
         raise ValueError(
@@ -192,6 +197,11 @@ def pipeline_split(
         )
     if given and pp == 1:
         raise ValueError(f"{FIRST_STAGE} / {LAST_STAGE} need pipeline_model_parallel_size > 1")
+    if vpp < 1 or (vpp > 1 and pp == 1):
+        raise ValueError(
+            f"{VPP_KEY}={vpp} needs pipeline_model_parallel_size > 1 (interleaving cuts each pipeline "
+            "stage into model chunks): set it to 1 (or None), or raise pipeline_model_parallel_size"
+        )
     others, rest = pp - len(given), num_layers - sum(given)
     if (others == 0 and rest) or (others and (rest < others or rest % others)):
         if not given:
@@ -210,7 +220,24 @@ def pipeline_split(
         split[0] = first
     if last is not None:
         split[-1] = last
-    return tuple(split)
+    if vpp == 1:
+        return tuple(split)
+    if any(n % vpp for n in split):
+        raise ValueError(
+            f"{VPP_KEY}={vpp} must divide the decoder layers of every pipeline stage {tuple(split)} "
+            f"(each stage holds {vpp} equal model chunks): change it, pipeline_model_parallel_size or "
+            f"{FIRST_STAGE} / {LAST_STAGE}"
+        )
+    return tuple(split[p] // vpp for _ in range(vpp) for p in range(pp))
+
+
+def virtual_stages(megatron, actor=None) -> int:
+    """The model chunks per pipeline stage of a ``*.megatron`` section (its
+    virtual_pipeline_model_parallel_size; None: the actor's section's, then 1)."""
+    v = getattr(megatron, "virtual_pipeline_model_parallel_size", None)
+    if v is None and actor is not None:
+        v = getattr(actor, "virtual_pipeline_model_parallel_size", None)
+    return 1 if v is None else int(v)
 
 
 # the sections whose models run the model at each path (they share its layer count)
@@ -230,8 +257,9 @@ def check_pipeline_split(cfg, num_layers: int, key: str) -> None:
         for part in name.split("."):
             section = getattr(section, part)
         m = section.megatron
+        vpp = virtual_stages(m, cfg.actor_rollout_ref.actor.megatron)
         try:
-            pipeline_split(num_layers, m.pipeline_model_parallel_size or 1, *uneven_stages(m))
+            pipeline_split(num_layers, m.pipeline_model_parallel_size or 1, *uneven_stages(m), vpp=vpp)
         except ValueError as e:
             raise ConfigError(str(e).replace("*.", f"{name}.")) from None
 
@@ -241,3 +269,45 @@ def uneven_stages(megatron) -> tuple[int | None, int | None]:
     from its override_transformer_config (verl's keys; None where unset)."""
     o = megatron.override_transformer_config or {}
     return o.get("num_layers_in_first_pipeline_stage"), o.get("num_layers_in_last_pipeline_stage")
+
+
+def check_interleaving(cfg, dp: int, pp: int, vpp: int) -> None:
+    """Interleaved 1F1B (``vpp`` > 1) runs the micro-batches of a pass in groups of PP per model chunk:
+    megatron-core needs their count to be a multiple of PP. The forward-only passes fill up their last
+    group themselves (models.forward.run_pipeline) and dynamic batching splits its micro-batches to a
+    multiple (microbatches.plan); an update of fixed-size micro-batches cannot (a filler would train),
+    so its count (mini-batch samples per rank / micro-batch size) must already be one."""
+    if vpp == 1:
+        return
+    if pp == 1:
+        raise ConfigError(
+            f"actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size={vpp} needs "
+            "pipeline_model_parallel_size > 1: set it to 1 (or None), or raise pipeline_model_parallel_size."
+        )
+    for key, lora in (
+        ("actor_rollout_ref", cfg.actor_rollout_ref.model.lora),
+        ("critic", cfg.critic.model.lora),
+    ):
+        if lora.rank:
+            raise ConfigError(
+                f"{key}.model.lora.rank={lora.rank} with *.megatron.virtual_pipeline_model_parallel_size="
+                f"{vpp}: LoRA adapters are not built on model chunks; set one of them to 1 (LoRA: 0)."
+            )
+    n = cfg.actor_rollout_ref.rollout.n
+    updates = [("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor)]
+    if cfg.critic.enable:
+        updates.append(("critic", cfg.critic))
+    for key, sec in updates:
+        if sec.use_dynamic_bsz or not sec.ppo_mini_batch_size or sec.ppo_micro_batch_size_per_gpu <= 0:
+            continue
+        rows = sec.ppo_mini_batch_size * n // dp
+        count = -(-rows // sec.ppo_micro_batch_size_per_gpu)
+        if count % pp:
+            fits = [m for m in range(1, rows + 1) if rows % m == 0 and (rows // m) % pp == 0]
+            raise ConfigError(
+                f"{key}.ppo_micro_batch_size_per_gpu={sec.ppo_micro_batch_size_per_gpu} gives {count} "
+                f"micro-batches per mini-batch ({key}.ppo_mini_batch_size x rollout.n / data-parallel "
+                f"size = {rows} sequences), but interleaved pipelines "
+                f"(*.megatron.virtual_pipeline_model_parallel_size={vpp}) need a multiple of "
+                f"pipeline_model_parallel_size={pp}: choose one of {fits} or {key}.use_dynamic_bsz=true."
+            )

@@ -258,6 +258,8 @@ def _fill_derived(cfg: Config) -> None:
             m.tensor_model_parallel_size = am.tensor_model_parallel_size
         if m.pipeline_model_parallel_size is None:
             m.pipeline_model_parallel_size = am.pipeline_model_parallel_size
+        if m.virtual_pipeline_model_parallel_size is None:
+            m.virtual_pipeline_model_parallel_size = am.virtual_pipeline_model_parallel_size
     if not cfg.critic.model.path:
         cfg.critic.model.path = arr.model.path
     if cfg.critic.ppo_mini_batch_size is None:

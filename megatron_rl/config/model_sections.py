@@ -85,6 +85,9 @@ class FrozenMegatronConfig:
     """Tensor-parallel size; None: 1 for the actor, the actor's for ref and critic (they must match)."""
     pipeline_model_parallel_size: int | None = None
     """Pipeline-parallel size; None: 1 for the actor, the actor's for ref and critic (they must match)."""
+    virtual_pipeline_model_parallel_size: int | None = None
+    """Model chunks per pipeline stage (interleaved 1F1B; needs PP > 1 and must divide each stage's
+    layers); None: 1 for the actor, the actor's for ref, critic and reward model (they must match)."""
     expert_model_parallel_size: int | None = None
     """Mixture-of-experts models: ranks the experts are distributed over (whole experts; must divide
     the experts and world / (PP x expert_tensor_parallel_size)); None: 1 for the actor, the actor's

@@ -53,6 +53,7 @@ RANGES: dict[str, str] = {
     "*.optim.hysteresis": ">=1",
     "*.megatron.tensor_model_parallel_size": ">=1",
     "*.megatron.pipeline_model_parallel_size": ">=1",
+    "*.megatron.virtual_pipeline_model_parallel_size": ">=1",
     "*.megatron.expert_model_parallel_size": ">=1",
     "*.megatron.expert_tensor_parallel_size": ">=1",
     "actor_rollout_ref.actor.megatron.seed": "any",

@@ -24,6 +24,7 @@ from torch import nn
 from megatron_rl import cpu_bridge
 from megatron_rl.config.layout import pipeline_split
 from megatron_rl.model_args import ModelArgs
+from megatron_rl.models.chunks import ModelChunks, chunks_of
 from megatron_rl.models.mla import duplicated_linear
 from megatron_rl.parallel import ParallelState
 from megatron_rl.weights.hf_io import HFReader, assemble_shard
@@ -118,6 +119,9 @@ class TrainingOptions:
     """MoE with sigmoid routing (DeepSeek-V3, GLM-4.5): after each optimizer step the expert-score bias
     moves by this much against each expert's load over the step's tokens (megatron's
     auxiliary-loss-free balancing; 0 keeps the checkpoint's bias)."""
+    virtual_pipeline: int = 1
+    """Model chunks per pipeline stage (*.megatron.virtual_pipeline_model_parallel_size; interleaved
+    1F1B when > 1): build_model returns a :class:`~megatron_rl.models.chunks.ModelChunks`."""
     transformer_overrides: tuple = ()
     """(key, value) pairs of TransformerConfig arguments set over the ones built here: the section's
     megatron.override_transformer_config without its moe_* keys (recompute_modules)."""
@@ -202,6 +206,7 @@ def transformer_config(
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     config_class = TransformerConfig if args.mla is None else MLATransformerConfig
+    vpp = options.virtual_pipeline if options.virtual_pipeline > 1 else None  # megatron: None, not 1
     return config_class(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -244,6 +249,10 @@ def transformer_config(
         else None,
         **moe_config_kwargs(args, ps, options),
         **mla_config_kwargs(args),
+        virtual_pipeline_model_parallel_size=vpp,
+        # interleaved: megatron's p2p with its even/odd ordering (at PP2 a rank's previous and next
+        # stage are one peer, and batched sends to it would pair an activation with a gradient)
+        **({"overlap_p2p_comm": True, "batch_p2p_comm": False} if vpp else {}),
         **dict(options.transformer_overrides),
     )
 
@@ -300,43 +309,55 @@ def build_model(
 
     dense = layer_spec(None)
     sparse = layer_spec(args.num_experts) if args.is_moe else None
-    # uneven pipelines: megatron's num_layers_in_first/last_pipeline_stage (override_transformer_config)
+    # uneven pipelines: megatron's num_layers_in_first/last_pipeline_stage (override_transformer_config);
+    # interleaved: the layers of each virtual stage (chunk v of this rank is virtual stage v * PP + p)
+    vpp = config.virtual_pipeline_model_parallel_size or 1
     split = pipeline_split(
         args.num_layers,
         ps.pp_size,
         config.num_layers_in_first_pipeline_stage,
         config.num_layers_in_last_pipeline_stage,
+        vpp,
     )
-    layer_offset = sum(split[: ps.pp_rank])
-    layers = [sparse if args.is_moe_layer(layer_offset + j) else dense for j in range(split[ps.pp_rank])]
-    spec = ModuleSpec(
-        module=TransformerBlock,
-        submodules=TransformerBlockSubmodules(layer_specs=layers, layer_norm=RMSNorm),
-    )
-    tie = args.tie_embeddings and role == "actor"
-    with cpu_bridge.device_mode():
-        model = GPTModel(
-            config=config,
-            transformer_layer_spec=spec,
-            vocab_size=args.padded_vocab(ps.tp_size),
-            max_sequence_length=args.max_position_embeddings,
-            pre_process=ps.is_first_stage,
-            post_process=ps.is_last_stage,
-            share_embeddings_and_output_weights=tie,
-            position_embedding_type="rope",
-            rotary_percent=args.rotary_percent,
-            rotary_base=int(args.rope_theta),
-            rope_scaling=args.rope_scaling,
-            rope_scaling_factor=args.rope_scaling_factor,
+    chunks = []
+    for v in range(vpp):
+        stage = v * ps.pp_size + ps.pp_rank
+        offset = sum(split[:stage])
+        layers = [sparse if args.is_moe_layer(offset + j) else dense for j in range(split[stage])]
+        spec = ModuleSpec(
+            module=TransformerBlock,
+            submodules=TransformerBlockSubmodules(layer_specs=layers, layer_norm=RMSNorm),
         )
-    if role in ("critic", "reward") and ps.is_last_stage:
-        bias = role == "critic"  # HF's score head has none
-        model.output_layer = ValueHead(args.hidden_size, dtype, config.sequence_parallel, bias=bias)
+        last = stage == len(split) - 1
+        with cpu_bridge.device_mode():
+            model = GPTModel(
+                config=config,
+                transformer_layer_spec=spec,
+                vocab_size=args.padded_vocab(ps.tp_size),
+                max_sequence_length=args.max_position_embeddings,
+                pre_process=stage == 0,
+                post_process=last,
+                share_embeddings_and_output_weights=args.tie_embeddings and role == "actor",
+                position_embedding_type="rope",
+                rotary_percent=args.rotary_percent,
+                rotary_base=int(args.rope_theta),
+                rope_scaling=args.rope_scaling,
+                rope_scaling_factor=args.rope_scaling_factor,
+                **({"vp_stage": v} if vpp > 1 else {}),
+            )
+        if role in ("critic", "reward") and last:
+            bias = role == "critic"  # HF's score head has none
+            model.output_layer = ValueHead(args.hidden_size, dtype, config.sequence_parallel, bias=bias)
+        model.layer_offset = offset
+        model.virtual_stage = stage
+        chunks.append(model)
+    model = chunks[0] if vpp == 1 else ModelChunks(chunks)
     model.args = args
     model.role = role
-    model.layer_offset = layer_offset
-    model.stage_layers = split  # decoder layers of each pipeline stage
+    model.stage_layers = split  # decoder layers of each (virtual) pipeline stage
     model.expert_offset = ps.ep_rank * (args.num_experts // ps.ep_size) if args.is_moe else 0
+    for chunk in chunks:
+        chunk.args, chunk.role, chunk.expert_offset = args, role, model.expert_offset
     mark_tensor_parallel(model, ps)
     return model.to(ps.device)
 
@@ -360,40 +381,51 @@ def mark_tensor_parallel(model: nn.Module, ps: ParallelState) -> None:
 
 
 def stage_layouts(model: nn.Module, ps: ParallelState) -> list:
-    """The table's layouts of the parameters this rank holds (its stage, its experts)."""
-    return list(
-        iter_stage_layouts(
+    """The table's layouts of the parameters this rank holds (its stage or its chunks' virtual
+    stages, its experts)."""
+    split = getattr(model, "stage_layers", None)
+    stages = len(split) if split else ps.pp_size
+    return [
+        lay
+        for chunk in chunks_of(model)
+        for lay in iter_stage_layouts(
             model.args,
             ps.tp_size,
-            ps.pp_size,
-            ps.pp_rank,
+            stages,
+            getattr(chunk, "virtual_stage", ps.pp_rank),
             model.role,
             ps.ep_size,
             ps.ep_rank,
             ps.etp_size,
-            stage_layers=getattr(model, "stage_layers", None),
+            stage_layers=split,
         )
-    )
+    ]
 
 
 def named_global_params(model: nn.Module) -> dict[str, torch.Tensor]:
-    """This stage's parameters under their global (full-model) names: global layer and expert index.
+    """This stage's parameters under their global (full-model) names: global layer and expert index
+    (over all model chunks of an interleaved pipeline).
 
     The stacked weights of GroupedExperts appear as one view per expert, under SequentialMLP's names
     (those of the layout tables); writing into a view writes the parameter."""
     from megatron_rl.models.experts import GroupedExperts
     from megatron_rl.models.lora import is_adapter_param
 
-    # LoRA adapters have no HF counterpart: the stream reads them through models.lora.merged_params
-    local: dict[str, torch.Tensor] = {n: p for n, p in model.named_parameters() if not is_adapter_param(n)}
-    # sigmoid routing's expert-score bias: a buffer (trained by load balancing, not by gradients)
-    local.update({n: b for n, b in model.named_buffers() if n.endswith("router.expert_bias")})
-    for prefix, module in model.named_modules():
-        if isinstance(module, GroupedExperts):
-            del local[f"{prefix}.weight1"], local[f"{prefix}.weight2"]
-            local.update({f"{prefix}.{n}": v for n, v in module.expert_views().items()})
+    out: dict[str, torch.Tensor] = {}
     off = getattr(model, "expert_offset", 0)
-    return {global_expert_name(global_layer_name(n, model.layer_offset), off): p for n, p in local.items()}
+    for chunk in chunks_of(model):
+        # LoRA adapters have no HF counterpart: the stream reads them through models.lora.merged_params
+        local = {n: p for n, p in chunk.named_parameters() if not is_adapter_param(n)}
+        # sigmoid routing's expert-score bias: a buffer (trained by load balancing, not by gradients)
+        local.update({n: b for n, b in chunk.named_buffers() if n.endswith("router.expert_bias")})
+        for prefix, module in chunk.named_modules():
+            if isinstance(module, GroupedExperts):
+                del local[f"{prefix}.weight1"], local[f"{prefix}.weight2"]
+                local.update({f"{prefix}.{n}": v for n, v in module.expert_views().items()})
+        out.update(
+            {global_expert_name(global_layer_name(n, chunk.layer_offset), off): p for n, p in local.items()}
+        )
+    return out
 
 
 @torch.no_grad()

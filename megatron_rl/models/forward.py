@@ -19,7 +19,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_rl import cpu_bridge
+from megatron_rl.config.errors import ConfigError
 from megatron_rl.models import routing
+from megatron_rl.models.chunks import chunks_of
 from megatron_rl.parallel import ParallelState
 
 
@@ -178,8 +180,20 @@ def run_pipeline(
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    inner = getattr(model, "module", model)
+    chunks = chunks_of(model)  # interleaved: this rank's model chunks (DDP-wrapped when training)
+    inner = getattr(chunks[-1], "module", chunks[-1])  # the chunk with the output layer, if any
     multiple = sequence_multiple(model, ps)
+    count = len(microbatches)
+    if len(chunks) > 1 and count % ps.pp_size:
+        # interleaved 1F1B runs groups of PP micro-batches per chunk (config.layout.check_interleaving)
+        if not forward_only:
+            raise ConfigError(
+                f"{count} micro-batches in an update, but interleaved pipelines need a multiple of "
+                f"pipeline_model_parallel_size={ps.pp_size}: set *.ppo_micro_batch_size_per_gpu so that "
+                "ppo_mini_batch_size x rollout.n / data-parallel size / it is one, or use_dynamic_bsz=true."
+            )
+        # forward only: the last micro-batch again fills the group; its outputs are dropped below
+        microbatches = list(microbatches) + [microbatches[-1]] * (-count % ps.pp_size)
     shapes = {tuple(mb.input_ids.shape) for mb in microbatches}
     b, s = microbatches[0].input_ids.shape
     current: list = [None, None]  # the micro-batch in the forward, and its response positions
@@ -196,7 +210,7 @@ def run_pipeline(
             ids, keep = F.pad(ids, (0, pad)), F.pad(keep, (0, pad))
         if moe:  # the tokens each router saw: [s/TP * b] under sequence parallelism, [s * b] otherwise
             tokens = ids.numel() // (ps.tp_size if inner.config.sequence_parallel else 1)
-            _AUX_SCALE[0] = 1.0 / (tokens * len(microbatches) * ps.dp_size)
+            _AUX_SCALE[0] = 1.0 / (tokens * count * ps.dp_size)
         if replays:  # R3: the routers take the engine's experts for these tokens (models/routing.py)
             routed = getattr(mb, "routed_experts", None)
             if routed is not None and pad:
@@ -212,6 +226,7 @@ def run_pipeline(
 
         return out, on_output
 
+    interleaved = len(chunks) > 1
     with (
         cpu_bridge.device_mode(),
         output_positions(
@@ -222,16 +237,18 @@ def run_pipeline(
         _variable_shapes(inner.config, len(shapes) > 1),
         routing.cleared(replays),
     ):
-        return get_forward_backward_func()(
+        out = get_forward_backward_func(*((ps.pp_size, len(chunks)) if interleaved else ()))(
             forward_step_func=forward_step,
-            data_iterator=iter(microbatches),
-            model=[model],
+            # each chunk's forward reads the micro-batches in order from its own iterator
+            data_iterator=[iter(microbatches) for _ in chunks] if interleaved else iter(microbatches),
+            model=chunks,
             num_microbatches=len(microbatches),
             seq_length=-(-s // multiple) * multiple,
             micro_batch_size=b,
             forward_only=forward_only,
             collect_non_loss_data=forward_only,
         )
+    return out[:count] if forward_only else out
 
 
 def broadcast_from_last_stage(tensor: torch.Tensor | None, ps: ParallelState, shape, dtype) -> torch.Tensor:

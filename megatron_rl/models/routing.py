@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -94,22 +95,32 @@ class ReplayTopK:
         return scores.gather(1, ids), ids
 
 
+def _inner_chunks(model: nn.Module) -> list[Any]:
+    """The GPTModels of ``model``: its model chunks (interleaved pipelines) or itself, DDP unwrapped."""
+    from megatron_rl.models.chunks import chunks_of
+
+    return [getattr(c, "module", c) for c in chunks_of(getattr(model, "module", model))]
+
+
 def enable_replay(model: nn.Module) -> list[ReplayTopK]:
-    """Put a :class:`ReplayTopK` on every router of ``model`` (this rank's stage; DDP-wrapped or not)
-    and return them; ``model.routing_replay`` keeps them for :func:`set_targets`."""
-    inner = getattr(model, "module", model)
+    """Put a :class:`ReplayTopK` on every router of ``model`` (this rank's stage, all its model chunks;
+    DDP-wrapped or not) and return them; each chunk's ``routing_replay`` keeps its own for
+    :func:`set_targets`."""
     replays = []
-    for layer in inner.decoder.layers:
-        router = getattr(layer.mlp, "router", None)
-        if router is not None:
-            router.router_replay = ReplayTopK(layer.layer_number - 1)
-            replays.append(router.router_replay)
-    inner.routing_replay = replays
+    for inner in _inner_chunks(model):
+        own = []
+        for layer in inner.decoder.layers:
+            router = getattr(layer.mlp, "router", None)
+            if router is not None:
+                router.router_replay = ReplayTopK(layer.layer_number - 1)
+                own.append(router.router_replay)
+        inner.routing_replay = own
+        replays += own
     return replays
 
 
 def replays_of(model: nn.Module) -> list[ReplayTopK]:
-    return getattr(getattr(model, "module", model), "routing_replay", [])
+    return [r for inner in _inner_chunks(model) for r in getattr(inner, "routing_replay", [])]
 
 
 def set_targets(
@@ -194,7 +205,7 @@ class Recording:
 def recording(model: nn.Module, layers: int, top_k: int) -> Iterator[Recording]:
     """R2: record the routing of the forward-only pass run inside (its micro-batch plan comes through
     :func:`planned`)."""
-    inner = getattr(model, "module", model)
+    inner = _inner_chunks(model)[0]  # the recording's home: the first chunk
     rec = Recording(replays_of(model), layers, top_k)
     for r in rec.replays:
         r.record = []
@@ -211,7 +222,7 @@ def recording(model: nn.Module, layers: int, top_k: int) -> Iterator[Recording]:
 def planned(model: nn.Module, batch, microbatches: list, groups: list[list[int]], multiple: int) -> None:
     """A forward-only pass over ``batch`` is about to run these micro-batches (rows ``groups`` of it,
     padded to ``multiple``): a :func:`recording` of ``model`` keeps the plan; otherwise nothing."""
-    rec = getattr(getattr(model, "module", model), "routing_recording", None)
+    rec = getattr(_inner_chunks(model)[0], "routing_recording", None)
     if rec is not None:
         rec.plan = (batch, microbatches, groups, multiple)
 

@@ -68,6 +68,7 @@ def _model(
         recompute_granularity=mcfg.recompute_granularity if recompute else None,
         recompute_method=mcfg.recompute_method,
         recompute_num_layers=mcfg.recompute_num_layers,
+        virtual_pipeline=mcfg.virtual_pipeline_model_parallel_size or 1,
         # its moe_* keys are read by moe_options
         transformer_overrides=tuple(
             (k, v) for k, v in mcfg.override_transformer_config.items() if not k.startswith("moe_")

@@ -115,7 +115,8 @@ def plan_buckets(
     """The bucket plan of the actor at TP x PP (a pure function of the tables). Every expert of a
     mixture-of-experts model is in it, whatever EP; ``etp`` (expert TP, default TP) only changes how
     an expert's shards map onto its HF tensors, not the buckets; ``stage_layers``: an uneven pipeline's
-    decoder layers per stage."""
+    decoder layers per stage, or an interleaved one's per virtual stage (PP x VPP of them, in model
+    order; a bucket's ``stage`` is then the pipeline rank holding the chunk: virtual stage % PP)."""
     if bucket_bytes <= 0:
         raise ValueError(
             f"bucket size {bucket_bytes} bytes must be > 0 "
@@ -123,10 +124,14 @@ def plan_buckets(
         )
     shapes = tables.hf_shapes(args)
     plan: list[BucketPlan] = []
-    for stage in range(pp):
+    stages = len(stage_layers) if stage_layers else pp  # virtual stages (interleaved) or stages
+    for virtual in range(stages):
+        stage = virtual % pp  # the pipeline rank that holds it
         pending: list[tuple[ParamLayout, list[str]]] = []
         used = 0
-        layouts = tables.iter_stage_layouts(args, tp, pp, stage, "actor", etp=etp, stage_layers=stage_layers)
+        layouts = tables.iter_stage_layouts(
+            args, tp, stages, virtual, "actor", etp=etp, stage_layers=stage_layers
+        )
         # tied: the last stage's copy of the embedding is not sent (HF ties lm_head itself)
         tied = args.tie_embeddings
         for unit in _units(lay for lay in layouts if not (tied and lay.name.startswith("output_layer"))):

@@ -51,6 +51,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_rl.errors import COLLATERAL, CheckpointError
+from megatron_rl.models.chunks import num_chunks
 from megatron_rl.parallel import ParallelState
 from megatron_rl.run.ckpt_files import (
     STEP_DIR,
@@ -107,14 +108,14 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _layout(ps: ParallelState) -> dict[str, int]:
-    return {"tp": ps.tp_size, "pp": ps.pp_size, "dp": ps.dp_size, "world_size": ps.world_size}
+def _layout(ps: ParallelState, models=()) -> dict[str, int]:  # vpp: model chunks per stage
+    vpp = max(map(num_chunks, models), default=1)
+    return {"tp": ps.tp_size, "pp": ps.pp_size, "vpp": vpp, "dp": ps.dp_size, "world_size": ps.world_size}
 
 
 def experts_modules(models: dict[str, torch.nn.Module]) -> dict[str, str]:
-    """{name: "grouped" | "sequential"} of the mixture-of-experts models: GroupedExperts holds one
-    parameter per projection, SequentialMLP one per expert, so their optimizer states are laid out
-    differently (their weights are not: either loads the other's)."""
+    """{name: "grouped" | "sequential"} of the MoE models: GroupedExperts holds one parameter per
+    projection, SequentialMLP one per expert: optimizer states differ (weights load either way)."""
     from megatron.core.transformer.moe.experts import SequentialMLP
 
     from megatron_rl.models.experts import GroupedExperts
@@ -327,7 +328,7 @@ class CheckpointManager:
             if ps.rank == 0:
                 with open_private(os.path.join(partial, "trainer_state.json"), self.file_mode, False) as f:
                     experts = experts_modules(models)  # mixture-of-experts models only
-                    layout = {**_layout(ps), **({"experts": experts} if experts else {})}
+                    layout = {**_layout(ps, models.values()), **({"experts": experts} if experts else {})}
                     json.dump({**trainer_state, "global_step": step, "layout": layout}, f, indent=1)
         except _SAVE_ERRORS as e:  # any rank's failure must reach every rank, or they wait at the barrier
             error = e
@@ -438,12 +439,13 @@ class CheckpointManager:
         verify_digests(path)  # collective: every file against checksums.json before any is read
         with open(state_file) as f:
             trainer_state = json.load(f)
-        saved, now = trainer_state["layout"], _layout(self.ps)
-        if (saved["tp"], saved["pp"]) != (now["tp"], now["pp"]):
+        saved, now = trainer_state["layout"], _layout(self.ps, models.values())
+        was, runs = (saved["tp"], saved["pp"], saved.get("vpp", 1)), (now["tp"], now["pp"], now["vpp"])
+        if was != runs:
             raise RuntimeError(
-                f"Checkpoint {path} was saved at TP={saved['tp']} PP={saved['pp']}, this job runs "
-                f"TP={now['tp']} PP={now['pp']}: resume with the same actor_rollout_ref.actor.megatron "
-                "parallel sizes (the data-parallel size may change), or set trainer.resume_mode=disable."
+                f"Checkpoint {path} was saved at TP/PP/VPP={'/'.join(map(str, was))}, this job runs "
+                f"{'/'.join(map(str, runs))}: resume with the same actor_rollout_ref.actor.megatron "
+                "parallel sizes (DP may change), or start from its weights (trainer.resume_mode=disable)."
             )
         for name in optimizers:
             if os.path.isdir(os.path.join(path, name)) and not os.path.isdir(

@@ -128,6 +128,7 @@ def save_torch_dist(model: torch.nn.Module, ps: ParallelState, path: str, extra:
             "arch": model.args.arch,
             "tp": ps.tp_size,
             "pp": ps.pp_size,
+            "vpp": len(getattr(model, "chunks", ())) or 1,
             "ep": ps.ep_size,
             "dtype": str(dtype).replace("torch.", ""),
             "hf_config": model.args.hf_config,

@@ -25,6 +25,7 @@ from megatron_rl.weights.shards import VOCAB_PARAMS, fit_vocab, shard_shape
 from megatron_rl.weights.tables import ParamLayout, hf_shapes, layer_index, param_layouts
 
 _EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
+_CHUNK = re.compile(r"^chunks\.\d+\.")  # a model chunk's prefix (interleaved pipelines: ModelChunks)
 
 
 def torch_dist_key(
@@ -77,7 +78,7 @@ def load_torch_dist(model: torch.nn.Module, ps: ParallelState, path: str) -> Non
             continue  # pickled extras (empty for the local spec); DCP would unpickle them unchecked
         if wanted is not None and name not in wanted:
             continue  # the base of a LoRA model: loaded from its own path
-        if skip_head and name.startswith("output_layer."):
+        if skip_head and _CHUNK.sub("", name).startswith("output_layer."):
             continue
         if not isinstance(sh, ShardedTensor | ShardedTensorFactory):
             raise TypeError(f"unexpected {type(sh).__name__} for {name} in the model's sharded_state_dict")
@@ -95,7 +96,7 @@ def load_torch_dist(model: torch.nn.Module, ps: ParallelState, path: str) -> Non
         k
         for k in missing
         if not k.endswith("_extra_state")
-        and not (skip_head and k.startswith("output_layer."))
+        and not (skip_head and _CHUNK.sub("", k).startswith("output_layer."))
         and (wanted is None or k in wanted)
     ]
     if missing:

@@ -36,12 +36,14 @@ from megatron_rl.models.builder import (
     build_model,
     load_hf_weights,
     named_global_params,
+    stage_layouts,
 )
+from megatron_rl.models.chunks import last_chunk
 from megatron_rl.optim import LRSchedule, ModelOptimizer
 from megatron_rl.parallel import destroy_parallel, init_parallel
 from megatron_rl.ppo import compute_log_probs, compute_values, update_actor, update_critic
 from megatron_rl.weights.hf_io import scatter_shard
-from megatron_rl.weights.tables import hf_shapes, iter_stage_layouts
+from megatron_rl.weights.tables import hf_shapes
 
 N_PROMPTS, ROLLOUT_N, P, R = 8, 2, 6, 5
 MINI_PROMPTS = 4  # ppo_mini_batch_size: 2 mini-batches of 8 sequences
@@ -111,7 +113,7 @@ def hf_named_weights(model, ps, role: str) -> tuple[dict[str, torch.Tensor], flo
     shapes = hf_shapes(args)
     out: dict[str, torch.Tensor] = {}
     padded_max = 0.0
-    for lay in iter_stage_layouts(args, ps.tp_size, ps.pp_size, ps.pp_rank, role):
+    for lay in stage_layouts(model, ps):
         shard = params[lay.name].detach()
         shards = [torch.empty_like(shard) for _ in range(ps.tp_size)]
         dist.all_gather(shards, shard.contiguous(), group=ps.tp_group)
@@ -124,8 +126,9 @@ def hf_named_weights(model, ps, role: str) -> tuple[dict[str, torch.Tensor], flo
             if lay.dim == 0 and real < sh.shape[0]:
                 padded_max = max(padded_max, sh[real:].abs().max().item())
     if role == "critic" and ps.is_last_stage:
-        out["value_head.weight"] = model.output_layer.weight.detach().float().cpu()
-        out["value_head.bias"] = model.output_layer.bias.detach().float().cpu()
+        head = last_chunk(model).output_layer
+        out["value_head.weight"] = head.weight.detach().float().cpu()
+        out["value_head.bias"] = head.bias.detach().float().cpu()
     return out, padded_max
 
 
@@ -185,6 +188,7 @@ def main():
     )
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--vpp", type=int, default=1, help="model chunks per pipeline stage (interleaved)")
     ap.add_argument("--micro", type=int, required=True, help="ppo_micro_batch_size_per_gpu")
     ap.add_argument("--out", required=True)
     ap.add_argument("--hf-oracle", action="store_true", help="check log-probs against the HF model (rank 0)")
@@ -210,7 +214,7 @@ def main():
 def run_pair(ps, a, actor_dir: str, critic_dir: str, out_dir: str) -> None:
     """Steps 1-3 of the module docstring for one actor/critic pair; results into ``out_dir``."""
     dtype = DTYPES[a.dtype]
-    options = TrainingOptions(sequence_parallel=not a.no_sequence_parallel)
+    options = TrainingOptions(sequence_parallel=not a.no_sequence_parallel, virtual_pipeline=a.vpp)
     mcfg = MegatronConfig(use_distributed_optimizer=not a.no_distributed_optimizer)
     actor_args, critic_args = load_model_args(actor_dir), load_model_args(critic_dir)
     full, extra = global_batch(actor_args.vocab_size)
@@ -283,8 +287,8 @@ def run_pair(ps, a, actor_dir: str, critic_dir: str, out_dir: str) -> None:
         g = torch.Generator().manual_seed(7)
         h = critic_args.hidden_size
         with torch.no_grad():
-            critic.output_layer.weight.copy_(torch.randn(1, h, generator=g) / h**0.5)
-            critic.output_layer.bias.copy_(torch.randn(1, generator=g))
+            last_chunk(critic).output_layer.weight.copy_(torch.randn(1, h, generator=g) / h**0.5)
+            last_chunk(critic).output_layer.bias.copy_(torch.randn(1, generator=g))
     values = compute_values(critic, ps, batch, forward_micro(LOGPROB_MICRO), stats=tokens)
     res["values"] = gather_dp(values, ps).tolist()
     batch.values = (values + ex["value_noise"]) * mask

@@ -1,0 +1,199 @@
+"""Interleaved pipelines (*.megatron.virtual_pipeline_model_parallel_size: megatron-core model chunks
+and its interleaved 1F1B schedule) on gloo, against independent oracles:
+
+- logits of a dense model (Llama) and a Qwen3-MoE (a dense layer among the sparse ones) at PP2 x VPP2,
+  PP2 x VPP2 with megatron's uneven first stage, and PP2 x VPP4 equal the HF model's (PP=1); a layer
+  read twice (its own never) must fail; an odd number of micro-batches (filled up by run_pipeline)
+  gives the same outputs;
+- the weight stream to the engine gives the HF files bit for bit at PP2 x VPP2 (uneven too);
+- torch_dist checkpoints across (PP, VPP) layouts: saved at PP2 x VPP2, loaded at PP2 x VPP2 uneven
+  and at PP2 (no chunks); saved uneven, loaded at PP2 x VPP4: every parameter bit-exact; the
+  checkpoint saved at PP2 x VPP2 converts to the HF files bit for bit (ckpt_tools mcore-to-hf);
+- a full PPO update (actor and critic, 4 optimizer steps each, tied actor) at PP2 x VPP2 (plain
+  optimizer; and with token-budget micro-batches and the distributed optimizer) equals the unsharded
+  PP=1 run: forward passes, loss and grad-norm metrics, updated weights, within the tolerances of
+  test_ppo_layouts.py (fp32)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import ROOT, read_json
+
+ARCHS = ["llama", "qwen3_moe"]
+TOL = 1e-4
+# id: (vpp, first, load from, save, extra flags)
+LAYOUTS = {
+    "pp2_vpp2": (2, None, None, "vpp2", ["--stream"]),
+    "pp2_vpp2_first2": (2, 2, "vpp2", "first2", ["--stream"]),
+    "pp2": (1, None, "vpp2", None, []),
+    "pp2_vpp4": (4, None, "first2", None, []),
+    "pp2_vpp2_duplicated": (2, None, None, None, ["--corrupt", "duplicate"]),
+}
+# decoder layers of each virtual stage (chunk v of rank p: v * 2 + p) and each rank's chunk offsets
+SPLITS = {
+    "pp2_vpp2": ([2, 2, 2, 2], [[0, 4], [2, 6]]),
+    "pp2_vpp2_first2": ([1, 3, 1, 3], [[0, 4], [1, 5]]),
+    "pp2": ([4, 4], [[0], [4]]),
+    "pp2_vpp4": ([1] * 8, [[0, 2, 4, 6], [1, 3, 5, 7]]),
+}
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory):
+    from megatron_rl.models.random_hf import save_random_hf_model
+
+    root = tmp_path_factory.mktemp("hf_vpp")
+    save_random_hf_model(str(root / "llama"), "llama", seed=1, num_hidden_layers=8)
+    save_random_hf_model(
+        str(root / "qwen3_moe"), "qwen3_moe", seed=2, num_hidden_layers=8, mlp_only_layers=[3]
+    )
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def results(hf_models, tmp_path_factory) -> tuple[dict[str, dict], str]:
+    """({layout id: the worker's result}, the checkpoint directory): one launch of 2 processes."""
+    from tests.conftest import run_torchrun_runs
+
+    root = tmp_path_factory.mktemp("vpp")
+    runs = []
+    for name, (vpp, first, load, save, flags) in LAYOUTS.items():
+        argv = ["--models", hf_models, "--archs", *ARCHS, "--pp", "2", "--vpp", str(vpp)]
+        argv += ["--first", str(first)] if first else []
+        argv += ["--load", str(root / load)] if load else []
+        argv += ["--save", str(root / save)] if save else []
+        runs.append([*argv, *flags, "--out", str(root / f"{name}.json")])
+    run_torchrun_runs("vpp", 2, runs)
+    return {name: read_json(str(root / f"{name}.json")) for name in LAYOUTS}, str(root)
+
+
+@pytest.mark.parametrize("layout", list(SPLITS))
+def test_interleaved_stages_match_hf(results, layout):
+    res, _ = results
+    split, offsets = SPLITS[layout]
+    for arch in ARCHS:
+        r = res[layout][arch]
+        assert r["stage_layers"] == split and r["chunk_offsets"] == offsets, arch
+        assert r["max_logit"] > 1.0, "weights too small to expose a layout bug"
+        assert r["max_diff"] < TOL, f"{arch} at {layout}: max |logit diff| {r['max_diff']:.2e}"
+        assert r["filler_ok"], f"{arch} at {layout}: a filled-up micro-batch group changed the outputs"
+
+
+def test_a_duplicated_layer_is_seen(results):
+    res, _ = results
+    for arch in ARCHS:
+        assert res["pp2_vpp2_duplicated"][arch]["max_diff"] > 100 * TOL, arch
+
+
+@pytest.mark.parametrize("layout", ["pp2_vpp2", "pp2_vpp2_first2"])
+def test_the_weight_stream_gives_the_hf_files(results, layout):
+    res, _ = results
+    for arch in ARCHS:
+        assert res[layout][arch]["stream_exact"] is True, arch
+
+
+@pytest.mark.parametrize("layout", ["pp2_vpp2_first2", "pp2", "pp2_vpp4"])
+def test_checkpoints_load_across_layouts_bit_exact(results, layout):
+    res, _ = results
+    for arch in ARCHS:
+        assert res[layout][arch]["load_exact"] is True, f"{arch}: loaded at {layout}"
+
+
+def test_an_interleaved_checkpoint_converts_to_hf_bit_exact(results, hf_models, tmp_path):
+    from safetensors.torch import load_file
+
+    _, root = results
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (ROOT, os.environ.get("PYTHONPATH"))))}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    for arch in ARCHS:
+        back = str(tmp_path / arch)
+        ckpt = os.path.join(root, "vpp2", arch)
+        cmd = [sys.executable, "-m", "ckpt_tools", "mcore-to-hf", "--ckpt", ckpt, "--out", back]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        want = load_file(os.path.join(hf_models, arch, "model.safetensors"))
+        got = load_file(os.path.join(back, "model.safetensors"))
+        assert set(got) == set(want), arch
+        for name, w in want.items():
+            assert torch.equal(got[name], w), f"{arch}: {name}"
+
+
+# ---- one PPO update at PP2 x VPP2 against the unsharded run ----------------------------------------
+
+PPO = {  # name: (nproc, worker arguments)
+    "pp1": (1, ["--micro", "8"]),
+    "pp2_vpp2": (2, ["--pp", "2", "--vpp", "2", "--micro", "2", "--no-distributed-optimizer"]),
+    "dyn_pp2_vpp2": (2, ["--pp", "2", "--vpp", "2", "--micro", "2", "--max-tokens", "24"]),
+}
+
+
+@pytest.fixture(scope="module")
+def ppo(tmp_path_factory) -> dict:
+    """{run: the pair's result and weights} and {"initial": the HF weights} for a tied Qwen2 actor and
+    a Llama critic of 4 layers (one per virtual stage)."""
+    from megatron_rl.models.random_hf import save_random_hf_model
+    from tests.conftest import run_torchrun_runs
+    from tests.distributed.test_ppo_layouts import _load_hf, read_pair
+
+    root = tmp_path_factory.mktemp("vpp_ppo")
+    actor = save_random_hf_model(
+        str(root / "actor"), "qwen2", seed=3, num_hidden_layers=4, tie_word_embeddings=True
+    )
+    critic = save_random_hf_model(str(root / "critic"), "llama", seed=13, num_hidden_layers=4)
+    launches: dict[int, list[list[str]]] = {}
+    for name, (nproc, argv) in PPO.items():
+        (root / name).mkdir()
+        launches.setdefault(nproc, []).append(
+            ["--models", f"pair={actor},{critic}", *argv, "--device", "cpu", "--out", str(root / name)]
+        )
+    for nproc, runs in launches.items():
+        run_torchrun_runs("ppo_update", nproc, runs)
+    out = {name: read_pair(root / name / "pair") for name in PPO}
+    out["initial"] = {"actor": _load_hf(actor), "critic": _load_hf(critic)}
+    return out
+
+
+@pytest.mark.parametrize("layout", ["pp2_vpp2", "dyn_pp2_vpp2"])
+def test_a_ppo_update_at_pp2_vpp2_matches_pp1(ppo, layout):
+    from tests.distributed.test_ppo_layouts import (
+        LAYOUT_TOL,
+        WEIGHT_ELEM_TOL,
+        WEIGHT_REL_NORM_TOL,
+        assert_metrics_match,
+    )
+
+    ref, r = ppo["pp1"]["result"], ppo[layout]["result"]
+    for key in ("logp", "entropy", "values"):
+        diff = (torch.tensor(r[key]) - torch.tensor(ref[key])).abs().max().item()
+        assert diff < LAYOUT_TOL, f"{key} at {layout}: max diff {diff:.2e}"
+    assert_metrics_match(ref, r, layout)  # losses, clip fractions, KL, grad norms
+    assert r["actor_steps"] == 4
+    for role in ("actor", "critic"):
+        (want,) = [w[role] for w in ppo["pp1"]["weights"].values()]
+        initial = ppo["initial"][role]
+        moved = max((want[n] - initial[n]).abs().max().item() for n in want if n in initial)
+        assert moved > 5 * WEIGHT_ELEM_TOL, f"the update barely moved the {role}"
+        seen = set()
+        for stage in ppo[layout]["weights"].values():
+            for name, w in stage[role].items():
+                update = want[name] - initial[name] if name in initial else want[name]
+                assert ((w - want[name]).norm() / update.norm()).item() < WEIGHT_REL_NORM_TOL, name
+                assert (w - want[name]).abs().max().item() < WEIGHT_ELEM_TOL, name
+                seen.add(name)
+        assert seen == set(want), f"{role}: missing {sorted(set(want) - seen)}"
+
+
+def test_token_budget_micro_batches_come_in_multiples_of_pp(ppo):
+    """Interleaving runs groups of PP micro-batches: the dynamic plan splits to a multiple of 2."""
+    plans = ppo["dyn_pp2_vpp2"]["plans"]
+    assert plans
+    for plan in plans.values():
+        for counts in plan["micro_batch_tokens"]:
+            assert len(counts) % 2 == 0 and max(counts) <= 24, counts
