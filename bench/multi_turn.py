@@ -1,28 +1,31 @@
-"""Benchmark: multi-turn rollouts against single-turn generation of the same model token count.
+"""Benchmark: multi-turn rollouts against single-turn generation of the same model token count, with
+tool latencies and episode lengths as agent workloads have them, per-episode (async) and batch-synchronous
+(lockstep) turn schedules side by side.
 
     python bench/multi_turn.py --model qwen2.5-1.5b --rollout sglang --out bench_out/multi_turn
-    python bench/multi_turn.py --model tiny --device cpu --rollout hf --batch 8 --steps 2 --out /tmp/mt
+    python bench/multi_turn.py --model tiny --device cpu --rollout hf --batch 16 --steps 3 --out /tmp/mt
 
 The model, tokenizer and prompts are bench/ppo_step.py's (a random HF model, a word-level tokenizer,
-prompts of exactly --prompt-len tokens); every prompt row also names the simulated user
-(``extra_info.interaction_kwargs.name``). Three colocated PPO runs of ``megatron_rl.train``:
+prompts of exactly --prompt-len tokens); every prompt row names the simulated user
+(bench/synthetic_interaction.py), which stands for the tools. Colocated PPO runs of ``megatron_rl.train``:
 
-- ``single``: one model turn of --response-len tokens per episode (the 1.5B shape practically never
-  samples EOS; the tiny one, of 512 words, does: its turns end early and the token counts differ);
-- ``multi``: 3 model turns of --response-len / 3 tokens each, between them 2 fixed user replies of
-  --reply-len tokens (bench/synthetic_interaction.py) answered at once;
-- ``multi_delay``: the same with every reply after --delay-s seconds (a tool's latency).
+- ``single``: one model turn of --response-len tokens per episode;
+- ``multi``: 3 model turns of --response-len / 3 tokens each (multi_turn.max_tokens_per_turn), between
+  them 2 fixed replies of --reply-len tokens, answered at once;
+- ``latency``: the same with every reply after a latency drawn from a log-normal distribution (median
+  --latency-median-s, 99th percentile --latency-p99-s, seeded per row and reply);
+- ``tail``: ``latency`` with a long-tail mix: --tail-share of the episodes (seeded) run --tail-factor
+  times the median's turns (and tokens);
+- each multi-turn run also as ``<name>_lockstep`` (multi_turn.schedule=lockstep: every turn waits for
+  every episode's, the batch-synchronous schedule).
 
-The agent loop has no per-turn token cap (a turn may spend the whole data.max_response_length left),
-so the interaction caps each model turn at --response-len / 3 tokens (TurnCappedEngine), and
-multi_turn.max_assistant_turns = 3 ends the episode after its third turn. data.max_response_length is
-3 turns + 2 replies + 1 token, so no episode ends by the budget.
-
-Reported per run (steps after the first): timing_s/gen, model tokens per step (the replies' tokens
-are not counted), tokens/s and episodes/s of generation, multi_turn/num_turns/mean (verl's count:
-6 for 3 model turns and 2 replies), and for the multi-turn runs the agent loop's seconds outside the
-engine as a share of it (waiting on the user/tools, plus the loop's own work). Ratios:
-multi / single tokens/s (goal >= 0.8) and multi_delay / multi generation time (goal <= 1.10).
+Reported per run (steps after the first): timing_s/gen and the step's seconds, the engine's model tokens
+per step (replies not counted) and their tokens/s, multi_turn/engine_busy_ratio (seconds with a turn in
+the engine over the rollout's), multi_turn/prefix_cache_hit_ratio (SGLang: context tokens its radix
+cache held), the median and longest episode's seconds, and the step and generation time over the
+median episode's. Staleness of the trained tokens is 0 here: every step trains on episodes its own
+policy sampled (no partial rollouts). Ratios: multi / single tokens/s (goal >= 0.9), latency / multi
+generation time (goal <= 1.1), tail / latency step time (goal <= 1.3), async / lockstep per pair.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 
@@ -39,28 +43,33 @@ from ppo_step import prepare, run, summarize  # noqa: E402
 
 INTERACTION = "synthetic"
 TURNS = 3
+RUNS = ("single", "multi", "multi_lockstep", "latency", "latency_lockstep", "tail", "tail_lockstep")
 
 
-def add_interaction(data: str, out_path: str) -> str:
-    """``data`` with ``extra_info.interaction_kwargs = {"name": INTERACTION}`` on every row."""
+def add_interaction(data: str, out_path: str, tail_share: float, tail_factor: int, seed: int) -> str:
+    """``data`` with ``extra_info.interaction_kwargs = {name, row, replies}`` on every row: a seeded
+    ``tail_share`` of the rows answers ``tail_factor`` times the median's turns."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     rows = pq.read_table(data).to_pylist()
-    for r in rows:
-        r["extra_info"] = {**(r.get("extra_info") or {}), "interaction_kwargs": {"name": INTERACTION}}
+    rng = random.Random(seed)
+    for k, r in enumerate(rows):
+        turns = TURNS * tail_factor if rng.random() < tail_share else TURNS
+        kw = {"name": INTERACTION, "row": k, "replies": turns - 1}
+        r["extra_info"] = {**(r.get("extra_info") or {}), "interaction_kwargs": kw}
     pq.write_table(pa.Table.from_pylist(rows), out_path)
     return out_path
 
 
-def write_interaction_yaml(path: str, reply: str, delay_s: float, turn_tokens: int, timing_path: str) -> str:
+def write_interaction_yaml(path: str, reply: str, median_s: float, p99_s: float, seed: int) -> str:
     """verl's interaction config naming bench.synthetic_interaction.SyntheticInteraction."""
     config = {
         "reply": reply,
         "replies": TURNS - 1,
-        "delay_s": delay_s,
-        "turn_tokens": turn_tokens,
-        "timing_path": timing_path,
+        "latency_median_s": median_s,
+        "latency_p99_s": p99_s,
+        "seed": seed,
     }
     with open(path, "w") as f:
         f.write("interaction:\n")
@@ -70,14 +79,7 @@ def write_interaction_yaml(path: str, reply: str, delay_s: float, turn_tokens: i
     return path
 
 
-def read_jsonl(path: str) -> list[dict]:
-    if not os.path.isfile(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def measure(rows: list[dict], timing: list[dict], a: argparse.Namespace) -> dict:
+def measure(rows: list[dict], a: argparse.Namespace) -> dict:
     """One run's numbers over the steps after the first (the first pays for compilation and warm-up)."""
     s = summarize(rows, a.nproc)
     steady = rows[1:] or rows
@@ -86,35 +88,29 @@ def measure(rows: list[dict], timing: list[dict], a: argparse.Namespace) -> dict
         vals = [r[key] for r in steady if key in r]
         return statistics.fmean(vals) if vals else None
 
-    gen = s["phases_s"]["gen"]
-    loop = timing[1:] or timing
+    gen, step = s["phases_s"]["gen"], s["step_s"]
     # multi-turn: what the engine returned; single-turn: the whole response is the model's
-    tokens = (
-        statistics.fmean(t["model_tokens"] for t in loop) if loop else a.batch * (s["response_length"] or 0)
-    )
-    out = {
+    tokens = mean("multi_turn/model_tokens") or a.batch * (s["response_length"] or 0)
+    median_ep = mean("multi_turn/episode_s/median")
+    return {
         "steps_measured": s["steps_measured"],
         "gen_s": gen,
-        "step_s": s["step_s"],
+        "step_s": step,
         "response_length_mean": s["response_length"],
         "model_tokens_per_step": tokens,
         "tokens_per_s": tokens / gen if gen else None,
         "episodes_per_s": a.batch / gen if gen else None,
         "num_turns_mean": mean("multi_turn/num_turns/mean"),
+        "num_turns_max": mean("multi_turn/num_turns/max"),
         "length_ended_ratio": mean("multi_turn/length_ended_ratio"),
+        "engine_busy_ratio": mean("multi_turn/engine_busy_ratio"),
+        "prefix_cache_hit_ratio": mean("multi_turn/prefix_cache_hit_ratio"),
+        "episode_s_median": median_ep,
+        "episode_s_max": mean("multi_turn/episode_s/max"),
+        "gen_over_median_episode": gen / median_ep if gen and median_ep else None,
+        "step_over_median_episode": step / median_ep if step and median_ep else None,
+        "staleness_max": 0,  # no partial rollouts: every token was sampled by the policy it trains
     }
-    if loop:
-        run_s = statistics.fmean(t["run_s"] for t in loop)
-        engine_s = statistics.fmean(t["engine_s"] for t in loop)
-        out.update(
-            agent_loop_s=run_s,
-            engine_s=engine_s,
-            engine_calls=statistics.fmean(t["engine_calls"] for t in loop),
-            # the loop's time outside engine.generate: the user's/tools' answers and the loop's own work
-            wait_share_of_loop=(run_s - engine_s) / run_s if run_s else None,
-            wait_share_of_gen=(run_s - engine_s) / gen if gen else None,
-        )
-    return out
 
 
 def main() -> None:
@@ -133,10 +129,13 @@ def main() -> None:
         "--response-len",
         type=int,
         default=None,
-        help="model tokens per episode, 3 turns of a third each; default 768 (tiny: 96)",
+        help="model tokens of a median episode, 3 turns of a third each; default 768 (tiny: 96)",
     )
     ap.add_argument("--reply-len", type=int, default=16, help="tokens of each user reply (masked)")
-    ap.add_argument("--delay-s", type=float, default=0.05, help="the multi_delay run's wait per reply")
+    ap.add_argument("--latency-median-s", type=float, default=0.1, help="the replies' median latency")
+    ap.add_argument("--latency-p99-s", type=float, default=2.0, help="the replies' 99th-percentile latency")
+    ap.add_argument("--tail-share", type=float, default=0.05, help="share of long episodes in the tail run")
+    ap.add_argument("--tail-factor", type=int, default=8, help="their turns over the median episode's")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.4)
     ap.add_argument(
         "--no-cuda-graph", dest="cuda_graph", action="store_false", help="SGLang without decode CUDA graphs"
@@ -147,13 +146,16 @@ def main() -> None:
         choices=["on", "auto"],
         help="auto (the default: park only what does not fit) or every *_offload key on",
     )
-    ap.add_argument("--only", choices=["single", "multi", "multi_delay"], help="run one configuration")
+    ap.add_argument("--only", default=",".join(RUNS), help=f"comma-separated runs of {', '.join(RUNS)}")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
     ap.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="any other trainer key (repeatable)"
     )
     a = ap.parse_args()
+    only = [x for x in a.only.split(",") if x]
+    if bad := [x for x in only if x not in RUNS]:
+        ap.error(f"--only: unknown runs {bad}; choose from {', '.join(RUNS)}")
     tiny = a.model == "tiny"
     a.prompt_len = a.prompt_len or (64 if tiny else 512)
     a.response_len = a.response_len or (96 if tiny else 768)
@@ -167,39 +169,43 @@ def main() -> None:
     os.makedirs(a.out, exist_ok=True)
     inputs = os.path.join(a.out, "inputs")
     model_dir, tok_dir, data = prepare(inputs, a.model, a.prompt_len, a.batch * a.steps, a.seed)
-    mt_data = add_interaction(data, os.path.join(inputs, "train_multi_turn.parquet"))
+    mt_data = add_interaction(data, os.path.join(inputs, "train_multi_turn.parquet"), 0.0, 1, a.seed)
+    tail_data = add_interaction(
+        data, os.path.join(inputs, "train_tail.parquet"), a.tail_share, a.tail_factor, a.seed
+    )
     turn = a.response_len // TURNS
     reply = " ".join(f"t{i}" for i in range(a.reply_len))  # a.reply_len tokens of the word-level vocab
-    budget = a.response_len + (TURNS - 1) * a.reply_len + 1
 
-    result: dict = {"args": vars(a), "turn_tokens": turn, "multi_turn_max_response_length": budget}
-    for name, delay in (("single", None), ("multi", 0.0), ("multi_delay", a.delay_s)):
-        if a.only not in (None, name):
+    def budget(turns: int) -> int:  # every turn and reply fits: no episode ends by the budget
+        return turns * turn + (turns - 1) * a.reply_len + 1
+
+    result: dict = {"args": vars(a), "turn_tokens": turn}
+    for name in RUNS:
+        if name not in only:
             continue
-        timing_path = os.path.join(a.out, name, "agent_loop_timing.jsonl")
+        base = name.removesuffix("_lockstep")
         extra: dict = {}
         rows_data = data
-        if delay is not None:
-            os.makedirs(os.path.dirname(timing_path), exist_ok=True)
-            if os.path.exists(timing_path):
-                os.remove(timing_path)
+        if base != "single":
+            median_s = a.latency_median_s if base in ("latency", "tail") else 0.0
             cfg_path = write_interaction_yaml(
-                os.path.join(a.out, f"{name}_interaction.yaml"), reply, delay, turn, timing_path
+                os.path.join(a.out, f"{name}_interaction.yaml"), reply, median_s, a.latency_p99_s, a.seed
             )
+            turns = TURNS * (a.tail_factor if base == "tail" else 1)
             mt = "actor_rollout_ref.rollout.multi_turn"
             extra = {
                 f"{mt}.enable": True,
                 f"{mt}.interaction_config_path": cfg_path,
-                f"{mt}.max_assistant_turns": TURNS,
-                "data.max_response_length": budget,
+                f"{mt}.max_assistant_turns": turns,
+                f"{mt}.max_tokens_per_turn": turn,
+                f"{mt}.schedule": "lockstep" if name.endswith("_lockstep") else "async",
+                "data.max_response_length": budget(turns),
             }
-            rows_data = mt_data
+            rows_data = tail_data if base == "tail" else mt_data
         rows, rc = run(a, model_dir, tok_dir, rows_data, name, True, False, extra)
-        result[name] = measure(rows, read_jsonl(timing_path), a) if rows else {}
+        result[name] = measure(rows, a) if rows else {}
         if rc:
-            result[name]["error"] = (
-                f"the trainer exited with status {rc} after {len(rows)} of {a.steps} steps"
-            )
+            result[name]["error"] = f"the trainer exited with {rc} after {len(rows)} of {a.steps} steps"
         with open(os.path.join(a.out, "summary.json"), "w") as f:
             json.dump(result, f, indent=1)
 
@@ -207,12 +213,15 @@ def main() -> None:
         x, y = (result.get(n, {}).get(key) for n in (num, den))
         return x / y if x and y else None
 
-    result["multi_vs_single_tokens_per_s"] = ratio("multi", "single", "tokens_per_s")  # goal >= 0.8
-    result["multi_delay_vs_multi_gen_s"] = ratio("multi_delay", "multi", "gen_s")  # goal <= 1.10
+    result["multi_vs_single_tokens_per_s"] = ratio("multi", "single", "tokens_per_s")  # goal >= 0.9
+    result["latency_vs_multi_gen_s"] = ratio("latency", "multi", "gen_s")  # goal <= 1.1
+    result["tail_vs_latency_step_s"] = ratio("tail", "latency", "step_s")  # goal <= 1.3
+    for base in ("multi", "latency", "tail"):
+        result[f"{base}_async_vs_lockstep_gen_s"] = ratio(base, f"{base}_lockstep", "gen_s")
     with open(os.path.join(a.out, "summary.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps(result, indent=1))
-    if any("error" in result.get(n, {}) for n in ("single", "multi", "multi_delay")):
+    if any("error" in result.get(n, {}) for n in RUNS):
         sys.exit(1)
 
 

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from megatron_rl.parallel import ParallelState
 
 _SUMS = ("tool_calls", "tool_errors", "tool_timeouts", "dropped_calls")
-_ENGINE = ("busy_s", "span_s", "prompt_tokens", "cached_tokens", "cache_reported")
+_ENGINE = ("busy_s", "span_s", "prompt_tokens", "cached_tokens", "cache_reported", "model_tokens", "turns")
 
 
 class EpisodeStats:
@@ -54,8 +54,8 @@ class EpisodeStats:
         """multi_turn/num_turns/{mean,max,min}, multi_turn/<tool stat>_per_episode,
         multi_turn/length_ended_ratio, multi_turn/abandoned_tool_calls (the most timed-out calls still
         running on one rank), and from the hosts' runs multi_turn/engine_busy_ratio,
-        multi_turn/episode_s/{median,max} and (SGLang) multi_turn/prefix_cache_hit_ratio; the same keys
-        on every rank of the DP group (episodes of every DP rank)."""
+        multi_turn/episode_s/{median,max}, multi_turn/model_tokens, multi_turn/engine_turns and
+        (SGLang) multi_turn/prefix_cache_hit_ratio; the same keys on every rank of the DP group."""
         n = float(len(self.turns))
         stats = torch.tensor(
             [n, sum(self.turns), self.length_ended, *(self.sums[k] for k in _SUMS)], dtype=torch.float64
@@ -83,8 +83,10 @@ class EpisodeStats:
         }
         for j, k in enumerate(_SUMS):
             out[f"multi_turn/{k}_per_episode"] = stats[3 + j].item() / total
-        busy, span, context, cached, reported = eng.tolist()
+        busy, span, context, cached, reported, model_tokens, turns = eng.tolist()
         if span > 0:
+            out["multi_turn/model_tokens"] = model_tokens  # the engine's tokens on every DP rank
+            out["multi_turn/engine_turns"] = turns
             # the host ranks' seconds with a turn in the engine over their rollouts' seconds
             out["multi_turn/engine_busy_ratio"] = busy / span
             out["multi_turn/episode_s/median"] = longest[0].item()  # the largest rank median
