@@ -28,9 +28,10 @@ def hf_model(tmp_path_factory) -> dict[str, str]:
     return {"qwen3_moe": qwen, "deepseek_v3": dsv3}
 
 
-# id: (tp, ep, pp, nproc, arch)
+# id: (tp, ep, pp, nproc, arch); pp2_vpp2: two model chunks per stage (interleaved 1F1B)
 LAYOUTS = {
     "ep2": (1, 2, 1, 2, "qwen3_moe"),
+    "pp2_vpp2": (1, 1, 2, 2, "qwen3_moe"),
     "tp2ep2_sp": (2, 2, 1, 4, "qwen3_moe"),
     "pp2": (1, 1, 2, 2, "qwen3_moe"),
     "dsv3_ep2": (1, 2, 1, 2, "deepseek_v3"),
@@ -47,6 +48,7 @@ def results(hf_model, tmp_path_factory) -> dict[str, list[dict]]:
     launches: dict[int, list[list[str]]] = {}
     for name, (tp, ep, pp, nproc, arch) in LAYOUTS.items():
         layout = ["--tp", str(tp), "--ep", str(ep), "--pp", str(pp)]
+        layout += ["--vpp", "2"] if name.endswith("_vpp2") else []
         launches.setdefault(nproc, []).append(
             ["--model", hf_model[arch], *layout, "--out", str(root / f"{name}.json")]
         )

@@ -32,6 +32,7 @@ from megatron_rl.microbatches import MicroBatching
 from megatron_rl.model_args import load_model_args
 from megatron_rl.models import routing
 from megatron_rl.models.builder import TrainingOptions, build_model, load_hf_weights
+from megatron_rl.models.chunks import chunks_of
 from megatron_rl.parallel import destroy_parallel, init_parallel
 from megatron_rl.ppo import compute_log_probs
 from megatron_rl.rollout import SamplingParams, create_engine
@@ -84,11 +85,12 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--vpp", type=int, default=1, help="model chunks per pipeline stage (interleaved)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     ps = init_parallel(a.tp, a.pp, device="cpu", ep=a.ep)
     args = load_model_args(a.model)
-    options = TrainingOptions(sequence_parallel=a.tp > 1)
+    options = TrainingOptions(sequence_parallel=a.tp > 1, virtual_pipeline=a.vpp)
     model = build_model(args, ps, options=options)
     load_hf_weights(model, a.model, ps)
     model.eval()
@@ -169,7 +171,7 @@ def main() -> None:
     # perturb every router (the same noise on every rank: routers are replicated over TP/EP/DP)
     noise = torch.Generator().manual_seed(9)
     with torch.no_grad():
-        for layer in model.decoder.layers:
+        for layer in (layer for chunk in chunks_of(model) for layer in chunk.decoder.layers):
             router = getattr(layer.mlp, "router", None)
             if router is not None:
                 router.weight.add_(3.0 * torch.randn(router.weight.shape, generator=noise))
