@@ -11,6 +11,11 @@ step's rollout (the engine and the actor then hold the same version):
       -> mean |difference| over the generated tokens of every DP rank, against the tolerance of the
          rollout's precision (TOLERANCE): above it, WeightSyncError on every rank, in one line.
 
+With LoRA adapters loaded into the engine apart from the base (``lora.merge`` false,
+rollout.lora_sync) the probe generates through the adapter like every request and the actor scores with
+its adapters on, so it compares base + adapters on both sides: the base's checksums ran at its one
+stream, and the adapters have no read-back of their own.
+
 Logged as sync_check/logprob_diff_mean and sync_check/logprob_diff_max. Not with multi-turn rollouts
 (actor_rollout_ref.rollout.multi_turn.enable: the probe would be an episode with tool calls); the
 checksums of every sync still run there.
