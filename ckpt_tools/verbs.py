@@ -109,6 +109,7 @@ def _check_layout(path: str, tp: int, pp: int, vpp: int = 1) -> None:
         )
     except ConfigError as e:
         msg = str(e).replace("actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size", "--vpp")
+        msg = msg.replace(" pipeline_model_parallel_size or", " --pp or")
         raise SystemExit(f"ckpt_tools: {path}: {msg}") from None
 
 
@@ -392,8 +393,8 @@ def verify(a: argparse.Namespace) -> int:
         ok = diff <= a.tol
         _say(
             ps,
-            f"verify {a.ckpt} ({fmt}, TP={a.tp} PP={a.pp} EP={a.ep}) vs {a.hf}: max |logit diff| = "
-            f"{diff:.3e} over {a.batch}x{a.seq_len} tokens, {vocab} logits (max |logit| {top:.2f}); "
+            f"verify {a.ckpt} ({fmt}, TP={a.tp} PP={a.pp} VPP={a.vpp} EP={a.ep}) vs {a.hf}: max |logit "
+            f"diff| = {diff:.3e} over {a.batch}x{a.seq_len} tokens, {vocab} logits (max |logit| {top:.2f}); "
             f"tol {a.tol:g}: " + ("OK" if ok else "FAILED"),
         )
     return 0 if ok else 1
