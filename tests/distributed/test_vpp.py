@@ -1,7 +1,8 @@
 """Interleaved pipelines (*.megatron.virtual_pipeline_model_parallel_size: megatron-core model chunks
 and its interleaved 1F1B schedule) on gloo, against independent oracles:
 
-- logits of a dense model (Llama) and a Qwen3-MoE (a dense layer among the sparse ones) at PP2 x VPP2,
+- logits of a dense model (Llama), a Qwen3-MoE (a dense layer among the sparse ones) and a
+  DeepSeek-V3 (multi-latent attention, its first layer dense) at PP2 x VPP2,
   PP2 x VPP2 with megatron's uneven first stage, and PP2 x VPP4 equal the HF model's (PP=1); a layer
   read twice (its own never) must fail; an odd number of micro-batches (filled up by run_pipeline)
   gives the same outputs;
@@ -28,7 +29,7 @@ import torch
 
 from tests.conftest import ROOT, read_json
 
-ARCHS = ["llama", "qwen3_moe"]
+ARCHS = ["llama", "qwen3_moe", "deepseek_v3"]
 TOL = 1e-4
 # id: (vpp, first, load from, save, extra flags)
 LAYOUTS = {
@@ -56,6 +57,8 @@ def hf_models(tmp_path_factory):
     save_random_hf_model(
         str(root / "qwen3_moe"), "qwen3_moe", seed=2, num_hidden_layers=8, mlp_only_layers=[3]
     )
+    dsv3 = dict(n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1)
+    save_random_hf_model(str(root / "deepseek_v3"), "deepseek_v3", seed=3, num_hidden_layers=8, **dsv3)
     return str(root)
 
 
