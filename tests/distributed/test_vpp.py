@@ -3,12 +3,15 @@ and its interleaved 1F1B schedule) on gloo, against independent oracles:
 
 - logits of a dense model (Llama), a Qwen3-MoE (a dense layer among the sparse ones) and a
   DeepSeek-V3 (multi-latent attention, its first layer dense) at PP2 x VPP2,
-  PP2 x VPP2 with megatron's uneven first stage, and PP2 x VPP4 equal the HF model's (PP=1); a layer
+  PP2 x VPP2 with megatron's uneven first stage, PP2 x VPP4 and TP2 x PP2 x VPP2 (sequence
+  parallelism) equal the HF model's (PP=1); a layer
   read twice (its own never) must fail; an odd number of micro-batches (filled up by run_pipeline)
   gives the same outputs;
-- the weight stream to the engine gives the HF files bit for bit at PP2 x VPP2 (uneven too);
+- the weight stream to the engine gives the HF files bit for bit at PP2 x VPP2 (uneven too, and at
+  TP2);
 - torch_dist checkpoints across (PP, VPP) layouts: saved at PP2 x VPP2, loaded at PP2 x VPP2 uneven
-  and at PP2 (no chunks); saved uneven, loaded at PP2 x VPP4: every parameter bit-exact; the
+  at PP2 (no chunks) and at TP2 x PP2 x VPP2; saved uneven, loaded at PP2 x VPP4: every parameter
+  bit-exact; the
   checkpoint saved at PP2 x VPP2 converts to the HF files bit for bit (ckpt_tools mcore-to-hf);
 - a full PPO update (actor and critic, 4 optimizer steps each; a tied dense actor and a Qwen3-MoE
   one) at PP2 x VPP2 (plain
@@ -30,6 +33,13 @@ import torch
 from tests.conftest import ROOT, read_json
 
 ARCHS = ["llama", "qwen3_moe", "deepseek_v3"]
+ONLY = {"tp2_pp2_vpp2": ["qwen3_moe"]}  # 4 processes on few cores: the MoE model (sequence parallel)
+
+
+def archs(layout: str) -> list[str]:
+    return ONLY.get(layout, ARCHS)
+
+
 TOL = 1e-4
 # id: (vpp, first, load from, save, extra flags)
 LAYOUTS = {
@@ -38,6 +48,8 @@ LAYOUTS = {
     "pp2": (1, None, "vpp2", None, []),
     "pp2_vpp4": (4, None, "first2", None, []),
     "pp2_vpp2_duplicated": (2, None, None, None, ["--corrupt", "duplicate"]),
+    # 4 processes: TP2 (sequence parallelism) x PP2 x VPP2
+    "tp2_pp2_vpp2": (2, None, "vpp2", None, ["--tp", "2", "--stream"]),
 }
 # decoder layers of each virtual stage (chunk v of rank p: v * 2 + p) and each rank's chunk offsets
 SPLITS = {
@@ -45,6 +57,7 @@ SPLITS = {
     "pp2_vpp2_first2": ([1, 3, 1, 3], [[0, 4], [1, 5]]),
     "pp2": ([4, 4], [[0], [4]]),
     "pp2_vpp4": ([1] * 8, [[0, 2, 4, 6], [1, 3, 5, 7]]),
+    "tp2_pp2_vpp2": ([2, 2, 2, 2], [[0, 4], [2, 6]]),
 }
 
 
@@ -64,18 +77,21 @@ def hf_models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def results(hf_models, tmp_path_factory) -> tuple[dict[str, dict], str]:
-    """({layout id: the worker's result}, the checkpoint directory): one launch of 2 processes."""
+    """({layout id: the worker's result}, the checkpoint directory): one launch of 2 processes, then
+    one of 4."""
     from tests.conftest import run_torchrun_runs
 
     root = tmp_path_factory.mktemp("vpp")
-    runs = []
+    launches: dict[int, list[list[str]]] = {}
     for name, (vpp, first, load, save, flags) in LAYOUTS.items():
-        argv = ["--models", hf_models, "--archs", *ARCHS, "--pp", "2", "--vpp", str(vpp)]
+        argv = ["--models", hf_models, "--archs", *archs(name), "--pp", "2", "--vpp", str(vpp)]
         argv += ["--first", str(first)] if first else []
         argv += ["--load", str(root / load)] if load else []
         argv += ["--save", str(root / save)] if save else []
-        runs.append([*argv, *flags, "--out", str(root / f"{name}.json")])
-    run_torchrun_runs("vpp", 2, runs)
+        nproc = 4 if "--tp" in flags else 2
+        launches.setdefault(nproc, []).append([*argv, *flags, "--out", str(root / f"{name}.json")])
+    for nproc, runs in sorted(launches.items()):
+        run_torchrun_runs("vpp", nproc, runs)
     return {name: read_json(str(root / f"{name}.json")) for name in LAYOUTS}, str(root)
 
 
@@ -83,7 +99,7 @@ def results(hf_models, tmp_path_factory) -> tuple[dict[str, dict], str]:
 def test_interleaved_stages_match_hf(results, layout):
     res, _ = results
     split, offsets = SPLITS[layout]
-    for arch in ARCHS:
+    for arch in archs(layout):
         r = res[layout][arch]
         assert r["stage_layers"] == split and r["chunk_offsets"] == offsets, arch
         assert r["max_logit"] > 1.0, "weights too small to expose a layout bug"
@@ -97,17 +113,17 @@ def test_a_duplicated_layer_is_seen(results):
         assert res["pp2_vpp2_duplicated"][arch]["max_diff"] > 100 * TOL, arch
 
 
-@pytest.mark.parametrize("layout", ["pp2_vpp2", "pp2_vpp2_first2"])
+@pytest.mark.parametrize("layout", ["pp2_vpp2", "pp2_vpp2_first2", "tp2_pp2_vpp2"])
 def test_the_weight_stream_gives_the_hf_files(results, layout):
     res, _ = results
-    for arch in ARCHS:
+    for arch in archs(layout):
         assert res[layout][arch]["stream_exact"] is True, arch
 
 
-@pytest.mark.parametrize("layout", ["pp2_vpp2_first2", "pp2", "pp2_vpp4"])
+@pytest.mark.parametrize("layout", ["pp2_vpp2_first2", "pp2", "pp2_vpp4", "tp2_pp2_vpp2"])
 def test_checkpoints_load_across_layouts_bit_exact(results, layout):
     res, _ = results
-    for arch in ARCHS:
+    for arch in archs(layout):
         assert res[layout][arch]["load_exact"] is True, f"{arch}: loaded at {layout}"
 
 

@@ -50,6 +50,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", required=True)
     ap.add_argument("--archs", nargs="+", required=True)
+    ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, required=True)
     ap.add_argument("--vpp", type=int, default=1)
     ap.add_argument("--first", type=int, default=None)
@@ -60,11 +61,14 @@ def main() -> None:
     ap.add_argument("--stream", action="store_true", help="check the weight stream to the engine")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    ps = init_parallel(1, a.pp, device="cpu")
+    ps = init_parallel(a.tp, a.pp, device="cpu")
     overrides = tuple(
         (f"num_layers_in_{k}_pipeline_stage", v) for k, v in (("first", a.first), ("last", a.last)) if v
     )
-    options = TrainingOptions(virtual_pipeline=a.vpp, transformer_overrides=overrides)
+    # megatron runs MoE layers at TP > 1 with sequence parallelism only
+    options = TrainingOptions(
+        sequence_parallel=a.tp > 1, virtual_pipeline=a.vpp, transformer_overrides=overrides
+    )
     results = {}
     orig = tables.param_layouts
     for arch in a.archs:
@@ -102,9 +106,9 @@ def main() -> None:
             )
         stream_exact = stream_is_exact(model, ps, path) if a.stream else None
         offsets = torch.tensor([c.layer_offset for c in chunks_of(model)])
-        gathered = [torch.zeros_like(offsets) for _ in range(ps.world_size)]
-        dist.all_gather(gathered, offsets)
-        if ps.is_last_stage:
+        gathered = [torch.zeros_like(offsets) for _ in range(ps.pp_size)]
+        dist.all_gather(gathered, offsets, group=ps.pp_group)
+        if ps.is_last_stage and ps.tp_rank == 0:
             diff, top = hf_logit_diff(path, mbs, outs)
             same_outs = [torch.equal(x, y) for x, y in zip(odd, [*outs, outs[0]], strict=False)]
             filler_ok = len(odd) == 3 and all(same_outs)
