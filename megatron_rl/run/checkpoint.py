@@ -108,9 +108,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _layout(ps: ParallelState, models=()) -> dict[str, int]:  # vpp: model chunks per stage
-    vpp = max(map(num_chunks, models), default=1)
-    return {"tp": ps.tp_size, "pp": ps.pp_size, "vpp": vpp, "dp": ps.dp_size, "world_size": ps.world_size}
+def _layout(ps: ParallelState, models=()) -> dict[str, int]:  # vpp (chunks per stage) where > 1
+    vpp = {"vpp": n} if (n := max(map(num_chunks, models), default=1)) > 1 else {}
+    return {"tp": ps.tp_size, "pp": ps.pp_size, **vpp, "dp": ps.dp_size, "world_size": ps.world_size}
 
 
 def experts_modules(models: dict[str, torch.nn.Module]) -> dict[str, str]:
@@ -440,7 +440,7 @@ class CheckpointManager:
         with open(state_file) as f:
             trainer_state = json.load(f)
         saved, now = trainer_state["layout"], _layout(self.ps, models.values())
-        was, runs = (saved["tp"], saved["pp"], saved.get("vpp", 1)), (now["tp"], now["pp"], now["vpp"])
+        was, runs = ((x["tp"], x["pp"], x.get("vpp", 1)) for x in (saved, now))
         if was != runs:
             raise RuntimeError(
                 f"Checkpoint {path} was saved at TP/PP/VPP={'/'.join(map(str, was))}, this job runs "
