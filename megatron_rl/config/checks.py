@@ -180,10 +180,11 @@ def validate(cfg: Config, world_size: int, model_dims: dict[str, int] | None = N
         )
     check_expert_layout(cfg, world_size)
     check_router_replay(cfg, placement.separate_rollout)
-    if rollout.multi_turn.enable and rollout_ranks and placement.separate_rollout:
+    if rollout.multi_turn.enable and placement.separate_rollout and rollout.tensor_model_parallel_size > 1:
         raise ConfigError(
-            "actor_rollout_ref.rollout.multi_turn.enable=true runs on the colocated engine only; "
-            "multi-turn rollouts on ranks of their own (trainer.placement.rollout) are not built: drop one."
+            "actor_rollout_ref.rollout.multi_turn.enable=true on rollout ranks of their own "
+            "(trainer.placement.rollout) runs with actor_rollout_ref.rollout.tensor_model_parallel_size=1 "
+            "only: set it to 1, or colocate the rollout."
         )
     _check_agent_function(cfg, tp * pp, placement.separate_rollout)
     dp = world_size // (tp * pp)

@@ -41,20 +41,20 @@ import datetime
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from megatron_rl.config.schema import AgentFunctionConfig, MultiTurnConfig, OpenAIServerConfig
 from megatron_rl.model_args import DTYPES, ModelArgs
 from megatron_rl.parallel import ParallelState
 from megatron_rl.roles.transport import (
     all_gather_objects,
     broadcast_root,
-    from_plain,
     job_mailbox,
     job_store,
     pair_group,
     slice_bounds,
-    to_plain,
 )
 from megatron_rl.rollout.base import Generation, SamplingParams
 from megatron_rl.rollout.bucket_plan import Bucket, make_bucket, plan_buckets
@@ -74,8 +74,44 @@ class WeightsPlan:
     """The decoder layers of each pipeline stage of an uneven pipeline (empty: even)."""
 
 
-MESSAGE_TYPES = (WeightsPlan, SamplingParams)
+MESSAGE_TYPES = (WeightsPlan, SamplingParams, MultiTurnConfig, AgentFunctionConfig, OpenAIServerConfig)
 """The dataclasses the rollout's requests carry."""
+
+
+def episode_row(item) -> dict:
+    """What a multi-turn episode reads of its prompt's data.PromptItem, as the store carries it."""
+    return {
+        "extra_info": dict(item.extra_info or {}),
+        "messages": item.messages if isinstance(item.messages, list) else None,
+        "index": int(item.index),
+    }
+
+
+def gens_to_wire(gens: list[list[Generation]]) -> list[list[tuple]]:
+    """Generations as tuples of JSON values: token ids, log-probs, finish reason, and for multi-turn
+    episodes the response mask and the episode's info."""
+    return [
+        [
+            (g.token_ids, g.logprobs, g.finish_reason)
+            if g.response_mask is None
+            else (g.token_ids, g.logprobs, g.finish_reason, g.response_mask, g.info)
+            for g in per_prompt
+        ]
+        for per_prompt in gens
+    ]
+
+
+def gens_from_wire(rows: list[list[tuple]]) -> list[list[Generation]]:
+    """:func:`gens_to_wire`'s inverse."""
+    out = []
+    for row in rows:
+        per = []
+        for t in row:
+            lp = None if t[1] is None else list(t[1])
+            mask, info = (list(t[3]), dict(t[4] or {})) if len(t) == 5 else (None, None)
+            per.append(Generation(list(t[0]), lp, t[2], mask, info))
+        out.append(per)
+    return out
 
 
 class RolloutClient:
@@ -122,16 +158,28 @@ class RolloutClient:
         if self.leader:  # [tensors, 2] float64, in stream order: the engines check their copies
             self.box.put(f"sums/{index}", torch.stack(sums).cpu())
 
-    def request(self, tag: str, prompts: list[list[int]], params: SamplingParams) -> None:
+    def request(
+        self,
+        tag: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        rows: list[dict] | None = None,
+        episodes: dict | None = None,
+    ) -> None:
         """Collective over the training world: ask the engines for ``params.n`` responses to every DP
-        rank's ``prompts`` (TP/PP peers pass the same); returns at once."""
+        rank's ``prompts`` (TP/PP peers pass the same); returns at once. Multi-turn: ``rows`` (one
+        :func:`episode_row` per prompt) and ``episodes`` ({"multi_turn": its config, "tokenizer": path})."""
         ps = self.ps
         everyone: list = []
-        if ps.is_dp_leader:  # every DP rank's prompts, in DP order (no pickle)
-            everyone = all_gather_objects(prompts, ps.dp_group, ps.device)
+        if ps.is_dp_leader:  # every DP rank's prompts (and rows), in DP order (no pickle)
+            everyone = all_gather_objects((prompts, rows), ps.dp_group, ps.device, MESSAGE_TYPES)
         if self.leader:
-            flat = [p for part in everyone for p in part]
-            self._post({"kind": "generate", "tag": tag, "prompts": flat, "params": params})
+            flat = [p for part in everyone for p in part[0]]
+            msg = {"kind": "generate", "tag": tag, "prompts": flat, "params": params}
+            if episodes is not None:
+                msg["rows"] = [r for part in everyone for r in (part[1] or [])]
+                msg["episodes"] = episodes
+            self._post(msg)
 
     def receive(self, tag: str, per_rank: int) -> list[list[Generation]]:
         """This DP rank's generations of request ``tag`` (``per_rank`` prompts on every DP rank); waits
@@ -149,7 +197,7 @@ class RolloutClient:
                 * sum(1 for r in range(ps.dp_size) if a < (r + 1) * per_rank and b > r * per_rank)
             )
             rows, seconds = self.box.take(f"res/{tag}/{j}", readers)
-            out += from_plain(rows)[max(lo, a) - a : min(hi, b) - a]
+            out += gens_from_wire(rows)[max(lo, a) - a : min(hi, b) - a]
             self.engine_seconds[tag] = max(self.engine_seconds.get(tag, 0.0), seconds)
         return out
 
@@ -177,13 +225,17 @@ class RolloutServer:
         self.readers = len(rollout_ranks)
         self.timeout = datetime.timedelta(minutes=timeout_minutes)
         self._group = None
+        self._loop: Any = None  # the multi-turn agent loop, built at the first episode request
 
     def serve(self) -> int:
         """Handle requests in order until "stop"; returns how many were served. A failure (a message
         not signed with the job's secret, an engine error) is left in the store for the training ranks
         (``Mailbox.report_failure``) and raised."""
         with self.box.reporting_failure(self.ps.global_rank):
-            return self._serve()
+            try:
+                return self._serve()
+            finally:
+                self.close()
 
     def _serve(self) -> int:
         i = 0
@@ -245,7 +297,29 @@ class RolloutServer:
         a, b = slice_bounds(len(msg["prompts"]), ps.dp_size)[ps.dp_rank]
         params: SamplingParams = msg["params"]
         start = time.perf_counter()
-        gens = self.engine.generate(msg["prompts"][a:b], params) if b > a else []
+        if msg.get("episodes") is not None:  # multi-turn: the agent loop on this engine (collective)
+            from types import SimpleNamespace
+
+            items = [SimpleNamespace(**r) for r in msg["rows"][a:b]]
+            gens = self._agent(msg["episodes"]).run(self.engine, msg["prompts"][a:b], params, items)
+        else:
+            gens = self.engine.generate(msg["prompts"][a:b], params) if b > a else []
         seconds = time.perf_counter() - start
         if ps.is_dp_leader:
-            self.box.put(f"res/{msg['tag']}/{ps.dp_rank}", (to_plain(gens), seconds))
+            self.box.put(f"res/{msg['tag']}/{ps.dp_rank}", (gens_to_wire(gens), seconds))
+
+    def _agent(self, episodes: dict):
+        """The agent loop of the run's multi-turn config (built at its first request; collective)."""
+        if self._loop is None:
+            from transformers import AutoTokenizer
+
+            from megatron_rl.rollout.agent.agent_loop import AgentLoop
+
+            tokenizer = AutoTokenizer.from_pretrained(episodes["tokenizer"])
+            self._loop = AgentLoop(episodes["multi_turn"], self.ps, tokenizer)
+        return self._loop
+
+    def close(self) -> None:
+        """Stop the agent loop's tool threads (multi-turn)."""
+        if self._loop is not None:
+            self._loop.shutdown()

@@ -1,6 +1,6 @@
 """Multi-turn rollouts in the PPO loop (torchrun, TP=2 over two gloo ranks): the tool demo's episodes
 run through the trainer, and the engine's log-probs of the model's tokens equal the Megatron actor's
-on the assembled sequences (tool tokens in between)."""
+on the assembled sequences (tool tokens in between); also with the rollout on a rank of its own."""
 
 import json
 import os
@@ -15,8 +15,7 @@ def demo(tmp_path_factory):
     return prepare(str(tmp_path_factory.mktemp("tools_demo")))
 
 
-def test_tool_episodes_train_and_match_the_actor(demo, tmp_path, torchrun):
-    out = str(tmp_path / "run")
+def run_demo(demo, out: str, torchrun, nproc: int = 2, **extra) -> list[dict]:
     kw = {
         "data.train_files": f"[{demo['train']}]",
         "data.val_files": f"[{demo['test']}]",
@@ -32,11 +31,21 @@ def test_tool_episodes_train_and_match_the_actor(demo, tmp_path, torchrun):
         "trainer.total_training_steps": 2,
         "trainer.test_freq": 2,
         "trainer.val_before_train": "false",
+        **extra,
     }
-    torchrun("train.py", 2, ["--config", "yaml/cpu_demo_tools.yaml", *(f"{k}={v}" for k, v in kw.items())])
+    args = ["--config", "yaml/cpu_demo_tools.yaml", *(f"{k}={v}" for k, v in kw.items())]
+    torchrun("train.py", nproc, args)
     with open(os.path.join(out, "logs", "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.parametrize("placement", ["colocated", "separate"])
+def test_tool_episodes_train_and_match_the_actor(demo, tmp_path, torchrun, placement):
+    # separate: the actor (TP=2) on ranks 0-1, the engine, its agent loop and the tools on rank 2
+    own = {"trainer.placement.rollout": "[2]"} if placement == "separate" else {}
+    rows = run_demo(demo, str(tmp_path / "run"), torchrun, 3 if own else 2, **own)
     assert [r["step"] for r in rows] == [1, 2]
+    assert ("perf/rollout_engine_busy_s" in rows[-1]) == bool(own)  # the engine's rank was its own
     for r in rows:
         assert (
             2

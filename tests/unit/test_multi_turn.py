@@ -675,3 +675,49 @@ def test_calls_of_one_turn_share_the_episode_instance_and_the_rest_are_dropped(t
         assert g.info["dropped_calls"] == dropped
         assert len(tool.values) == 1 and tool.released == list(tool.values)  # one instance, released once
         assert g.info["tool_rewards"] == [0.25] * replies
+
+
+def test_episodes_on_rollout_ranks_of_their_own_need_a_one_rank_engine():
+    from megatron_rl.config import load_config, validate
+
+    dims = {"num_attention_heads": 12, "num_key_value_heads": 2, "num_layers": 28}
+    base = [
+        "actor_rollout_ref.model.path=/models/x",
+        "actor_rollout_ref.rollout.multi_turn.enable=true",
+        "trainer.placement.actor=[0]",
+    ]
+    validate(load_config(None, [*base, "trainer.placement.rollout=[1]"]), world_size=2, model_dims=dims)
+    two = [*base, "trainer.placement.rollout=[1,2]", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]
+    with pytest.raises(ConfigError, match=r"rollout\.tensor_model_parallel_size=1 only: set it to 1"):
+        validate(load_config(None, two), world_size=3, model_dims=dims)
+
+
+def test_episodes_keep_masks_and_info_through_the_store_and_a_checkpoint(tmp_path):
+    from megatron_rl.roles.remote_rollout import MESSAGE_TYPES, gens_from_wire, gens_to_wire
+    from megatron_rl.roles.transport import decode, encode
+
+    info = {"num_turns": 4, "tool_rewards": [0.25], "reward_scores": {"lookup": 1.0}, "tool_reward": 1.25}
+    gens = [
+        [Generation([16, 17, 11, 2], [-0.5, math.nan, math.nan, -0.1], "stop", [1, 0, 0, 1], info)],
+        [Generation([5, 2], None, "length")],  # a single-turn generation: no mask, no info
+    ]
+    wire = gens_to_wire(gens)
+    torch.save(wire, tmp_path / "queue.pt")
+    for back in (
+        gens_from_wire(decode(encode(wire, MESSAGE_TYPES), MESSAGE_TYPES)),
+        gens_from_wire(torch.load(tmp_path / "queue.pt", weights_only=True)),
+    ):
+        g, plain = back[0][0], back[1][0]
+        assert (g.token_ids, g.finish_reason, g.response_mask, g.info) == (
+            [16, 17, 11, 2],
+            "stop",
+            [1, 0, 0, 1],
+            info,
+        )
+        assert g.logprobs[0] == -0.5 and math.isnan(g.logprobs[1])
+        assert (plain.token_ids, plain.logprobs, plain.response_mask, plain.info) == (
+            [5, 2],
+            None,
+            None,
+            None,
+        )

@@ -19,8 +19,8 @@ from megatron_rl.config import Config
 from megatron_rl.config.batch_sizes import samples_per_draw
 from megatron_rl.data import regroup_samples
 from megatron_rl.parallel import ParallelState
+from megatron_rl.roles.remote_rollout import gens_from_wire, gens_to_wire
 from megatron_rl.roles.rollout.role import Request, RolloutData, sampling_params
-from megatron_rl.roles.transport import from_plain, to_plain
 from megatron_rl.rollout import Generation, SamplingParams
 from megatron_rl.rollout.reshard import WeightSyncError
 from megatron_rl.run.metrics import Timer
@@ -113,7 +113,9 @@ class RequestQueue:
         self._take_all()
         if not self.asked:
             return None
-        mine = {k: (self.asked[k][0], to_plain(self.ready[k]), self.asked[k][1]) for k in sorted(self.asked)}
+        mine = {
+            k: (self.asked[k][0], gens_to_wire(self.ready[k]), self.asked[k][1]) for k in sorted(self.asked)
+        }
         parts: list = [None] * self.ps.dp_size
         dist.all_gather_object(parts, mine, group=self.ps.dp_group)
         gather = {"prompts": 0, "gens": 1}  # every DP rank's, in DP order
@@ -130,7 +132,7 @@ class RequestQueue:
             per = len(prompts) // ps.dp_size
             lo, hi = ps.dp_rank * per, (ps.dp_rank + 1) * per
             self.asked[int(k)] = (prompts[lo:hi], int(q["version"]))
-            self.ready[int(k)] = from_plain(gens[lo:hi])
+            self.ready[int(k)] = gens_from_wire(gens[lo:hi])
 
     def step_metrics(self, step: int) -> dict[str, float]:
         """Metrics of the role for step ``step`` (the separate rollout's engine time)."""

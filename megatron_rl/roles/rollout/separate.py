@@ -5,6 +5,11 @@ trains, and every sample of step k was drawn from version k-1-s (fewer at the st
 first). The policy version is recorded with each step when the step is asked for (the engines serve
 requests in the order posted, so a request sees exactly the weights streamed before it) and kept in
 the queue (roles.rollout.queue) until the step is trained on.
+
+Multi-turn episodes (multi_turn.enable) run on the rollout ranks: each request carries the prompts'
+data rows and the multi-turn config, the rollout ranks' agent loop runs the episodes against their
+engine (tools there too), and the generations come back with their masks and info; the episodes of
+training steps add to multi_turn/* here.
 """
 
 from __future__ import annotations
@@ -48,6 +53,13 @@ class SeparateRollout(RequestQueue):
         self.pushed = 0  # the weights the engines hold once they reach the next request
         self.trained = 0  # the actor's version
         self._val = 0
+        mt = rollout.multi_turn
+        self.episodes = {"multi_turn": mt, "tokenizer": cfg.data.tokenizer} if mt.enable else None
+        self.stats = None
+        if mt.enable:
+            from megatron_rl.rollout.agent.episode_stats import EpisodeStats
+
+            self.stats = EpisodeStats()
 
     def _push(self, step: int) -> None:
         rollout = self.cfg.actor_rollout_ref.rollout
@@ -62,8 +74,16 @@ class SeparateRollout(RequestQueue):
             return
         indices = self.draw()
         self.asked[step] = (indices, self.pushed)  # served after every weights request posted so far
-        prompts = [self.data.train[i].prompt_ids for i in indices]
-        self.client.request(str(Request("train", step)), prompts, self.sampling(step, validate=False))
+        items = [self.data.train[i] for i in indices]
+        self._request(str(Request("train", step)), items, self.sampling(step, validate=False))
+
+    def _request(self, tag: str, items: list, params: SamplingParams) -> None:
+        rows = None
+        if self.episodes is not None:
+            from megatron_rl.roles.remote_rollout import episode_row
+
+            rows = [episode_row(it) for it in items]
+        self.client.request(tag, [it.prompt_ids for it in items], params, rows, self.episodes)
 
     def start(self, step: int) -> None:
         self.trained = step
@@ -90,12 +110,20 @@ class SeparateRollout(RequestQueue):
                 queued = self._queued(request)
                 if queued is None:
                     raise RuntimeError(f"{request} was never asked for (SeparateRollout.prompts asks)")
+                if self.stats is not None:
+                    self.stats.add(queued[0])
                 return queued
             if self.pushed != self.trained:  # validation after the last step: its weights
                 self._push(self.trained)
             self._val += 1
             key = str(replace(request, seq=self._val))
-            self.client.request(key, prompt_ids, params)
+            if self.episodes is not None and items is None:
+                raise ValueError(f"{request}: multi-turn episodes need the prompts' data rows (items)")
+            if self.episodes is not None:
+                assert items is not None
+                self._request(key, items, params)
+            else:
+                self.client.request(key, prompt_ids, params)
             out = self.client.receive(key, len(prompt_ids))
             self.client.engine_seconds.pop(key, None)
             return out, self.pushed
@@ -111,9 +139,13 @@ class SeparateRollout(RequestQueue):
 
     def step_metrics(self, step: int) -> dict[str, float]:
         """perf/rollout_engine_busy_s: seconds the engines spent generating this step's samples (absent for
-        generations from a resumed queue). With the step time it gives the rollout GPUs' idle share."""
+        generations from a resumed queue). With the step time it gives the rollout GPUs' idle share.
+        Multi-turn: multi_turn/* of the step's episodes."""
         busy = self.client.engine_seconds.pop(str(Request("train", step)), None)
-        return {} if busy is None else {"perf/rollout_engine_busy_s": busy}
+        out = {} if busy is None else {"perf/rollout_engine_busy_s": busy}
+        if self.stats is not None:  # collective over the DP ranks
+            out.update(self.stats.pop(self.ps))
+        return out
 
     def _take_all(self) -> None:
         for step in sorted(self.asked):
