@@ -294,13 +294,17 @@ def check_interleaving(cfg, dp: int, pp: int, vpp: int) -> None:
                 f"{vpp}: LoRA adapters are not built on model chunks; set one of them to 1 (LoRA: 0)."
             )
     n = cfg.actor_rollout_ref.rollout.n
-    updates = [("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor)]
-    if cfg.critic.enable:
-        updates.append(("critic", cfg.critic))
-    for key, sec in updates:
+    updates = [("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor, dp)]
+    placed = cfg.trainer.placement
+    if cfg.critic.enable and placed.file is None:  # a placement file: run_pipeline checks at run time
+        # the critic's data-parallel size: over its own ranks where trainer.placement.critic lists them
+        tp = cfg.critic.megatron.tensor_model_parallel_size or 1
+        critic_dp = max(1, len(placed.critic) // (tp * pp)) if placed.critic else dp
+        updates.append(("critic", cfg.critic, critic_dp))
+    for key, sec, ranks in updates:
         if sec.use_dynamic_bsz or not sec.ppo_mini_batch_size or sec.ppo_micro_batch_size_per_gpu <= 0:
             continue
-        rows = sec.ppo_mini_batch_size * n // dp
+        rows = sec.ppo_mini_batch_size * n // ranks
         count = -(-rows // sec.ppo_micro_batch_size_per_gpu)
         if count % pp:
             fits = [m for m in range(1, rows + 1) if rows % m == 0 and (rows // m) % pp == 0]

@@ -139,3 +139,21 @@ def test_the_bucket_plan_walks_the_virtual_stages_in_model_order():
             else:  # the final norm and the LM head: the last virtual stage, on rank 1
                 assert b.stage == 1, s.layout.name
     assert order == sorted(order)
+
+
+def test_a_critic_on_ranks_of_its_own_is_held_to_its_own_count():
+    """The critic's 2 ranks (PP2: DP 1) take a mini-batch's 16 sequences in one micro-batch of 16: not
+    a multiple of PP; the actor's 4 micro-batches of 4 fit."""
+    cfg = cfg_with(
+        "data.train_batch_size=8",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        "critic.ppo_micro_batch_size_per_gpu=16",
+        "trainer.placement.actor=[0,1]",
+        "trainer.placement.critic=[2,3]",
+        f"{PP}=2",
+        f"{VPP}=2",
+    )
+    with pytest.raises(ConfigError, match=r"critic.ppo_micro_batch_size_per_gpu=16 gives 1 micro-batches"):
+        validate(cfg, 4, DIMS8)
