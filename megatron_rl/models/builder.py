@@ -10,7 +10,9 @@ experts of this EP rank: :class:`~megatron_rl.models.experts.GroupedExperts` (on
 projection, the default) or megatron's SequentialMLP (one MLP per expert; ``moe_grouped_gemm=False``).
 
 Each rank builds only its pipeline stage and holds only its TP shard; :func:`load_hf_weights`
-reads exactly those slices from the safetensors files.
+reads exactly those slices from the safetensors files. With interleaved pipelines
+(``TrainingOptions.virtual_pipeline`` > 1) a stage is several GPTModels, one per virtual stage, in a
+:class:`~megatron_rl.models.chunks.ModelChunks`; the helpers here walk its chunks.
 """
 
 from __future__ import annotations

@@ -169,7 +169,11 @@ def run_pipeline(
     """One pass over ``microbatches`` ([b, s] each; shapes may differ between micro-batches) through
     the pipeline schedule.
 
-    ``model`` is a model built by :mod:`megatron_rl.models.builder` or its DDP wrapper (training).
+    ``model`` is a model built by :mod:`megatron_rl.models.builder` or its DDP wrapper (training); a
+    :class:`~megatron_rl.models.chunks.ModelChunks` (interleaved pipelines) runs megatron's interleaved
+    1F1B over its chunks, each reading the micro-batches from its own iterator; their count must then
+    be a multiple of PP: a forward-only pass repeats its last micro-batch to fill the group (outputs
+    dropped), an update that does not fit is a ConfigError.
     Returns what ``loss_fn`` produced per micro-batch on the last stage (forward only), or the
     metrics dicts (training); an empty list on other stages. With ``positions(mb)``, the last stage's
     output covers only those sequence positions of ``mb`` (:func:`output_positions`). Under sequence
