@@ -26,18 +26,43 @@ LAYOUTS = {
 SPLITS = {"pp2_first1": [1, 5], "pp2_last2": [4, 2], "pp3_first1_last1": [1, 4, 1]}
 
 
-@pytest.fixture(scope="module")
-def hf_models(tmp_path_factory):
+def save_models(root, num_layers: int) -> str:
+    """A Llama, a Qwen3-MoE (layer 3 dense) and a DeepSeek-V3 (layer 0 dense) of ``num_layers`` layers
+    under ``root``/<arch>: the models the pipeline-layout tests split."""
     from megatron_rl.models.random_hf import save_random_hf_model
 
-    root = tmp_path_factory.mktemp("hf_uneven")
-    save_random_hf_model(str(root / "llama"), "llama", seed=1, num_hidden_layers=6)
+    save_random_hf_model(str(root / "llama"), "llama", seed=1, num_hidden_layers=num_layers)
     save_random_hf_model(
-        str(root / "qwen3_moe"), "qwen3_moe", seed=2, num_hidden_layers=6, mlp_only_layers=[3]
+        str(root / "qwen3_moe"), "qwen3_moe", seed=2, num_hidden_layers=num_layers, mlp_only_layers=[3]
     )
     dsv3 = dict(n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1)
-    save_random_hf_model(str(root / "deepseek_v3"), "deepseek_v3", seed=3, num_hidden_layers=6, **dsv3)
+    save_random_hf_model(
+        str(root / "deepseek_v3"), "deepseek_v3", seed=3, num_hidden_layers=num_layers, **dsv3
+    )
     return str(root)
+
+
+def assert_converts_to_hf(ckpt: str, hf_dir: str, out: str) -> None:
+    """``ckpt_tools mcore-to-hf`` of the torch_dist checkpoint ``ckpt`` gives ``hf_dir``'s tensors bit
+    for bit."""
+    from safetensors.torch import load_file
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (ROOT, os.environ.get("PYTHONPATH"))))}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    cmd = [sys.executable, "-m", "ckpt_tools", "mcore-to-hf", "--ckpt", ckpt, "--out", out]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    want = load_file(os.path.join(hf_dir, "model.safetensors"))
+    got = load_file(os.path.join(out, "model.safetensors"))
+    assert set(got) == set(want), ckpt
+    for name, w in want.items():
+        assert torch.equal(got[name], w), f"{ckpt}: {name}"
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory):
+    return save_models(tmp_path_factory.mktemp("hf_uneven"), 6)
 
 
 @pytest.fixture(scope="module")
@@ -88,28 +113,6 @@ def test_a_duplicated_layer_is_seen(results):
 
 
 def test_a_checkpoint_saved_at_an_uneven_split_converts_back_bit_exact(results, hf_models, tmp_path):
-    from safetensors.torch import load_file
-
     _, saved = results
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (ROOT, os.environ.get("PYTHONPATH"))))}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
     for arch in ("llama", "deepseek_v3"):
-        back = str(tmp_path / arch)
-        cmd = [
-            sys.executable,
-            "-m",
-            "ckpt_tools",
-            "mcore-to-hf",
-            "--ckpt",
-            os.path.join(saved, arch),
-            "--out",
-            back,
-        ]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        want = load_file(os.path.join(hf_models, arch, "model.safetensors"))
-        got = load_file(os.path.join(back, "model.safetensors"))
-        assert set(got) == set(want), arch
-        for name, w in want.items():
-            assert torch.equal(got[name], w), f"{arch}: {name}"
+        assert_converts_to_hf(os.path.join(saved, arch), os.path.join(hf_models, arch), str(tmp_path / arch))

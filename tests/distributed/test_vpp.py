@@ -24,13 +24,11 @@ and its interleaved 1F1B schedule) on gloo, against independent oracles:
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.conftest import ROOT, read_json
+from tests.conftest import read_json
 
 ARCHS = ["llama", "qwen3_moe", "deepseek_v3"]
 ONLY = {"tp2_pp2_vpp2": ["qwen3_moe"]}  # 4 processes on few cores: the MoE model (sequence parallel)
@@ -63,16 +61,9 @@ SPLITS = {
 
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory):
-    from megatron_rl.models.random_hf import save_random_hf_model
+    from tests.distributed.test_uneven_pp import save_models
 
-    root = tmp_path_factory.mktemp("hf_vpp")
-    save_random_hf_model(str(root / "llama"), "llama", seed=1, num_hidden_layers=8)
-    save_random_hf_model(
-        str(root / "qwen3_moe"), "qwen3_moe", seed=2, num_hidden_layers=8, mlp_only_layers=[3]
-    )
-    dsv3 = dict(n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1)
-    save_random_hf_model(str(root / "deepseek_v3"), "deepseek_v3", seed=3, num_hidden_layers=8, **dsv3)
-    return str(root)
+    return save_models(tmp_path_factory.mktemp("hf_vpp"), 8)
 
 
 @pytest.fixture(scope="module")
@@ -128,23 +119,12 @@ def test_checkpoints_load_across_layouts_bit_exact(results, layout):
 
 
 def test_an_interleaved_checkpoint_converts_to_hf_bit_exact(results, hf_models, tmp_path):
-    from safetensors.torch import load_file
+    from tests.distributed.test_uneven_pp import assert_converts_to_hf
 
     _, root = results
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (ROOT, os.environ.get("PYTHONPATH"))))}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
     for arch in ARCHS:
-        back = str(tmp_path / arch)
         ckpt = os.path.join(root, "vpp2", arch)
-        cmd = [sys.executable, "-m", "ckpt_tools", "mcore-to-hf", "--ckpt", ckpt, "--out", back]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        want = load_file(os.path.join(hf_models, arch, "model.safetensors"))
-        got = load_file(os.path.join(back, "model.safetensors"))
-        assert set(got) == set(want), arch
-        for name, w in want.items():
-            assert torch.equal(got[name], w), f"{arch}: {name}"
+        assert_converts_to_hf(ckpt, os.path.join(hf_models, arch), str(tmp_path / arch))
 
 
 # ---- one PPO update at PP2 x VPP2 against the unsharded run ----------------------------------------
