@@ -310,8 +310,8 @@ def check_interleaving(cfg, dp: int, pp: int, vpp: int) -> None:
             fits = [m for m in range(1, rows + 1) if rows % m == 0 and (rows // m) % pp == 0]
             raise ConfigError(
                 f"{key}.ppo_micro_batch_size_per_gpu={sec.ppo_micro_batch_size_per_gpu} gives {count} "
-                f"micro-batches per mini-batch ({key}.ppo_mini_batch_size x rollout.n / data-parallel "
-                f"size = {rows} sequences), but interleaved pipelines "
-                f"(*.megatron.virtual_pipeline_model_parallel_size={vpp}) need a multiple of "
+                f"micro-batch(es) per mini-batch ({key}.ppo_mini_batch_size x rollout.n / data-parallel "
+                f"size = {rows} sequences), but interleaved pipelines (actor_rollout_ref.actor.megatron."
+                f"virtual_pipeline_model_parallel_size={vpp}) need a multiple of "
                 f"pipeline_model_parallel_size={pp}: choose one of {fits} or {key}.use_dynamic_bsz=true."
             )

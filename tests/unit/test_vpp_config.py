@@ -71,7 +71,7 @@ def test_verls_key_is_read_and_shared_by_the_models():
         # 16 samples / 2 ranks... DP 1 here: 8 x 2 / 1 = 16 sequences / 16 = 1 micro-batch, not 2
         (
             [f"{PP}=2", f"{VPP}=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16"],
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16 gives 1 micro-batches",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16 gives 1 micro-batch(es)",
         ),
         (
             [f"{PP}=2", f"{VPP}=2", "actor_rollout_ref.model.lora.rank=8"],
@@ -155,5 +155,5 @@ def test_a_critic_on_ranks_of_its_own_is_held_to_its_own_count():
         f"{PP}=2",
         f"{VPP}=2",
     )
-    with pytest.raises(ConfigError, match=r"critic.ppo_micro_batch_size_per_gpu=16 gives 1 micro-batches"):
+    with pytest.raises(ConfigError, match="critic.ppo_micro_batch_size_per_gpu=16 gives 1 micro-batch"):
         validate(cfg, 4, DIMS8)
