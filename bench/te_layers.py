@@ -97,7 +97,9 @@ def main() -> None:
     from megatron_rl.parallel import destroy_parallel, init_parallel
 
     with tempfile.TemporaryDirectory() as d:
-        Qwen2Config(**QWEN25_1_5B).save_pretrained(d)  # the shape only: weights are drawn on the GPU
+        Qwen2Config(**QWEN25_1_5B, architectures=["Qwen2ForCausalLM"]).save_pretrained(
+            d
+        )  # the shape only: weights are drawn on the GPU
         args = load_model_args(d)
     ps = init_parallel(1, 1, seed=0, device="cuda")
     peak = peak_tflops()

@@ -129,3 +129,42 @@ def test_the_notice_is_printed_once_on_rank_zero(capsys):
     te_spec.announce("megatron-rl: a notice for this test", 0)
     te_spec.announce("megatron-rl: a notice for this test", 0)
     assert capsys.readouterr().out.count("a notice for this test") == 1
+
+
+def test_a_moe_checkpoint_with_the_te_norm_names_loads_on_the_local_layers(ps, tmp_path):
+    """Transformer Engine's MoE layers save their pre-MLP norm as ``pre_mlp_layernorm.weight`` (no
+    linear follows it), megatron-core's local ones as ``mlp.linear_fc1.layer_norm_weight``: a checkpoint
+    written with TE's keys (here: the local model's entries under them, as the H200 run saw TE write
+    them) loads on the local layers bit-exactly, and the alias maps both ways."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_rl.model_args import load_model_args
+    from megatron_rl.models.builder import build_model, load_hf_weights, named_global_params
+    from megatron_rl.models.random_hf import save_random_hf_model
+    from megatron_rl.weights.ckpt_format import norm_key_alias
+    from megatron_rl.weights.torch_dist import load_torch_dist
+
+    fused, own = (
+        "decoder.layers.0.mlp.linear_fc1.layer_norm_weight",
+        "decoder.layers.0.pre_mlp_layernorm.weight",
+    )
+    assert norm_key_alias(fused) == own and norm_key_alias(own) == fused
+    assert norm_key_alias("decoder.layers.0.mlp.router.weight") is None
+    path = save_random_hf_model(str(tmp_path / "moe"), "qwen3_moe", seed=3, num_hidden_layers=2)
+    args = load_model_args(path)
+    saved = build_model(args, ps)
+    load_hf_weights(saved, path, ps)
+    sharded = saved.sharded_state_dict()
+    renamed = 0
+    for sh in sharded.values():
+        if getattr(sh, "key", "").endswith("mlp.linear_fc1.layer_norm_weight"):
+            sh.key = norm_key_alias(sh.key)
+            renamed += 1
+    assert renamed == 2  # each MoE layer's pre-MLP norm
+    (tmp_path / "ckpt").mkdir()
+    dist_checkpointing.save({"model": sharded}, str(tmp_path / "ckpt"))
+    loaded = build_model(args, ps)
+    load_torch_dist(loaded, ps, str(tmp_path / "ckpt"))
+    want, got = named_global_params(saved), named_global_params(loaded)
+    assert all(torch.equal(got[n], want[n]) for n in want)
+    assert not torch.equal(got[own], torch.ones_like(got[own]))  # the norm came from the file
