@@ -322,6 +322,11 @@ def _transformer_section() -> list[str]:
             here = f"accepted: {ok}; otherwise refused: {r.why}"
         elif key == "moe_grouped_gemm":
             here = "kept: grouped-matmul experts (default true; false: one MLP per expert; MoE models only)"
+        elif key == "transformer_impl":
+            here = (
+                "kept: the layer spec, `transformer_engine` (the default where Transformer Engine imports) "
+                "or `local` (otherwise; MLA and LoRA models too)"
+            )
         elif r.action == "transformer" and key.startswith("moe_"):
             here = "kept: read by the MoE layers' router (MoE models only)"
         elif r.action == "transformer":

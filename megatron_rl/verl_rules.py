@@ -67,7 +67,7 @@ REPLAY_FROM_R3 = (
     "the one key that turns R3 on here"
 )
 MEGATRON_ONLY = "this trainer runs Megatron only"
-NO_FUSIONS = "megatron-core's local layer spec runs here, without Transformer Engine / Apex fused kernels"
+NO_FUSIONS = "fused kernels follow transformer_impl: none on the local layers, TE's and jit ones on TE's"
 ATTENTION = (
     "attention is torch SDPA (*.megatron.use_sdpa_attention) or megatron's local dot-product attention"
 )
@@ -137,6 +137,7 @@ RULES: tuple[Rule, ...] = (
     _refused("*.override_transformer_config.account_for_*_in_pipeline_split", UNEVEN_PP, False, None),
     _ignored("*.override_transformer_config.multi_latent_attention", MLA),
     Rule("*.megatron.override_transformer_config.recompute_modules", "transformer"),
+    Rule("*.megatron.override_transformer_config.transformer_impl", "transformer"),
     Rule("*.megatron.override_transformer_config.moe_aux_loss_coeff", "transformer"),
     Rule("*.megatron.override_transformer_config.moe_z_loss_coeff", "transformer"),
     Rule("*.megatron.override_transformer_config.moe_router_dtype", "transformer"),

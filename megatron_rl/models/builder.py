@@ -1,8 +1,11 @@
 """Build megatron-core GPTModels (actor, reference, critic) from :class:`ModelArgs` and fill them.
 
-Layer spec: megatron-core's local spec (no Transformer Engine needed), RMSNorm, SwiGLU, RoPE with
-HF's non-interleaved rotation, optionally torch's fused scaled_dot_product_attention as the core
-attention. The critic is the same trunk with its vocabulary head replaced by a scalar value head; the
+Layer spec: megatron-core's local spec (no Transformer Engine needed) or, where Transformer Engine
+imports, its TE spec (``*.megatron.override_transformer_config.transformer_impl``, models/te_spec.py:
+norms fused into the next linear, TE's grouped experts); RMSNorm, SwiGLU, RoPE with HF's
+non-interleaved rotation, optionally torch's fused scaled_dot_product_attention as the core
+attention. The parameters keep the local spec's names wherever they are read (:func:`named_global_params`).
+The critic is the same trunk with its vocabulary head replaced by a scalar value head; the
 reward model (``role="reward"``) likewise, with HF's sequence-classification ``score`` head (no bias).
 A mixture-of-experts model (Qwen3-MoE, Mixtral) has megatron's MoELayer in its sparse layers: the
 TopKRouter (fp32 logits), the alltoall token dispatcher over the expert-parallel group, and the
@@ -26,6 +29,7 @@ from torch import nn
 from megatron_rl import cpu_bridge
 from megatron_rl.config.layout import pipeline_split
 from megatron_rl.model_args import ModelArgs
+from megatron_rl.models import te_spec
 from megatron_rl.models.chunks import ModelChunks, chunks_of
 from megatron_rl.models.mla import duplicated_linear
 from megatron_rl.parallel import ParallelState
@@ -126,7 +130,10 @@ class TrainingOptions:
     1F1B when > 1): build_model returns a :class:`~megatron_rl.models.chunks.ModelChunks`."""
     transformer_overrides: tuple = ()
     """(key, value) pairs of TransformerConfig arguments set over the ones built here: the section's
-    megatron.override_transformer_config without its moe_* keys (recompute_modules)."""
+    megatron.override_transformer_config without its moe_* keys (recompute_modules; transformer_impl
+    picks the layer spec)."""
+    lora: bool = False
+    """LoRA adapters will be added (they run on the local layers only)."""
 
 
 def moe_config_kwargs(args: ModelArgs, ps: ParallelState, options: TrainingOptions) -> dict:
@@ -203,13 +210,17 @@ def mla_config_kwargs(args: ModelArgs) -> dict:
 
 
 def transformer_config(
-    args: ModelArgs, ps: ParallelState, dtype: torch.dtype, options: TrainingOptions = TrainingOptions()
+    args: ModelArgs,
+    ps: ParallelState,
+    dtype: torch.dtype,
+    options: TrainingOptions = TrainingOptions(),
+    impl: str = te_spec.LOCAL,
 ):
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     config_class = TransformerConfig if args.mla is None else MLATransformerConfig
     vpp = options.virtual_pipeline if options.virtual_pipeline > 1 else None  # megatron: None, not 1
-    return config_class(
+    fields = dict(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,
@@ -255,8 +266,11 @@ def transformer_config(
         # interleaved: megatron's p2p with its even/odd ordering (at PP2 a rank's previous and next
         # stage are one peer, and batched sends to it would pair an activation with a gradient)
         **({"overlap_p2p_comm": True, "batch_p2p_comm": False} if vpp else {}),
-        **dict(options.transformer_overrides),
     )
+    if impl == te_spec.TRANSFORMER_ENGINE:
+        fields.update(te_spec.te_config_kwargs(args.is_moe, options.moe_grouped_gemm))
+    fields.update((k, v) for k, v in options.transformer_overrides if k != "transformer_impl")
+    return config_class(**fields)
 
 
 def build_model(
@@ -284,10 +298,20 @@ def build_model(
             f"actor_rollout_ref.actor.megatron.expert_model_parallel_size={ps.ep_size} does not divide the "
             f"model's {args.num_experts} experts: choose a divisor of {args.num_experts}."
         )
-    config = transformer_config(args, ps, dtype, options)
+    local_only = {"mla"} if args.mla is not None else set()
+    local_only |= {"lora"} if options.lora else set()
+    requested = dict(options.transformer_overrides).get("transformer_impl")
+    impl, notice = te_spec.choose_impl(requested, local_only=local_only)
+    te_spec.announce(notice, ps.rank)
+    config = transformer_config(args, ps, dtype, options, impl)
 
     def layer_spec(num_experts: int | None):
         mla = args.mla is not None
+        if impl == te_spec.TRANSFORMER_ENGINE:  # TE's norms, linears and experts; the core attention ours
+            from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+            core = SDPAttention if sdpa else DotProductAttention
+            return te_spec.te_layer(num_experts, args.qk_norm, options.moe_grouped_gemm, core)
         layer = get_gpt_layer_local_spec(
             num_experts=num_experts,
             moe_grouped_gemm=False,
@@ -356,10 +380,12 @@ def build_model(
     model = chunks[0] if vpp == 1 else ModelChunks(chunks)
     model.args = args
     model.role = role
+    model.transformer_impl = impl
     model.stage_layers = split  # decoder layers of each (virtual) pipeline stage
     model.expert_offset = ps.ep_rank * (args.num_experts // ps.ep_size) if args.is_moe else 0
     for chunk in chunks:
         chunk.args, chunk.role, chunk.expert_offset = args, role, model.expert_offset
+        chunk.transformer_impl = impl
     mark_tensor_parallel(model, ps)
     return model.to(ps.device)
 
@@ -424,6 +450,8 @@ def named_global_params(model: nn.Module) -> dict[str, torch.Tensor]:
             if isinstance(module, GroupedExperts):
                 del local[f"{prefix}.weight1"], local[f"{prefix}.weight2"]
                 local.update({f"{prefix}.{n}": v for n, v in module.expert_views().items()})
+        if getattr(model, "transformer_impl", te_spec.LOCAL) == te_spec.TRANSFORMER_ENGINE:
+            local = te_spec.te_global_names(local)  # TE's fused-norm and grouped-expert names -> the tables'
         out.update(
             {global_expert_name(global_layer_name(n, chunk.layer_offset), off): p for n, p in local.items()}
         )

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from megatron_rl.config.errors import ConfigError
 from megatron_rl.config.lora import LINEARS, LoraConfig, lora_targets
 from megatron_rl.parallel import ParallelState
 
@@ -233,6 +234,12 @@ def add_adapters(model: Any, spec: LoraConfig, ps: ParallelState, key: str, base
     from megatron_rl.weights.tables import global_layer_name
 
     targets = lora_targets(spec, key)
+    if getattr(model, "transformer_impl", "local") != "local":
+        from megatron_rl.models.te_spec import KEY
+
+        raise ConfigError(
+            f"{key}.rank={spec.rank}: LoRA on Transformer Engine's layers is not implemented: set {KEY}=local"
+        )
     for p in model.parameters():
         p.requires_grad_(False)
     if model.role == "critic" and ps.is_last_stage:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Container
+from collections.abc import Container, Mapping
 from typing import Any
 
 from megatron_rl.config.errors import ConfigError
@@ -66,6 +66,68 @@ def resolve_transformer_impl(requested: str | None, key: str = KEY) -> tuple[str
         how = "asked for" if requested else "the default where it imports"
         return TRANSFORMER_ENGINE, f"megatron-rl: Transformer Engine layers ({how}; local ones: {key}=local)"
     return LOCAL, f"megatron-rl: megatron-core's local layers: Transformer Engine does not import ({why_not})"
+
+
+NOT_ON_TE = {
+    "mla": "multi-latent attention",
+    "lora": "LoRA adapters (on Transformer Engine's fused linears)",
+}
+"""What runs on the local layers only: an unset key picks ``local`` for them, ``transformer_engine``
+is refused."""
+
+
+def choose_impl(requested: str | None, key: str = KEY, local_only: Container[str] = ()) -> tuple[str, str]:
+    """:func:`resolve_transformer_impl`, where the model needs the local layers for any of
+    ``local_only`` (keys of :data:`NOT_ON_TE`): unset, ``local`` with the reason in the notice;
+    ``transformer_engine`` asked for, a ConfigError naming the key and the fix."""
+    needs = [what for k, what in NOT_ON_TE.items() if k in local_only]
+    if needs and requested != LOCAL:
+        if requested == TRANSFORMER_ENGINE:
+            raise ConfigError(
+                f"{key}=transformer_engine: {' and '.join(needs)} run on the local layers only: "
+                f"set {key}=local"
+            )
+        resolve_transformer_impl(requested, key)  # unknown values: the same error as everywhere
+        return LOCAL, f"megatron-rl: megatron-core's local layers ({' and '.join(needs)} run on them only)"
+    return resolve_transformer_impl(requested, key)
+
+
+_ANNOUNCED: set[str] = set()
+
+
+def announce(notice: str, rank: int) -> None:
+    """Print ``notice`` once per process, on rank 0."""
+    if rank == 0 and notice not in _ANNOUNCED:
+        _ANNOUNCED.add(notice)
+        print(notice, flush=True)
+
+
+TE_FUSIONS = dict(apply_rope_fusion=True, bias_activation_fusion=True, bias_dropout_fusion=True)
+"""TransformerConfig fusions turned on with Transformer Engine's layers (the local spec runs unfused):
+TE's fused RoPE, the SwiGLU and the residual add fused by megatron's jit kernels."""
+
+
+def te_config_kwargs(moe: bool, grouped: bool) -> dict[str, Any]:
+    """TransformerConfig fields of a model built on Transformer Engine's layers (TE builds its
+    modules on the GPU directly; grouped experts are TE's GroupedLinear)."""
+    out: dict[str, Any] = dict(TE_FUSIONS, use_cpu_initialization=False, transformer_impl=TRANSFORMER_ENGINE)
+    if moe:
+        out["moe_grouped_gemm"] = grouped
+    return out
+
+
+def te_layer(num_experts: int | None, qk_layernorm: bool, grouped: bool, core_attention: Any) -> Any:
+    """One layer's TE spec with ``core_attention`` (a module class of megatron's core-attention
+    signature) in place of TE's: the trainer's masks are arbitrary (left-padded prompts, padded
+    responses), which TE's causal attention type does not read."""
+    layer = te_layer_spec(num_experts, qk_layernorm=qk_layernorm, moe_grouped_gemm=grouped)
+    layer.submodules.self_attention.submodules.core_attention = core_attention
+    return layer
+
+
+def te_global_names(params: Mapping[str, Any]) -> dict[str, Any]:
+    """A TE model's named tensors under the local spec's names (the layout tables'), extra state dropped."""
+    return {te_to_local_name(n): p for n, p in params.items() if not is_extra_state(n)}
 
 
 def te_layer_spec(

@@ -73,6 +73,7 @@ def _model(
         transformer_overrides=tuple(
             (k, v) for k, v in mcfg.override_transformer_config.items() if not k.startswith("moe_")
         ),
+        lora=lora is not None and lora[1].rank > 0,  # adapters run on the local layers only
         **moe_options(mcfg),
     )
     m = build_model(args, ps, role=role, dtype=dtype, sdpa=mcfg.use_sdpa_attention, options=options)

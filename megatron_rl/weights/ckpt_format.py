@@ -26,6 +26,19 @@ TE_NORM_NAMES = {
 }
 
 
+def norm_key_alias(key: str) -> str | None:
+    """The other name of a layer norm's checkpoint key (fused <-> separate), None for other keys.
+
+    A mixture-of-experts layer's pre-MLP norm is saved under the fused name by megatron-core's local
+    spec and under its own by Transformer Engine's (where no linear follows it): a checkpoint saved on
+    one implementation holds the name the other asks for."""
+    for sep, fused in TE_NORM_NAMES.items():
+        for have, other in ((sep, fused), (fused, sep)):
+            if key.endswith("." + have):
+                return key[: -len(have)] + other
+    return None
+
+
 @dataclass(frozen=True)
 class CheckpointLocation:
     format: str

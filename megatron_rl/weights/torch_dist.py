@@ -17,7 +17,12 @@ import torch
 
 from megatron_rl.model_args import ModelArgs
 from megatron_rl.parallel import ParallelState
-from megatron_rl.weights.ckpt_format import TE_NORM_NAMES, read_our_metadata, resolve_torch_dist
+from megatron_rl.weights.ckpt_format import (
+    TE_NORM_NAMES,
+    norm_key_alias,
+    read_our_metadata,
+    resolve_torch_dist,
+)
 from megatron_rl.weights.hf_io import hf_names, scatter_shard
 from megatron_rl.weights.layer_cache import LayerCachedReader
 from megatron_rl.weights.safe_load import check_torch_dist, safe_globals
@@ -83,6 +88,9 @@ def load_torch_dist(model: torch.nn.Module, ps: ParallelState, path: str) -> Non
         if not isinstance(sh, ShardedTensor | ShardedTensorFactory):
             raise TypeError(f"unexpected {type(sh).__name__} for {name} in the model's sharded_state_dict")
         md = meta.state_dict_metadata.get(sh.key)
+        alias = norm_key_alias(sh.key)  # a norm saved by the other layer implementation
+        if not isinstance(md, TensorStorageMetadata) and alias in meta.state_dict_metadata:
+            sh.key, md = alias, meta.state_dict_metadata[alias]
         if not isinstance(md, TensorStorageMetadata):
             have = sorted(
                 k for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)

@@ -42,7 +42,7 @@ def env(tmp_path_factory):
     from megatron_rl.config import RolloutConfig
     from megatron_rl.config.lora import ENGINE_LORA, LoraConfig, engine_lora
     from megatron_rl.model_args import load_model_args
-    from megatron_rl.models.builder import build_model, load_hf_weights
+    from megatron_rl.models.builder import TrainingOptions, build_model, load_hf_weights
     from megatron_rl.models.lora import add_adapters
     from megatron_rl.models.random_hf import save_random_hf_model
     from megatron_rl.parallel import destroy_parallel, init_parallel
@@ -52,7 +52,7 @@ def env(tmp_path_factory):
     path = save_random_hf_model(str(root / "a"), "llama", seed=1, **DIMS)
     ps = init_parallel(1, 1, device="cuda")
     args = load_model_args(path)
-    model = build_model(args, ps, dtype=torch.bfloat16)
+    model = build_model(args, ps, dtype=torch.bfloat16, options=TrainingOptions(lora=True))  # local layers
     load_hf_weights(model, path, ps)
     spec = LoraConfig(rank=RANK, alpha=ALPHA, target_modules=["all-linear"], merge=False)
     add_adapters(model, spec, ps, "actor_rollout_ref.model.lora", path, seed=0)

@@ -110,12 +110,12 @@ def test_unmerged_adapters_refused_where_the_engine_cannot_take_them(tmp_path, a
 
 def test_a_pattern_picks_one_layers_linear(ps, tmp_path):
     from megatron_rl.model_args import load_model_args
-    from megatron_rl.models.builder import build_model, load_hf_weights
+    from megatron_rl.models.builder import TrainingOptions, build_model, load_hf_weights
     from megatron_rl.models.lora import adapters, add_adapters
     from megatron_rl.models.random_hf import save_random_hf_model
 
     path = save_random_hf_model(str(tmp_path / "llama"), "llama", seed=1)
-    model = build_model(load_model_args(path), ps)
+    model = build_model(load_model_args(path), ps, options=TrainingOptions(lora=True))
     load_hf_weights(model, path, ps)
     spec = LoraConfig(rank=4, target_modules=["linear_fc2", "*.layers.1.*.linear_qkv"])
     add_adapters(model, spec, ps, KEY, path, seed=0)

@@ -36,7 +36,7 @@ RANK, ALPHA = 4, 8.0
 
 def build(path: str, ps, sp: bool, peft: str | None, lora: bool = True):
     args = load_model_args(path)
-    model = build_model(args, ps, options=TrainingOptions(sequence_parallel=sp))
+    model = build_model(args, ps, options=TrainingOptions(sequence_parallel=sp, lora=True))
     load_hf_weights(model, path, ps)
     if lora:
         spec = LoraConfig(rank=RANK, alpha=ALPHA)

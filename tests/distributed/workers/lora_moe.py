@@ -42,7 +42,9 @@ def expert_sets(model) -> list[tuple[int, int, ExpertAdapters]]:
 
 
 def build(path: str, ps, peft: str | None, lora: bool = True):
-    model = build_model(load_model_args(path), ps, options=TrainingOptions(sequence_parallel=ps.tp_size > 1))
+    model = build_model(
+        load_model_args(path), ps, options=TrainingOptions(sequence_parallel=ps.tp_size > 1, lora=True)
+    )
     load_hf_weights(model, path, ps)
     if not lora:
         return model
