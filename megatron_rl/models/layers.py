@@ -1,0 +1,74 @@
+"""The project's own layers inside megatron-core's layer specs (models/builder.py puts them there):
+core attention through torch's fused kernels, torch's RMSNorm behind megatron's norm signature, and the
+critic's value head (the reward model's score head)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SDPAttention(nn.Module):
+    """Core attention through ``F.scaled_dot_product_attention``; same math as megatron's unfused
+    DotProductAttention (softmax(QK^T / sqrt(d)) V with the explicit boolean mask), fused kernels."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, softmax_scale=None, **_):
+        super().__init__()
+        self.scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, **_):
+        # query [s, b, heads, d], key/value [s, b, kv_groups, d] -> [b, heads, s, d]
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+        # megatron masks are True where attention is NOT allowed; SDPA's bool mask is the opposite.
+        mask = None if attention_mask is None else ~attention_mask
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=self.scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+        s, b = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+class RMSNorm(nn.RMSNorm):
+    """torch's RMSNorm behind megatron's norm signature, usable with sequence parallelism.
+
+    Under sequence parallelism each TP rank normalises 1/TP of the tokens, so its weight gradient is a
+    partial sum: the ``sequence_parallel`` mark makes megatron's ``finalize_model_grads`` sum it over
+    TP (megatron's own torch-norm wrapper refuses sequence parallelism for want of that mark).
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_) -> None:
+        # params_dtype like every other weight: megatron's mixed-precision optimizer (and its checkpoint
+        # of fp32 masters) expects a bf16/fp16 model to hold no fp32 parameters.
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        self.weight.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]  # megatron reads this mark
+
+
+class ValueHead(nn.Module):
+    """hidden [s, b, H] -> values [s, b, 1]; replicated over TP (its input is identical there).
+
+    Under sequence parallelism the input is [s/TP, b, H]: it is gathered first, so that every TP rank
+    computes the same values and the same (full) weight gradient. ``bias=False`` is the reward model's
+    score head: HF's ``...ForSequenceClassification.score`` is ``nn.Linear(H, 1, bias=False)``."""
+
+    def __init__(
+        self, hidden_size: int, dtype: torch.dtype, sequence_parallel: bool = False, bias: bool = True
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(1, dtype=dtype)) if bias else None
+        self.sequence_parallel = sequence_parallel
+
+    def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            # backward keeps this rank's slice of a gradient that is already complete on every rank
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, False)
+        return F.linear(hidden_states, self.weight, self.bias), None
