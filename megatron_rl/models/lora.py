@@ -54,7 +54,7 @@ class LoraSpec:
     targets: tuple[str, ...]
     base: str
     """The base model's path (the checkpoint holds the adapters, not the base)."""
-    merge: bool | None = None
+    merge: bool = True
     """``lora.merge``: how the rollout engine gets the adapters (rollout.lora_sync); recorded, not
     compared on resume."""
 

@@ -17,6 +17,7 @@ from megatron_rl.rollout.base import Generation, RolloutEngine, RolloutOOMError,
 
 if TYPE_CHECKING:
     from megatron_rl.config import RolloutConfig
+    from megatron_rl.config.lora import EngineLora
     from megatron_rl.model_args import ModelArgs
     from megatron_rl.parallel import ParallelState
 
@@ -47,11 +48,13 @@ def create_engine(
     seed: int,
     cuda_graph_max_bs: int | None = None,
     routed_experts: bool = False,
+    lora: EngineLora | None = None,
 ) -> RolloutEngine:
     """The engine named by ``actor_rollout_ref.rollout.name`` (collective: every rank calls it);
     ``cuda_graph_max_bs``: SGLang's largest captured decode batch (run.memory_plan.cuda_graph_max_bs);
     ``routed_experts``: able to return each token's experts (routing replay; the transformers engine
-    always is)."""
+    always is); ``lora``: the actor's adapters come unmerged (config.lora.engine_lora_of; the
+    transformers engine always takes them)."""
     if cfg.dtype not in DTYPES:
         raise ValueError(f"actor_rollout_ref.rollout.dtype={cfg.dtype!r}: choose one of {sorted(DTYPES)}")
     if cfg.name == "hf":
@@ -63,7 +66,7 @@ def create_engine(
 
         extra = {"enable_return_routed_experts": True} if routed_experts else {}
         return SGLangEngine(
-            cfg, args, ps, seed=seed, model_path=model_path, cuda_graph_max_bs=cuda_graph_max_bs, **extra
+            cfg, args, ps, seed, model_path, cuda_graph_max_bs=cuda_graph_max_bs, lora=lora, **extra
         )
     raise ValueError(
         f"actor_rollout_ref.rollout.name={cfg.name!r}: choose 'sglang' (GPU) or 'hf' (transformers)"

@@ -1,8 +1,8 @@
-"""LoRA into the rollout engine without the base (``actor_rollout_ref.model.lora.merge`` false or None):
+"""LoRA into the rollout engine without the base (``actor_rollout_ref.model.lora.merge=false``):
 the frozen base is streamed once, then only the adapters cross at every sync.
 
     reshard.sync_weights(actor, ps, engine, ...)      asks sync_adapters first:
-      not unmerged (no LoRA, merge=true, an engine or model that cannot take adapters): None
+      not unmerged (no LoRA, merge=true): None
           -> the weight stream as usual (the adapters merged into it: models.lora.MergedParams)
       unmerged:
         engine.adapter_base False (a new engine: the first sync, a restart)
@@ -19,8 +19,8 @@ projection's output (rollout.hf_engine). Both keep the base across ``release_mem
 sync-integrity probe (roles.sync_check: the engine's log-probs against the actor's) sees base +
 adapters, so it covers this path.
 
-Not taken unmerged (merge=None falls back to the merged stream; merge=false is an error naming the key):
-mixture-of-experts models (SGLang's expert adapters are not wired here) and multi-latent attention.
+Not taken unmerged (merge=false is then an error naming the key): mixture-of-experts models (SGLang's
+expert adapters are not wired here) and multi-latent attention.
 """
 
 from __future__ import annotations
@@ -51,22 +51,20 @@ def unsupported(args: ModelArgs) -> str | None:
 
 def refusal(why: str) -> str:
     """The one-line error of ``lora.merge=false`` where it cannot be honoured."""
-    return f"actor_rollout_ref.model.lora.merge=false: {why}; set it to true (or leave it unset)."
+    return f"actor_rollout_ref.model.lora.merge=false: {why}; set it to true (the default)."
 
 
 def unmerged(model: Any, engine: Any) -> bool:
     """Whether this sync sends the adapters apart from the base (module docstring)."""
     spec = getattr(model, "lora", None)
-    if spec is None or spec.merge is True:
+    if spec is None or spec.merge:
         return False
     why = unsupported(model.args)
     if why is None and not getattr(engine, "takes_adapters", False):
         why = f"the rollout engine ({type(engine).__name__}) was not started with LoRA support"
-    if why is None:
-        return True
-    if spec.merge is False:
+    if why is not None:
         raise ValueError(refusal(why))
-    return False
+    return True
 
 
 def sync_adapters(

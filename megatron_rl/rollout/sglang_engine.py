@@ -32,7 +32,7 @@ error becomes a :class:`~megatron_rl.rollout.base.RolloutOOMError` naming the si
 Memory. ``release_memory`` frees weights, KV cache and CUDA graphs (torch_memory_saver);
 ``resume_memory`` maps them back, after which the weights must be synced again.
 
-LoRA unmerged (rollout.lora_sync; config.lora.EngineLora on the rollout config says so at start): the
+LoRA unmerged (rollout.lora_sync; the config.lora.EngineLora the engine is started with): the
 engine starts with SGLang's LoRA support (``enable_lora``, ``max_lora_rank``, ``lora_target_modules``
 as HF projections), :meth:`SGLangEngine.load_adapters` replaces the adapter ``lora_sync.ADAPTER``
 (``unload_lora_adapter``, then ``load_lora_adapter_from_tensors``: full PEFT tensors, which SGLang
@@ -48,7 +48,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -70,6 +70,9 @@ from megatron_rl.rollout.base import (
     row_seeds,
 )
 from megatron_rl.rollout.checksums import CHECKSUM_SIZE
+
+if TYPE_CHECKING:
+    from megatron_rl.config.lora import EngineLora
 from megatron_rl.rollout.sglang_loader import LOADER, READ_BACK, bucket_header
 from megatron_rl.rollout.sglang_outputs import routed_experts, to_generation
 from megatron_rl.rollout.sglang_start import child_pids, start_sglang
@@ -126,9 +129,11 @@ class SGLangEngine:
         seed: int = 0,
         model_path: str | None = None,
         cuda_graph_max_bs: int | None = None,
+        lora: EngineLora | None = None,
         **engine_kwargs,
     ) -> None:
-        """``cuda_graph_max_bs``: see :func:`engine_arguments`; ``engine_kwargs`` override its dict."""
+        """``cuda_graph_max_bs``: see :func:`engine_arguments`; ``lora``: the actor's adapters come
+        unmerged (config.lora.engine_lora_of); ``engine_kwargs`` override its dict."""
         self.cuda_graph_max_bs = cuda_graph_max_bs
         if ps.device.type != "cuda":
             raise RuntimeError(
@@ -158,7 +163,7 @@ class SGLangEngine:
         self.engine = None
         self._config_dir: str | None = None
         self._workers: list[int] = []
-        self.takes_adapters = self._lora_arguments(cfg, args, engine_kwargs)
+        self.takes_adapters = self._lora_arguments(lora, args, engine_kwargs)
         self.adapter_base = False  # rollout.lora_sync: the base has been streamed into this engine
         self._adapter_loaded = False
         if self.group_rank == 0:
@@ -171,20 +176,15 @@ class SGLangEngine:
         self.unreadable: set[str] = set()  # streamed tensors the read-back does not find (logged once)
 
     @staticmethod
-    def _lora_arguments(cfg, args: ModelArgs, engine_kwargs: dict) -> bool:
+    def _lora_arguments(lora: EngineLora | None, args: ModelArgs, engine_kwargs: dict) -> bool:
         """Add SGLang's LoRA arguments to ``engine_kwargs`` when the actor's adapters come unmerged
-        (config.lora.ENGINE_LORA); whether they do."""
-        from megatron_rl.config.lora import ENGINE_LORA
+        (``lora``); whether they do."""
         from megatron_rl.rollout.lora_sync import refusal, unsupported
 
-        lora = getattr(cfg, ENGINE_LORA, None)
         if lora is None:
             return False
-        why = unsupported(args)
-        if why is not None:
-            if lora.merge is False:
-                raise ValueError(refusal(why))
-            return False
+        if (why := unsupported(args)) is not None:
+            raise ValueError(refusal(why))
         engine_kwargs.setdefault("enable_lora", True)
         engine_kwargs.setdefault("max_lora_rank", lora.rank)
         engine_kwargs.setdefault("lora_target_modules", list(lora.hf_targets))

@@ -1,8 +1,8 @@
 """SGLang taking the actor's LoRA adapters in process (lora.merge=false, rollout.lora_sync), one GPU.
 
 A bf16 Megatron actor (a small random Llama) with rank-8 adapters whose B is random (so they move the
-policy); the engine is started with SGLang's LoRA support (config.lora.EngineLora, as config
-validation records it). The first sync streams the base and loads the adapters; greedy outputs are
+policy); the engine is started with SGLang's LoRA support (config.lora.EngineLora, as the trainer
+starts it for lora.merge=false). The first sync streams the base and loads the adapters; greedy outputs are
 judged against transformers in fp32 on base + scale * B A (the PEFT-merged weights, the oracle):
 teacher-forced, every token SGLang chose must be the oracle's argmax or within TIE logits of it, and
 the engine's log-probs of its tokens must agree with the oracle's within the sync-integrity probe's
@@ -40,7 +40,7 @@ RANK, ALPHA = 8, 16.0
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     from megatron_rl.config import RolloutConfig
-    from megatron_rl.config.lora import ENGINE_LORA, LoraConfig, engine_lora
+    from megatron_rl.config.lora import LoraConfig, engine_lora
     from megatron_rl.model_args import load_model_args
     from megatron_rl.models.builder import TrainingOptions, build_model, load_hf_weights
     from megatron_rl.models.lora import add_adapters
@@ -64,8 +64,7 @@ def env(tmp_path_factory):
         enable_cuda_graph=True,
         max_num_batched_tokens=4096,
     )
-    setattr(cfg, ENGINE_LORA, engine_lora(spec))  # what config validation records
-    engine = create_engine(cfg, path, args, ps, seed=0, cuda_graph_max_bs=32)
+    engine = create_engine(cfg, path, args, ps, seed=0, cuda_graph_max_bs=32, lora=engine_lora(spec))
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, DIMS["vocab_size"], (32, 10), generator=g).tolist()
     greedy = SamplingParams(greedy=True, max_new_tokens=NEW, return_logprobs=True)

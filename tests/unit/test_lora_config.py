@@ -6,12 +6,12 @@ import pytest
 
 from megatron_rl.config import Config, ConfigError
 from megatron_rl.config.lora import (
-    ENGINE_LORA,
     LINEARS,
     MLA_LINEARS,
     EngineLora,
     LoraConfig,
     check_lora,
+    engine_lora_of,
     lora_targets,
 )
 
@@ -56,30 +56,27 @@ def test_merge_false_is_refused_naming_the_key_where_the_engine_is_apart():
     cfg.trainer.placement.rollout = [1]
     with pytest.raises(ConfigError, match=r"actor_rollout_ref.model.lora.merge=false: .*colocated"):
         check_lora(cfg)
-    cfg.actor_rollout_ref.model.lora = LoraConfig(rank=4)  # unset: merged where the engine is apart
+    cfg.actor_rollout_ref.model.lora = LoraConfig(rank=4)  # the default: merged into the stream
     check_lora(cfg)
-    assert getattr(cfg.actor_rollout_ref.rollout, ENGINE_LORA) is None
+    assert engine_lora_of(cfg) is None
 
 
 def test_the_engine_is_told_what_adapters_come_unmerged():
     cfg = Config()
     cfg.actor_rollout_ref.model.lora = LoraConfig(
-        rank=8, target_modules=["q_proj", "k_proj", "v_proj", "down_proj"]
+        rank=8, target_modules=["q_proj", "k_proj", "v_proj", "down_proj"], merge=False
     )
     cfg.critic.model.lora = LoraConfig(rank=4, merge=False)  # the critic never reaches an engine
     check_lora(cfg)
-    want = EngineLora(8, None, ("down_proj", "k_proj", "q_proj", "v_proj"))
-    assert getattr(cfg.actor_rollout_ref.rollout, ENGINE_LORA) == want
-    cfg.actor_rollout_ref.model.lora = LoraConfig(rank=8, target_modules=["all-linear"], merge=True)
-    check_lora(cfg)
-    assert getattr(cfg.actor_rollout_ref.rollout, ENGINE_LORA) is None
+    assert engine_lora_of(cfg) == EngineLora(8, ("down_proj", "k_proj", "q_proj", "v_proj"))
+    cfg.actor_rollout_ref.model.lora = LoraConfig(rank=8, target_modules=["all-linear"])  # merged
+    assert engine_lora_of(cfg) is None
     cfg.actor_rollout_ref.model.lora = LoraConfig(
         rank=8, target_modules=["*.layers.0.*.linear_fc1"], merge=False
     )
-    check_lora(cfg)
-    assert getattr(cfg.actor_rollout_ref.rollout, ENGINE_LORA) == EngineLora(
-        8, False, ("gate_proj", "up_proj")
-    )
+    assert engine_lora_of(cfg) == EngineLora(8, ("gate_proj", "up_proj"))
+    cfg.actor_rollout_ref.model.lora = LoraConfig(rank=0, merge=False)  # no adapters
+    assert engine_lora_of(cfg) is None
 
 
 @pytest.mark.parametrize("arch, why", [("qwen2_moe", "mixture-of-experts"), ("deepseek_v3", "multi-latent")])
@@ -99,13 +96,14 @@ def test_unmerged_adapters_refused_where_the_engine_cannot_take_them(tmp_path, a
         ValueError, match=rf"actor_rollout_ref.model.lora.merge=false: .*{why}.*set it to true"
     ):
         unmerged(actor, engine)
-    actor.lora = LoraSpec(4, 8.0, ("linear_qkv",), "base", merge=None)  # unset: the merged stream
+    actor.lora = LoraSpec(4, 8.0, ("linear_qkv",), "base")  # the default: the merged stream
     assert not unmerged(actor, engine)
     dense = load_model_args(save_random_hf_model(str(tmp_path / "qwen2"), "qwen2", seed=1))
     assert unsupported(dense) is None
-    assert unmerged(SimpleNamespace(args=dense, lora=actor.lora), engine)
+    unmerged_dense = LoraSpec(4, 8.0, ("linear_qkv",), "base", merge=False)
+    assert unmerged(SimpleNamespace(args=dense, lora=unmerged_dense), engine)
     with pytest.raises(ValueError, match=r"merge=false: the rollout engine .* was not started with LoRA"):
-        unmerged(SimpleNamespace(args=dense, lora=LoraSpec(4, 8.0, (), "b", False)), SimpleNamespace())
+        unmerged(SimpleNamespace(args=dense, lora=unmerged_dense), SimpleNamespace())
 
 
 def test_a_pattern_picks_one_layers_linear(ps, tmp_path):

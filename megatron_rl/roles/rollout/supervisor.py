@@ -27,6 +27,7 @@ T = TypeVar("T")
 
 def start_engine(cfg: Config, ps: ParallelState, model_args):
     """The colocated rollout engine (collective), its memory given back until the first rollout."""
+    from megatron_rl.config.lora import engine_lora_of
     from megatron_rl.rollout import create_engine
     from megatron_rl.run.memory_plan import cuda_graph_max_bs
 
@@ -36,8 +37,9 @@ def start_engine(cfg: Config, ps: ParallelState, model_args):
     graph_bs = cuda_graph_max_bs(cfg, ps.world_size // rollout.tensor_model_parallel_size)
     path = cfg.actor_rollout_ref.model.path
     r3 = cfg.actor_rollout_ref.actor.router_replay.mode == "R3"
+    lora = engine_lora_of(cfg)  # the actor's adapters unmerged (lora.merge=false): SGLang's LoRA on
     engine = create_engine(
-        rollout, path, model_args, ps, seed=rollout.seed, cuda_graph_max_bs=graph_bs, routed_experts=r3
+        rollout, path, model_args, ps, rollout.seed, graph_bs, routed_experts=r3, lora=lora
     )
     if ps.rank == 0:
         sglang_graphs = rollout.enable_cuda_graph and rollout.name == "sglang"
