@@ -1,10 +1,10 @@
 """LoRA into the rollout engine without the base (``actor_rollout_ref.model.lora.merge=false``):
 the frozen base is streamed once, then only the adapters cross at every sync.
 
-    reshard.sync_weights(actor, ps, engine, ...)      asks sync_adapters first:
-      not unmerged (no LoRA, merge=true): None
+    reshard.sync_weights(actor, ps, engine, ...)      asks unmerged() first:
+      not unmerged (no LoRA, merge=true)
           -> the weight stream as usual (the adapters merged into it: models.lora.MergedParams)
-      unmerged:
+      unmerged: sync_adapters
         engine.adapter_base False (a new engine: the first sync, a restart)
           -> the weight stream with the adapters switched off: the base's own weights, checked as
              every stream is (reshard.check_weights); engine.adapter_base = True
@@ -69,24 +69,19 @@ def unmerged(model: Any, engine: Any) -> bool:
 
 def sync_adapters(
     inner: Any, ps: ParallelState, engine: Any, dtype: torch.dtype | None, stream: Callable[[], dict]
-) -> dict[str, float] | None:
+) -> dict[str, float]:
     """Collective: the unmerged sync of the actor ``inner`` (the megatron module; module docstring),
     with reshard.sync_weights' statistics (bytes, buckets, seconds, check_seconds; adapter_bytes: the
-    adapters' share), or None: stream as usual. ``stream()``: the weight stream (sync_weights again)."""
+    adapters' share). ``stream()``: the weight stream (reshard.stream_weights), run with the adapters
+    off when the engine lacks the base."""
     from megatron_rl.models.lora import adapters_disabled
     from megatron_rl.models.lora_files import gather_peft, peft_config
 
-    if getattr(inner, "_streaming_base", False) or not unmerged(inner, engine):
-        return None
     start = time.perf_counter()
     stats = {"bytes": 0.0, "buckets": 0.0, "check_seconds": 0.0}
     if not getattr(engine, "adapter_base", False):
-        inner._streaming_base = True  # the nested sync_weights streams the base (no recursion)
-        try:
-            with adapters_disabled(inner):
-                stats = stream()
-        finally:
-            inner._streaming_base = False
+        with adapters_disabled(inner):
+            stats = stream()
         engine.adapter_base = True
     dtype = dtype or engine.dtype
     tensors = gather_peft(inner, ps)

@@ -340,13 +340,24 @@ def sync_weights(
     model: nn.Module, ps: ParallelState, engine, bucket_megabytes: int, dtype: torch.dtype | None = None
 ) -> dict[str, float]:
     """Stream the actor into ``engine`` (collective) and check the engine's copy (module docstring).
-    Returns bytes sent, buckets, seconds (check_seconds: the integrity check's share)."""
-    global _syncs
-    from megatron_rl.rollout.lora_sync import sync_adapters
+    Returns bytes sent, buckets, seconds (check_seconds: the integrity check's share). LoRA unmerged
+    (``lora.merge=false``): the base once, then the adapters alone (rollout.lora_sync)."""
+    from megatron_rl.rollout.lora_sync import sync_adapters, unmerged
 
-    again = lambda: sync_weights(model, ps, engine, bucket_megabytes, dtype)  # noqa: E731
-    if (adapters := sync_adapters(unwrap(model), ps, engine, dtype, again)) is not None:
-        return adapters  # LoRA unmerged: the base once, then the adapters alone (rollout.lora_sync)
+    def weights() -> dict[str, float]:
+        return stream_weights(model, ps, engine, bucket_megabytes, dtype)
+
+    if unmerged(unwrap(model), engine):
+        return sync_adapters(unwrap(model), ps, engine, dtype, weights)
+    return weights()
+
+
+def stream_weights(
+    model: nn.Module, ps: ParallelState, engine, bucket_megabytes: int, dtype: torch.dtype | None = None
+) -> dict[str, float]:
+    """The weight stream of :func:`sync_weights` (every weight the model's forward uses: LoRA merged),
+    its integrity checked."""
+    global _syncs
     _syncs += 1
     dtype = dtype or engine.dtype
     stats = {"bytes": 0.0, "buckets": 0.0}
