@@ -12,7 +12,7 @@ so the same MoE batch; the trainer's actor has expert parallelism 1 (every rank 
 
 For CUDA graphs on and off (--graphs), one process tree per mode:
   standalone  a fresh python process starts ``sglang.Engine`` on the HF model directory (its own
-              weights, the same arguments as the trainer's engine: megatron_rl.rollout.sglang_engine.
+              weights, the same arguments as the trainer's engine: megatron_rl.rollout.sglang_start.
               engine_arguments) and generates;
   trainer     ``torchrun --nproc_per_node=TP`` builds the Megatron actor from the same directory, starts
               the engine as the trainer does (SGLangEngine), streams the weights into it (sync_weights),
@@ -63,7 +63,7 @@ def standalone(a: argparse.Namespace, graphs: bool) -> dict:
     """(a): sglang.Engine in this process, on the HF directory's own weights."""
     import sglang
 
-    from megatron_rl.rollout.sglang_engine import engine_arguments
+    from megatron_rl.rollout.sglang_start import engine_arguments
 
     with open(os.path.join(a.model_dir, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]

@@ -35,16 +35,13 @@ from contextlib import suppress
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import torch
 import torch.distributed as dist
 
 from megatron_rl.rollout.agent.episode import Failure, failure_of, raise_failure
 from megatron_rl.rollout.base import (
     SGLANG_SEED_BITS,
-    EngineDied,
     Generation,
     Origins,
-    RolloutOOMError,
     SamplingParams,
     sample_seed,
 )
@@ -206,10 +203,10 @@ class SGLangTurns(_Server):
         self._tasks: set[asyncio.Task] = set()
 
     def _loop(self) -> asyncio.AbstractEventLoop:
-        return self.eng.engine.loop  # SGLang's tokenizer manager lives on the loop it was made on
+        return self.eng.event_loop  # SGLang's tokenizer manager lives on the loop it was made on
 
     def _loop_kept(self) -> asyncio.AbstractEventLoop | None:
-        return self.eng.engine.loop
+        return self.eng.event_loop
 
     async def _dispatch(self, batch: list) -> None:
         for b in batch:  # not awaited: the engine batches the requests in flight
@@ -217,63 +214,31 @@ class SGLangTurns(_Server):
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    def _sampling(self, params: SamplingParams, origin: tuple[int, int]) -> dict:
-        sp: dict[str, Any] = {
-            "max_new_tokens": params.max_new_tokens,
-            "temperature": 0.0 if params.is_greedy else params.temperature,
-            "top_p": params.top_p,
-            "top_k": params.top_k,
-        }
-        if params.stop_token_ids:
-            sp["stop_token_ids"] = list(params.stop_token_ids)
-        else:
-            sp["ignore_eos"] = True
-        if params.seed is not None:
-            dp, row = origin
-            sp["sampling_seed"] = sample_seed(
-                params.seed, params.step, dp, row, params.validate, SGLANG_SEED_BITS
-            )
-        return sp
-
     async def _one(self, prefix: list[int], params: SamplingParams, origin: tuple[int, int], fut) -> None:
         if self._inflight == 0:
             self._busy_since = time.monotonic()
         self._inflight += 1
         self.stats.rounds += 1
-        try:
-            extra = {"return_routed_experts": True} if params.return_routed_experts else {}
-            out = await self.eng.engine.async_generate(
-                input_ids=prefix,
-                sampling_params=self._sampling(params, origin),
-                return_logprob=params.return_logprobs,
-                **extra,
-            )
-            g = self.eng._to_generation(out, params, [prefix])  # aborts and OOMs become errors
+        seed = None
+        if params.seed is not None:
+            dp, row = origin
+            seed = sample_seed(params.seed, params.step, dp, row, params.validate, SGLANG_SEED_BITS)
+        try:  # aborts, OOMs and a dead engine come back as the rollout's errors
+            g, cached = await self.eng.generate_turn(prefix, params, seed)
         except Exception as exc:
             if not fut.done():
-                fut.set_exception(self._error(exc, prefix, params))
+                fut.set_exception(exc)
             return
         finally:
             self._inflight -= 1
             if self._inflight == 0:
                 self.stats.busy_s += time.monotonic() - self._busy_since
-        meta = out.get("meta_info", {})
-        if "cached_tokens" in meta:
+        if cached is not None:
             self.stats.cache_reported = True
-            self.stats.cached_tokens += int(meta["cached_tokens"])
+            self.stats.cached_tokens += cached
         self.stats.model_tokens += len(g.token_ids)
         if not fut.done():
             fut.set_result(g)
-
-    def _error(self, exc: Exception, prefix: list[int], params: SamplingParams) -> Exception:
-        from megatron_rl.rollout.sglang_engine import _is_oom
-
-        if isinstance(exc, RolloutOOMError):
-            return exc
-        if isinstance(exc, torch.OutOfMemoryError) or _is_oom(str(exc)):
-            return RolloutOOMError(self.eng._oom([prefix], params, str(exc)))
-        why = self.eng._gone(exc)
-        return EngineDied(why) if why else exc
 
 
 def turn_server(engine: Any) -> _Server:
@@ -284,18 +249,12 @@ def turn_server(engine: Any) -> _Server:
     from megatron_rl.rollout.sglang_engine import SGLangEngine
 
     if isinstance(engine, SGLangEngine):
-        if engine.engine is None:
-            raise RuntimeError("multi-turn episodes run on a rank that hosts no SGLang engine")
-        if engine._released or not engine._synced:
-            raise RuntimeError("multi-turn rollout before the engine's weights were synced (sync_weights)")
+        engine.host_ready()
         return SGLangTurns(engine)
     if isinstance(engine, HFEngine):
-        if engine.model is None:
-            raise RuntimeError("multi-turn episodes run on a rank that hosts no transformers model")
-        if not engine._synced:
-            raise RuntimeError("generate() before the first update_weights(): call sync_weights first")
+        engine.host_ready()
         # the per-row seeded local generation: (dp_rank, row) of each turn picks its seed
-        return RoundServer(engine._generate_local)
+        return RoundServer(engine.generate_local)
     return RoundServer(lambda prompts, origins, params: engine.generate(prompts, params))
 
 

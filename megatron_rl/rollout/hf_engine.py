@@ -218,18 +218,26 @@ class HFEngine:
 
     # -- generation ------------------------------------------------------------------------------
 
+    def host_ready(self) -> None:
+        """Raise unless this rank hosts the model and it holds synced weights (what generating needs)."""
+        if self.model is None:
+            raise RuntimeError("generation asked of a rank that hosts no transformers model")
+        if not self._synced:
+            raise RuntimeError("generate() before the first update_weights(): call sync_weights first")
+
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
         run = None
         if self.model is not None:
-            if not self._synced:
-                raise RuntimeError("generate() before the first update_weights(): call sync_weights first")
-            run = lambda flat, origins: self._generate_local(flat, origins, params)  # noqa: E731
+            self.host_ready()
+            run = lambda flat, origins: self.generate_local(flat, origins, params)  # noqa: E731
         return collective_generate(self.ps, prompts, params, None, self._mp_group, run)
 
     @torch.no_grad()
-    def _generate_local(
+    def generate_local(
         self, prompts: list[list[int]], origins: Origins, params: SamplingParams
     ) -> list[list[Generation]]:
+        """On the hosting rank: ``params.n`` generations of each prompt; ``origins``: each prompt's
+        (dp_rank, row), which picks its rows' seeds (so a row's tokens do not depend on its batch)."""
         fallback = self.seed * _SEED_STRIDE + self._unseeded_calls
         if params.seed is None:
             self._unseeded_calls += 1
@@ -280,7 +288,7 @@ class HFEngine:
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """KV-cached sampling from left-padded ``ids`` [b, plen]: the tokens and log-probs of each step
         ([b] each), until every row has stopped or max_new_tokens."""
-        assert self.model is not None  # generation runs only where the model is hosted (_generate_local)
+        assert self.model is not None  # generation runs only where the model is hosted (generate_local)
         b = ids.shape[0]
         pos = (mask.cumsum(-1) - 1).clamp(min=0)  # positions count real tokens only, as HF generate does
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)

@@ -75,42 +75,9 @@ if TYPE_CHECKING:
     from megatron_rl.config.lora import EngineLora
 from megatron_rl.rollout.sglang_loader import LOADER, READ_BACK, bucket_header
 from megatron_rl.rollout.sglang_outputs import routed_experts, to_generation
-from megatron_rl.rollout.sglang_start import child_pids, start_sglang
+from megatron_rl.rollout.sglang_start import child_pids, engine_arguments, start_sglang
 
 log = logging.getLogger(__name__)
-
-
-def engine_arguments(
-    cfg, model_path: str, tp_size: int, base_gpu_id: int, seed: int, cuda_graph_max_bs: int | None = None
-) -> dict:
-    """``sglang.Engine`` keyword arguments for a rollout config (``actor_rollout_ref.rollout.*``): the
-    trainer's engine and bench/rollout.py's standalone one start from the same dict.
-    ``cuda_graph_max_bs``: the largest decode batch to capture (run.memory_plan.cuda_graph_max_bs: the
-    rows the engine decodes at once); None: 256."""
-    kwargs = dict(
-        model_path=model_path,
-        load_format="dummy",  # weights come from the reshard stream
-        skip_tokenizer_init=True,
-        tp_size=tp_size,
-        base_gpu_id=base_gpu_id,
-        dtype=cfg.dtype,
-        mem_fraction_static=cfg.gpu_memory_utilization,
-        chunked_prefill_size=cfg.max_num_batched_tokens,
-        max_prefill_tokens=cfg.max_num_batched_tokens,
-        attention_backend="triton",
-        sampling_backend="pytorch",
-        grammar_backend="none",
-        enable_memory_saver=True,
-        disable_cuda_graph=not cfg.enable_cuda_graph,
-        random_seed=seed % 2**31,  # SGLang seeds numpy with it, which takes [0, 2**32) only
-        log_level="error",
-        # MoE buckets: experts copied into the fused weights; the sync check's read-back (sglang_loader)
-        custom_weight_loader=[LOADER, READ_BACK],
-    )
-    if cfg.enable_cuda_graph:
-        # Larger decode batches run without graphs; each captured size costs start-up time.
-        kwargs["cuda_graph_max_bs_decode"] = cuda_graph_max_bs or 256
-    return kwargs
 
 
 def _is_oom(text: str) -> bool:
@@ -379,19 +346,29 @@ class SGLangEngine:
 
     # -- generation ------------------------------------------------------------------------------
 
+    def host_ready(self) -> None:
+        """Raise unless this rank hosts the engine and it holds synced weights (what generating needs)."""
+        if self.engine is None:
+            raise RuntimeError("generation asked of a rank that hosts no SGLang engine")
+        if self._released:
+            raise RuntimeError("generate() while the engine's memory is released: call resume_memory() first")
+        if not self._synced:
+            raise RuntimeError(
+                "generate() before update_weights(): the engine starts with dummy weights and drops them "
+                "on release_memory(); call sync_weights first"
+            )
+
+    @property
+    def event_loop(self):
+        """The asyncio loop SGLang's tokenizer manager lives on (:meth:`generate_turn` runs there)."""
+        self.host_ready()
+        return self.engine.loop
+
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
         run = None
         if self.engine is not None:
-            if self._released:
-                raise RuntimeError(
-                    "generate() while the engine's memory is released: call resume_memory() first"
-                )
-            if not self._synced:
-                raise RuntimeError(
-                    "generate() before update_weights(): the engine starts with dummy weights and drops them "
-                    "on release_memory(); call sync_weights first"
-                )
-            run = lambda flat, origins: self._generate_local(flat, origins, params)  # noqa: E731
+            self.host_ready()
+            run = lambda flat, origins: self.generate_local(flat, origins, params)  # noqa: E731
         return collective_generate(
             self.ps, prompts, params, self._group if self.group_size > 1 else None, self._mp_group, run
         )
@@ -411,9 +388,11 @@ class SGLangEngine:
             sp["sampling_seed"] = seed  # honoured with SGLang's deterministic inference
         return sp
 
-    def _generate_local(
+    def generate_local(
         self, prompts: list[list[int]], origins: Origins, params: SamplingParams
     ) -> list[list[Generation]]:
+        """On the hosting rank: ``params.n`` generations of each prompt, in one engine call; ``origins``:
+        each prompt's (dp_rank, row), which picks its sampling seeds."""
         rows = [p for p in prompts for _ in range(params.n)]
         # the rows of several DP leaders: origins keeps each row's (dp_rank, row) seed
         seeds = (
@@ -422,22 +401,59 @@ class SGLangEngine:
         sampling = [self._sampling(params, s) for s in seeds]
         assert self.engine is not None  # generate() runs this only where the engine is hosted
         try:
-            extra: dict[str, Any] = {"return_routed_experts": True} if params.return_routed_experts else {}
-            if self._adapter_loaded:  # LoRA unmerged: every request runs the actor's adapters
-                from megatron_rl.rollout.lora_sync import ADAPTER
-
-                extra["lora_path"] = [ADAPTER] * len(rows)
             outs = self.engine.generate(
-                input_ids=rows, sampling_params=sampling, return_logprob=params.return_logprobs, **extra
+                input_ids=rows,
+                sampling_params=sampling,
+                return_logprob=params.return_logprobs,
+                **self._request_extras(params, len(rows)),
             )
         except Exception as e:  # SGLang re-raises scheduler errors as plain exceptions
-            if isinstance(e, torch.OutOfMemoryError) or _is_oom(str(e)):
-                raise RolloutOOMError(self._oom(prompts, params, str(e))) from e
-            if why := self._gone(e):
-                raise EngineDied(why) from e
-            raise
+            if (err := self._failure(e, prompts, params)) is e:
+                raise
+            raise err from e
         gens = [self._to_generation(o, params, prompts) for o in outs]
         return [gens[i * params.n : (i + 1) * params.n] for i in range(len(prompts))]
+
+    async def generate_turn(
+        self, prefix: list[int], params: SamplingParams, seed: int | None
+    ) -> tuple[Generation, int | None]:
+        """On :attr:`event_loop`: one request (a multi-turn episode's turn; SGLang batches the requests
+        in flight); the Generation and the prompt tokens its prefix cache held (None: not reported)."""
+        assert self.engine is not None
+        extras = self._request_extras(params, 1)
+        if "lora_path" in extras:  # one request: one name, not a list
+            extras["lora_path"] = extras["lora_path"][0]
+        try:
+            out = await self.engine.async_generate(
+                input_ids=prefix,
+                sampling_params=self._sampling(params, seed),
+                return_logprob=params.return_logprobs,
+                **extras,
+            )
+        except Exception as e:
+            if (err := self._failure(e, [prefix], params)) is e:
+                raise
+            raise err from e
+        cached = out.get("meta_info", {}).get("cached_tokens")
+        return self._to_generation(out, params, [prefix]), None if cached is None else int(cached)
+
+    def _request_extras(self, params: SamplingParams, rows: int) -> dict[str, Any]:
+        extra: dict[str, Any] = {"return_routed_experts": True} if params.return_routed_experts else {}
+        if self._adapter_loaded:  # LoRA unmerged: every request runs the actor's adapters
+            from megatron_rl.rollout.lora_sync import ADAPTER
+
+            extra["lora_path"] = [ADAPTER] * rows
+        return extra
+
+    def _failure(self, e: BaseException, prompts, params: SamplingParams) -> BaseException:
+        """An exception of SGLang's generate as the rollout's error: an OOM, a dead engine, or itself."""
+        if isinstance(e, RolloutOOMError):
+            return e
+        if isinstance(e, torch.OutOfMemoryError) or _is_oom(str(e)):
+            return RolloutOOMError(self._oom(prompts, params, str(e)))
+        if why := self._gone(e):
+            return EngineDied(why)
+        return e
 
     def _to_generation(self, out: dict, params: SamplingParams, prompts) -> Generation:
         fr = out.get("meta_info", {}).get("finish_reason") or {}

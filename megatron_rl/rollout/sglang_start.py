@@ -1,7 +1,8 @@
-"""Starting SGLang inside a trainer rank: ``sglang.Engine`` spawns its scheduler and detokenizer
-processes from this process, so torchrun's variables are hidden while it starts, tqdm gets a thread
-lock, SGLang's argument dump goes to DEBUG and one summary line is logged (:func:`start_sglang`);
-:func:`child_pids` lets the engine tell its worker processes from the rank's other children."""
+"""Starting SGLang inside a trainer rank: the engine's arguments for a rollout config
+(:func:`engine_arguments`); ``sglang.Engine`` spawns its scheduler and detokenizer processes from this
+process, so torchrun's variables are hidden while it starts, tqdm gets a thread lock, SGLang's argument
+dump goes to DEBUG and one summary line is logged (:func:`start_sglang`); :func:`child_pids` lets the
+engine tell its worker processes from the rank's other children."""
 
 from __future__ import annotations
 
@@ -12,7 +13,43 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from megatron_rl.rollout.sglang_loader import LOADER, READ_BACK
+
 log = logging.getLogger(__name__)
+
+
+def engine_arguments(
+    cfg, model_path: str, tp_size: int, base_gpu_id: int, seed: int, cuda_graph_max_bs: int | None = None
+) -> dict:
+    """``sglang.Engine`` keyword arguments for a rollout config (``actor_rollout_ref.rollout.*``): the
+    trainer's engine and bench/rollout.py's standalone one start from the same dict.
+    ``cuda_graph_max_bs``: the largest decode batch to capture (run.memory_plan.cuda_graph_max_bs: the
+    rows the engine decodes at once); None: 256."""
+    kwargs = dict(
+        model_path=model_path,
+        load_format="dummy",  # weights come from the reshard stream
+        skip_tokenizer_init=True,
+        tp_size=tp_size,
+        base_gpu_id=base_gpu_id,
+        dtype=cfg.dtype,
+        mem_fraction_static=cfg.gpu_memory_utilization,
+        chunked_prefill_size=cfg.max_num_batched_tokens,
+        max_prefill_tokens=cfg.max_num_batched_tokens,
+        attention_backend="triton",
+        sampling_backend="pytorch",
+        grammar_backend="none",
+        enable_memory_saver=True,
+        disable_cuda_graph=not cfg.enable_cuda_graph,
+        random_seed=seed % 2**31,  # SGLang seeds numpy with it, which takes [0, 2**32) only
+        log_level="error",
+        # MoE buckets: experts copied into the fused weights; the sync check's read-back (sglang_loader)
+        custom_weight_loader=[LOADER, READ_BACK],
+    )
+    if cfg.enable_cuda_graph:
+        # Larger decode batches run without graphs; each captured size costs start-up time.
+        kwargs["cuda_graph_max_bs_decode"] = cuda_graph_max_bs or 256
+    return kwargs
+
 
 # torchrun's variables; SGLang's own process setup must not see them (it would join our world).
 _TORCHRUN_VARS = (

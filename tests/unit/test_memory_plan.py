@@ -308,7 +308,7 @@ def test_cuda_graph_max_bs_follows_the_rollout_batch_per_engine(overrides, engin
 
 
 def test_engine_arguments_carry_the_graph_batch_and_respect_the_switch():
-    from megatron_rl.rollout.sglang_engine import engine_arguments
+    from megatron_rl.rollout.sglang_start import engine_arguments
 
     cfg = cfg_with("data.train_batch_size=512").actor_rollout_ref.rollout
     kw = engine_arguments(cfg, "/m", 1, 0, 0, cuda_graph_max_bs=512)

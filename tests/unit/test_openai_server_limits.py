@@ -161,10 +161,10 @@ def test_malformed_bodies_get_400_naming_the_field(setup, caplog, capfd):
 def engine_fails(monkeypatch):
     """``inject(step, times)``: the transformers engine's worker fails at the training rollout of
     ``step``, ``times`` times, as tests/faults/workers/engine_fails.py makes it fail (that module is
-    run here, patching HFEngine._generate_local; the patch is undone after the test)."""
+    run here, patching HFEngine.generate_local; the patch is undone after the test)."""
     from megatron_rl.rollout import hf_engine
 
-    monkeypatch.setattr(hf_engine.HFEngine, "_generate_local", hf_engine.HFEngine._generate_local)
+    monkeypatch.setattr(hf_engine.HFEngine, "generate_local", hf_engine.HFEngine.generate_local)
 
     def inject(step: int, times: int) -> None:
         env = {"RANK": "0", "FAULT_RANK": "0", "FAULT_STEP": str(step), "FAULT_TIMES": str(times)}

@@ -14,9 +14,9 @@ import types
 from pathlib import Path
 
 from megatron_rl.config.schema import RolloutConfig
-from megatron_rl.rollout.sglang_engine import engine_arguments
 from megatron_rl.rollout.sglang_start import (
     ServerArgsToDebug,
+    engine_arguments,
     engine_summary,
     server_args_at_debug,
     start_sglang,

@@ -18,7 +18,7 @@ RANK, STEP, TIMES = os.environ["FAULT_RANK"], int(os.environ["FAULT_STEP"]), int
 BUG = os.environ.get("FAULT_KIND") == "bug"
 
 if os.environ.get("RANK") == RANK:
-    real_generate = hf_engine.HFEngine._generate_local
+    real_generate = hf_engine.HFEngine.generate_local
     failed = [0]
 
     def generate(self, prompts, origins, params):
@@ -29,7 +29,7 @@ if os.environ.get("RANK") == RANK:
             raise EngineDied("the engine's worker died (injected)")
         return real_generate(self, prompts, origins, params)
 
-    hf_engine.HFEngine._generate_local = generate
+    hf_engine.HFEngine.generate_local = generate
 
 if __name__ == "__main__":
     from megatron_rl.train import main
