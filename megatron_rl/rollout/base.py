@@ -30,7 +30,7 @@ import hashlib
 import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -295,27 +295,11 @@ def collective_generate(
     """
     params.check()
     ps.check_current()  # an engine built on groups megatron has since destroyed must not use them
-    lead = ps.is_dp_leader
-    mine = (ps.dp_rank, list(prompts)) if lead else None
+    mine = (ps.dp_rank, list(prompts)) if ps.is_dp_leader else None
     # rollout_group None (or of one rank): this rank generates for itself
     group = rollout_group if rollout_group is not None and dist.get_world_size(rollout_group) > 1 else None
-    result: list[list[Generation]] | None
-    if group is None:
-        result = _generate_for_group([mine], run)[0]
-    else:
-        leader = dist.get_global_rank(group, 0)
-        contributions: list[Contribution] | None = None
-        if dist.get_rank(group) == 0:
-            contributions = [None] * dist.get_world_size(group)
-        dist.gather_object(mine, contributions, dst=leader, group=group)
-        pieces = None if contributions is None else _generate_for_group(contributions, run)
-        got: list[list[list[Generation]] | None] = [None]
-        dist.scatter_object_list(got, pieces, src=leader, group=group)
-        result = got[0]
-    if ps.tp_size * ps.pp_size > 1:
-        box = [result]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(mp_group, 0), group=mp_group)
-        result = box[0]
+    peers = mp_group if ps.tp_size * ps.pp_size > 1 else None
+    result = on_host(mine, group, peers, lambda gathered: _generate_for_group(gathered, run))
     if isinstance(result, _Failed):  # every rank the generator serves raises, past the collectives
         raise EngineFailure(result.rank, result.cause)
     if result is None:  # a DP leader always receives a list; its TP/PP peers get it by the broadcast
@@ -325,6 +309,35 @@ def collective_generate(
             f"rank {ps.rank} passed {len(prompts)} prompts but its DP leader passed {len(result)}: "
             "TP/PP peers of one data-parallel replica must pass identical prompts to generate()"
         )
+    return result
+
+
+def on_host(
+    mine: Any,
+    group: dist.ProcessGroup | None,
+    peers: dist.ProcessGroup | None,
+    run_for: Callable[[list[Any]], list[Any]],
+) -> Any:
+    """Collective: every DP leader's ``mine`` (None on the other ranks) to the rank hosting the group's
+    engine (rank 0 of ``group``; None: this rank hosts its own), ``run_for(contributions)`` there (one
+    piece per contribution, in order), each leader's piece back to it, then to its TP/PP ``peers``
+    (None: it has none)."""
+    if group is None:
+        result = run_for([mine])[0]
+    else:
+        host = dist.get_global_rank(group, 0)
+        gathered: list[Any] | None = None
+        if dist.get_rank(group) == 0:
+            gathered = [None] * dist.get_world_size(group)
+        dist.gather_object(mine, gathered, dst=host, group=group)
+        pieces = None if gathered is None else run_for(gathered)
+        got: list[Any] = [None]
+        dist.scatter_object_list(got, pieces, src=host, group=group)
+        result = got[0]
+    if peers is not None:
+        box = [result]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(peers, 0), group=peers)
+        result = box[0]
     return result
 
 

@@ -43,6 +43,7 @@ from megatron_rl.rollout.base import (
     Generation,
     Origins,
     SamplingParams,
+    on_host,
     sample_seed,
 )
 
@@ -311,23 +312,7 @@ def run_hosted(
     mine: Contribution = (
         (ps.dp_rank, list(prompts), list(items) if items else None) if ps.is_dp_leader else None
     )
-    result: Any
-    if group is None:
-        result = _run_for([mine], run)[0] if mine is not None else None
-    else:
-        host = dist.get_global_rank(group, 0)
-        gathered: list[Contribution] | None = None
-        if dist.get_rank(group) == 0:
-            gathered = [None] * dist.get_world_size(group)
-        dist.gather_object(mine, gathered, dst=host, group=group)
-        pieces = None if gathered is None else _run_for(gathered, run)
-        got: list[Any] = [None]
-        dist.scatter_object_list(got, pieces, src=host, group=group)
-        result = got[0]
-    if mp_group is not None:
-        box = [result]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(mp_group, 0), group=mp_group)
-        result = box[0]
+    result = on_host(mine, group, mp_group, lambda gathered: _run_for(gathered, run))
     if isinstance(result, _Failed):
         raise_failure(result.failure, result.rank)
     if result is None or len(result) != len(prompts):
