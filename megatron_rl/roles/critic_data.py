@@ -27,14 +27,17 @@ the actor's ranks go on with their own work while the critic receives.
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from megatron_rl.batch import RolloutBatch, SeqMeta
 from megatron_rl.parallel import ParallelState
-from megatron_rl.roles.transport import DTYPES, bridge_group, slice_bounds
+from megatron_rl.roles.bridge import Bridge as _Bridge
+from megatron_rl.roles.bridge import Layout, Route, row_routes
+from megatron_rl.roles.transport import DTYPES
+
+__all__ = ["Bridge", "Layout", "Route", "row_routes"]
 
 CRITIC_FIELDS = ("prompts", "responses", "input_ids", "attention_mask", "response_mask")
 """The batch fields a critic computes values from (tokens, masks, the prompt's width)."""
@@ -46,63 +49,9 @@ _TAG = {"values": 16, **{f"batch:{f}": i for i, f in enumerate(CRITIC_FIELDS)}}
 _TAG.update({f"update:{f}": 32 + i for i, f in enumerate(RETURN_FIELDS)})
 
 
-@dataclass(frozen=True)
-class Route:
-    """The rows that part ``part`` (the actor's DP rank) and the critic's DP rank ``dp`` share:
-    ``part_rows`` [start, end) within the part, ``slice_rows`` the same rows within the critic's slice."""
-
-    part: int
-    dp: int
-    part_rows: tuple[int, int]
-    slice_rows: tuple[int, int]
-
-
-def row_routes(part_rows: list[int], critic_dp: int) -> list[Route]:
-    """Every (part, critic DP rank) overlap of ``part_rows`` rows per part (in DP order) and the critic's
-    ``critic_dp`` contiguous slices of them; ordered by critic DP rank, then part."""
-    starts = [sum(part_rows[:p]) for p in range(len(part_rows))]
-    out = []
-    for j, (a, b) in enumerate(slice_bounds(sum(part_rows), critic_dp)):
-        for p, (s, n) in enumerate(zip(starts, part_rows, strict=True)):
-            lo, hi = max(a, s), min(b, s + n)
-            if lo < hi:
-                out.append(Route(p, j, (lo - s, hi - s), (lo - a, hi - a)))
-    return out
-
-
-@dataclass(frozen=True)
-class Layout:
-    """One side's ranks (in its own world): each rank's DP rank, and whether it is its DP replica's
-    leader (tp_rank 0, pp_rank 0: the rank that sends its replica's rows)."""
-
-    dp_of_rank: tuple[int, ...]
-    leaders: tuple[bool, ...]
-
-    @classmethod
-    def gather(cls, ps: ParallelState) -> Layout:
-        """Collective over ``ps``'s world."""
-        mine = torch.tensor([ps.dp_rank, int(ps.is_dp_leader)], dtype=torch.int64, device=ps.device)
-        every = [torch.zeros_like(mine) for _ in range(ps.world_size)]
-        dist.all_gather(every, mine)
-        return cls(tuple(int(t[0]) for t in every), tuple(bool(t[1]) for t in every))
-
-    def ranks_of(self, dp: int) -> list[int]:
-        return [r for r, d in enumerate(self.dp_of_rank) if d == dp]
-
-    def leader_of(self, dp: int) -> int:
-        return next(r for r, d in enumerate(self.dp_of_rank) if d == dp and self.leaders[r])
-
-    def as_message(self) -> dict:
-        return {"dp_of_rank": list(self.dp_of_rank), "leaders": list(self.leaders)}
-
-    @classmethod
-    def of_message(cls, msg: dict) -> Layout:
-        return cls(tuple(msg["dp_of_rank"]), tuple(msg["leaders"]))
-
-
-class Bridge:
-    """This rank's end of the bridge group: point-to-point sends and receives between a rank of the
-    actor (``actor=True``) and a rank of the critic, each named by its rank in its own world."""
+class Bridge(_Bridge):
+    """This rank's end of the critic's bridge group: the actor's ranks first (``actor=True``), then the
+    critic's (``roles.bridge.Bridge``)."""
 
     def __init__(
         self,
@@ -113,33 +62,15 @@ class Bridge:
         actor: bool,
         timeout: datetime.timedelta,
     ) -> None:
-        self.ps, self.actor_world = ps, actor_world
-        me = ps.rank if actor else actor_world + ps.rank
-        self.group = bridge_group(
-            store, "critic/data-group", me, actor_world + critic_world, ps.backend, timeout
-        )
-        self.works: list = []
-        self._keep: list[torch.Tensor] = []  # the tensors of sends in flight
-
-    def _peer(self, rank: int, of_actor: bool) -> int:
-        return rank if of_actor else self.actor_world + rank
+        super().__init__(ps, store, "critic/data-group", (actor_world, critic_world), actor, timeout, _TAG)
 
     def send(self, tensor: torch.Tensor, rank: int, to_actor: bool, tag: str) -> None:
-        t = tensor.contiguous()
-        self._keep.append(t)
-        self.works.append(self.group.send([t], self._peer(rank, to_actor), _TAG[tag]))
+        super().send(tensor, rank, to_actor, tag)
 
     def recv(
         self, shape: tuple[int, ...], dtype: torch.dtype, rank: int, from_actor: bool, tag: str
     ) -> torch.Tensor:
-        t = torch.empty(shape, dtype=dtype, device=self.ps.device)
-        self.group.recv([t], self._peer(rank, from_actor), _TAG[tag]).wait()
-        return t
-
-    def wait_sends(self) -> None:
-        for w in self.works:
-            w.wait()
-        self.works, self._keep = [], []
+        return super().recv(shape, dtype, rank, from_actor, tag)
 
 
 def dtype_names(batch: RolloutBatch, fields: tuple[str, ...]) -> dict[str, str]:

@@ -5,15 +5,19 @@
       every actor rank runs the reshard stream;
       the leader broadcasts each bucket             ---->   rebuild the bucket, engine.update_weights
       leader posts req/<i> = ("generate", tag, ...) ---->   engine.generate on this engine's slice
-      every rank takes res/<tag>/<slice>            <----   the slice's DP leader puts the generations
+      every rank takes res/<tag>/<slice>            <----   the slice's DP leader puts their lengths,
+      and receives its rows' tensors                        finish reasons, infos, and sends each
+                                                            training rank its rows (roles.rollout_data)
       leader posts req/<i> = ("stop",)              ---->   leave
 
-Requests and generations travel through the job's key-value store (torchrun's TCPStore) in the
-store's wire format (``roles.transport``: signed with the job's secret, a JSON header and raw tensor
-bytes, never pickle); a posted request does not wait for the engines, so the trainer runs on while
-they generate. A message not signed with the job's secret stops the rollout rank that reads it in one
-line naming its key; a rollout rank that fails leaves its cause in the store, and the training ranks
-that wait for it raise that cause (``Mailbox.report_failure``) instead of timing out.
+Requests and the generations' small host-side parts travel through the job's key-value store
+(torchrun's TCPStore; the generations' token ids, log-probs, masks and routed experts travel over the
+*generations group*: ``roles.rollout_data``) in the store's wire format (``roles.transport``: signed
+with the job's secret, a JSON header and raw tensor bytes, never pickle); a posted request does not
+wait for the engines, so the trainer runs on while they generate. A message not signed with the job's
+secret stops the rollout rank that reads it in one line naming its key; a rollout rank that fails
+leaves its cause in the store, and the training ranks that wait for it (in the store or on the
+generations group) raise that cause (``Mailbox.report_failure``) instead of timing out.
 
 The server handles requests strictly in the order posted, so a generation request sees the weights of
 every weights request posted before it: that order is the policy version of each sample, which the
@@ -48,6 +52,8 @@ import torch
 from megatron_rl.config.schema import AgentFunctionConfig, MultiTurnConfig, OpenAIServerConfig
 from megatron_rl.model_args import DTYPES, ModelArgs
 from megatron_rl.parallel import ParallelState
+from megatron_rl.roles.bridge import Bridge, Layout, row_routes
+from megatron_rl.roles.rollout_data import GROUP, TAGS, header, recv_generations, send_generations
 from megatron_rl.roles.transport import (
     all_gather_objects,
     broadcast_root,
@@ -125,6 +131,10 @@ class RolloutClient:
         self.posted = 0  # requests posted (the leader's count: only it posts)
         self.engine_seconds: dict[str, float] = {}
         self._group = None
+        self._layout: Layout | None = None  # the training ranks' DP ranks, at the first request
+        self._bridge: Bridge | None = None  # the generations group, at the first generations
+        self.pending: list[tuple[str, int]] = []  # (tag, prompts per DP rank) posted, not yet received
+        self.got: dict[str, list[list[Generation]]] = {}  # received ahead of their tag's turn
 
     @property
     def leader(self) -> bool:
@@ -143,7 +153,12 @@ class RolloutClient:
         split = tuple(getattr(unwrap(actor), "stage_layers", ()))
         plan = WeightsPlan(ps.tp_size, ps.pp_size, int(bucket_megabytes * 2**20), name, split)
         index = self.posted
-        self._post({"kind": "weights", "plan": plan})
+        self._post({"kind": "weights", "plan": plan, "world": ps.world_size})
+        if self._bridge is None:  # every rollout rank builds it as it reads its first weights request
+            for r in range(self.rollout_ranks):  # (it says so first: PeerLeft if one left before)
+                self.box.take(f"gens-link/{r}", ps.world_size)
+            worlds = (ps.world_size, self.rollout_ranks)
+            self._bridge = Bridge(ps, job_store(ps), GROUP, worlds, True, self.timeout, TAGS)
         if self.leader and self._group is None:
             self._group = pair_group(job_store(ps), 0, 1 + self.rollout_ranks, ps.backend, self.timeout)
         sums = []
@@ -170,12 +185,17 @@ class RolloutClient:
         rank's ``prompts`` (TP/PP peers pass the same); returns at once. Multi-turn: ``rows`` (one
         :func:`episode_row` per prompt) and ``episodes`` ({"multi_turn": its config, "tokenizer": path})."""
         ps = self.ps
+        if self._layout is None:  # collective over the training world
+            self._layout = Layout.gather(ps)
+        self.pending.append((tag, len(prompts)))
         everyone: list = []
         if ps.is_dp_leader:  # every DP rank's prompts (and rows), in DP order (no pickle)
             everyone = all_gather_objects((prompts, rows), ps.dp_group, ps.device, MESSAGE_TYPES)
         if self.leader:
             flat = [p for part in everyone for p in part[0]]
             msg = {"kind": "generate", "tag": tag, "prompts": flat, "params": params}
+            msg["parts"] = [len(part[0]) for part in everyone]  # prompts of each DP rank
+            msg["layout"] = self._layout.as_message()  # who receives which rows
             if episodes is not None:
                 msg["rows"] = [r for part in everyone for r in (part[1] or [])]
                 msg["episodes"] = episodes
@@ -183,22 +203,39 @@ class RolloutClient:
 
     def receive(self, tag: str, per_rank: int) -> list[list[Generation]]:
         """This DP rank's generations of request ``tag`` (``per_rank`` prompts on every DP rank); waits
-        for the engines. ``engine_seconds[tag]``: the longest time one of its engines spent on them."""
+        for the engines, receiving the generations of the requests posted before it first (the order
+        the engines send in). ``engine_seconds[tag]``: the longest time one of its engines spent."""
+        if tag not in self.got and all(t != tag for t, _ in self.pending):
+            raise RuntimeError(f"rollout request {tag} was never posted (RolloutClient.request posts it)")
+        while tag not in self.got:
+            first, n = self.pending.pop(0)
+            self.got[first] = self._take(first, n)
+        return self.got.pop(tag)
+
+    def drain(self) -> None:
+        """Receive every posted request's generations (the engines' sends complete before they stop)."""
+        while self.pending:
+            first, n = self.pending.pop(0)
+            self._take(first, n)
+            self.engine_seconds.pop(first, None)
+
+    def _take(self, tag: str, per_rank: int) -> list[list[Generation]]:
         ps = self.ps
-        lo, hi = ps.dp_rank * per_rank, (ps.dp_rank + 1) * per_rank
-        slices = slice_bounds(per_rank * ps.dp_size, self.engines)
+        if self._bridge is None:
+            raise RuntimeError(f"rollout request {tag}: generations before the first weights push")
         out: list[list[Generation]] = []
-        for j, (a, b) in enumerate(slices):
-            if b <= lo or a >= hi:
+        for route in row_routes([per_rank] * ps.dp_size, self.engines):
+            if route.part != ps.dp_rank:
                 continue
-            readers = (
-                ps.tp_size
-                * ps.pp_size
-                * sum(1 for r in range(ps.dp_size) if a < (r + 1) * per_rank and b > r * per_rank)
-            )
-            rows, seconds = self.box.take(f"res/{tag}/{j}", readers)
-            out += gens_from_wire(rows)[max(lo, a) - a : min(hi, b) - a]
-            self.engine_seconds[tag] = max(self.engine_seconds.get(tag, 0.0), seconds)
+            a, b = slice_bounds(per_rank * ps.dp_size, self.engines)[route.dp]
+            overlap = sum(1 for r in range(ps.dp_size) if a < (r + 1) * per_rank and b > r * per_rank)
+            msg = self.box.take(f"res/{tag}/{route.dp}", ps.tp_size * ps.pp_size * overlap)
+            try:
+                out += recv_generations(self._bridge, msg, route, msg["leader"])
+            except RuntimeError:  # a rollout rank that left says why in the store
+                self.box.raise_if_peer_left()
+                raise
+            self.engine_seconds[tag] = max(self.engine_seconds.get(tag, 0.0), msg["seconds"])
         return out
 
     def stop(self) -> None:
@@ -225,6 +262,7 @@ class RolloutServer:
         self.readers = len(rollout_ranks)
         self.timeout = datetime.timedelta(minutes=timeout_minutes)
         self._group = None
+        self._bridge: Bridge | None = None  # the generations group, at the first generations
         self._loop: Any = None  # the multi-turn agent loop, built at the first episode request
 
     def serve(self) -> int:
@@ -243,14 +281,26 @@ class RolloutServer:
             msg = self.box.take(f"req/{i}", self.readers)
             i += 1
             if msg["kind"] == "stop":
+                if self._bridge is not None:  # the training ranks received every request's rows
+                    self._bridge.wait_sends()
                 return i - 1
             if msg["kind"] == "weights":
+                if self._bridge is None:  # both roles build it at the first weights request: all
+                    self._link(msg["world"])  # their ranks are there (sends and receives are not)
                 self.engine.update_weights(self._buckets(msg["plan"]))
                 self._check(i - 1, msg["plan"])
             elif msg["kind"] == "generate":
                 self._generate(msg)
             else:
                 raise RuntimeError(f"unknown rollout request {msg['kind']!r}")
+
+    def _link(self, training_world: int) -> None:
+        """Join the generations group (``roles.rollout_data``) with the ``training_world`` training ranks,
+        which wait for this rank's ``gens-link`` note first."""
+        ps = self.ps
+        self.box.put(f"gens-link/{ps.rank}", True)
+        worlds = (training_world, self.readers)
+        self._bridge = Bridge(ps, job_store(ps), GROUP, worlds, False, self.timeout, TAGS)
 
     def _check(self, index: int, plan: WeightsPlan) -> None:
         """Compare this engine's copy with the checksums the actor's leader sent after weights request
@@ -305,8 +355,14 @@ class RolloutServer:
         else:
             gens = self.engine.generate(msg["prompts"][a:b], params) if b > a else []
         seconds = time.perf_counter() - start
-        if ps.is_dp_leader:
-            self.box.put(f"res/{msg['tag']}/{ps.dp_rank}", (gens_to_wire(gens), seconds))
+        training = Layout.of_message(msg["layout"])
+        assert self._bridge is not None  # built at the first weights request, which comes first
+        if ps.is_dp_leader:  # the sends first (posted, not waited: the next request runs meanwhile)
+            out = header(gens, seconds) | {"leader": ps.rank}
+            self._bridge.forget_sent()
+            routes = row_routes(msg["parts"], ps.dp_size)
+            send_generations(self._bridge, gens, out, ps.dp_rank, routes, training)
+            self.box.put(f"res/{msg['tag']}/{ps.dp_rank}", out)
 
     def _agent(self, episodes: dict):
         """The agent loop of the run's multi-turn config (built at its first request; collective)."""

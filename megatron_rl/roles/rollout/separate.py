@@ -153,4 +153,8 @@ class SeparateRollout(RequestQueue):
                 self.ready[step] = self.client.receive(str(Request("train", step)), len(self.asked[step][0]))
 
     def shutdown(self) -> None:
+        """Stop the engines; after the last step, first take the generations still owed (the steps asked
+        past it: the engines finish their sends before they stop)."""
+        if self.trained >= self.total_steps:
+            self.client.drain()
         self.client.stop()
