@@ -238,7 +238,8 @@ def build_model(
     local_only |= {"lora"} if options.lora else set()
     requested = dict(options.transformer_overrides).get("transformer_impl")
     impl, notice = te_spec.choose_impl(requested, local_only=local_only)
-    te_spec.announce(notice, ps.rank)
+    if requested is not None or te_spec.te_import_error() is None:  # without TE: parallel.te_notice
+        te_spec.announce(notice, ps.rank)
     config = transformer_config(args, ps, dtype, options, impl)
 
     def layer_spec(num_experts: int | None):
