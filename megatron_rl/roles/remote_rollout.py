@@ -53,7 +53,7 @@ from megatron_rl.config.schema import AgentFunctionConfig, MultiTurnConfig, Open
 from megatron_rl.model_args import DTYPES, ModelArgs
 from megatron_rl.parallel import ParallelState
 from megatron_rl.roles.bridge import Bridge, Layout, row_routes
-from megatron_rl.roles.rollout_data import GROUP, TAGS, header, recv_generations, send_generations
+from megatron_rl.roles.rollout_data import GROUP, TAGS, header, receive_rows, send_generations
 from megatron_rl.roles.transport import (
     all_gather_objects,
     broadcast_root,
@@ -230,11 +230,7 @@ class RolloutClient:
             a, b = slice_bounds(per_rank * ps.dp_size, self.engines)[route.dp]
             overlap = sum(1 for r in range(ps.dp_size) if a < (r + 1) * per_rank and b > r * per_rank)
             msg = self.box.take(f"res/{tag}/{route.dp}", ps.tp_size * ps.pp_size * overlap)
-            try:
-                out += recv_generations(self._bridge, msg, route, msg["leader"])
-            except RuntimeError:  # a rollout rank that left says why in the store
-                self.box.raise_if_peer_left()
-                raise
+            out += receive_rows(self._bridge, self.box, msg, route)
             self.engine_seconds[tag] = max(self.engine_seconds.get(tag, 0.0), msg["seconds"])
         return out
 

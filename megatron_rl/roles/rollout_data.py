@@ -31,6 +31,7 @@ import itertools
 import torch
 
 from megatron_rl.roles.bridge import Bridge, Layout, Route
+from megatron_rl.roles.transport import Mailbox
 from megatron_rl.rollout.base import Generation
 
 FIELDS = {
@@ -145,3 +146,13 @@ def recv_generations(bridge: Bridge, msg: dict, route: Route, engine_leader: int
         out.append(flat[k : k + n])
         k += n
     return out
+
+
+def receive_rows(bridge: Bridge, box: Mailbox, msg: dict, route: Route) -> list[list[Generation]]:
+    """:func:`recv_generations` from the engine leader the message names; a failure of the group
+    raises the cause a rollout rank that left put in the store (``Mailbox.raise_if_peer_left``)."""
+    try:
+        return recv_generations(bridge, msg, route, msg["leader"])
+    except RuntimeError:
+        box.raise_if_peer_left()
+        raise

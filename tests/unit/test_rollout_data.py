@@ -4,7 +4,8 @@ rollout ranks: engine 0 with a TP peer, engines 1 and 2), each training rank rec
 rank's generations (token ids, log-probs, masks, infos, routed experts) from exactly the engines whose
 slices hold them, each engine's leader sends no row twice and none to a rank that does not read it (its
 sends complete only if every one is received), and the store message of an engine holds no tensor and
-nothing per token."""
+nothing per token. A training rank waiting on the group for an engine that failed raises the engine
+rank's own cause."""
 
 from __future__ import annotations
 
@@ -128,3 +129,43 @@ def test_the_routes_split_an_engine_slice_across_two_dp_ranks():
         (1, 1, (0, 2), (1, 3)),
         (1, 2, (2, 4), (0, 2)),
     ]
+
+
+def _dying_worker(rank: int, init_file: str, out_dir: str) -> None:
+    """Rank 0: a training rank waiting for its rows on the group; rank 1: an engine's leader that fails
+    (leaving its cause in the store, as RolloutServer.serve does) and leaves without sending."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from megatron_rl.job_secret import JobSecret
+    from megatron_rl.parallel import ParallelState
+    from megatron_rl.roles.bridge import Bridge
+    from megatron_rl.roles.rollout_data import GROUP, TAGS, header, receive_rows
+    from megatron_rl.roles.transport import Mailbox, PeerLeft
+
+    ps = ParallelState(
+        rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo", tp_size=1,
+        pp_size=1, dp_size=1, tp_rank=0, pp_rank=0, dp_rank=0,
+        tp_group=None, pp_group=None, dp_group=None, mp_group=None, embedding_group=None,
+    )  # fmt: skip
+    store = dist.FileStore(init_file, 2)
+    box = Mailbox(store, JobSecret(b"k" * 32), "rollout/")
+    bridge = Bridge(ps, store, GROUP, (1, 1), rank == 0, datetime.timedelta(seconds=50), TAGS)
+    if rank == 1:
+        box.report_failure(5, RuntimeError("CUDA out of memory in the engine"))
+        os._exit(0)  # gone: its sends never come
+    msg = header([_gens(0)], 0.5) | {"leader": 0}
+    route = row_routes([1], 1)[0]
+    try:
+        receive_rows(bridge, box, msg, route)
+    except PeerLeft as e:
+        with open(os.path.join(out_dir, "cause"), "w") as f:
+            f.write(str(e))
+
+
+def test_a_training_rank_waiting_on_the_group_raises_the_engine_ranks_own_cause(tmp_path):
+    run_forked_ranks(_dying_worker, tmp_path, nproc=2)
+    cause = (tmp_path / "cause").read_text()
+    assert cause.startswith("rollout rank 5 left: RuntimeError: CUDA out of memory in the engine"), cause
