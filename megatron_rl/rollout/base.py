@@ -389,7 +389,13 @@ def _generate_for_group(
             return [failed] * len(contributions)
     if len(out) != len(flat):
         raise RuntimeError(f"engine returned {len(out)} results for {len(flat)} prompts")
-    pieces: list[list[list[Generation]] | None] = []
+    return split_back(contributions, out)
+
+
+def split_back(contributions: list, out: list) -> list:
+    """The host's results ``out`` for the prompts of ``contributions`` concatenated (each None or a tuple
+    whose second item is its prompts), cut back into one piece per contribution (None for None)."""
+    pieces: list = []
     pos = 0
     for c in contributions:
         k = len(c[1]) if c else 0

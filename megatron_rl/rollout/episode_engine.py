@@ -45,6 +45,7 @@ from megatron_rl.rollout.base import (
     SamplingParams,
     on_host,
     sample_seed,
+    split_back,
 )
 
 if TYPE_CHECKING:
@@ -286,13 +287,7 @@ def _run_for(contributions: list[Contribution], run: RunLocal) -> list:
     except Exception as exc:  # every rank served raises it, past the collectives
         failed = _Failed(dist.get_rank() if dist.is_initialized() else 0, failure_of(exc))
         return [failed] * len(contributions)
-    pieces: list = []
-    pos = 0
-    for c in contributions:
-        k = len(c[1]) if c else 0
-        pieces.append(out[pos : pos + k] if c is not None else None)
-        pos += k
-    return pieces
+    return split_back(contributions, out)
 
 
 def run_hosted(

@@ -20,17 +20,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
+from tests.gpu.test_sglang import DIMS
 
-DIMS = dict(
-    hidden_size=256,
-    intermediate_size=512,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=512,
-    max_position_embeddings=512,
-)
+pytestmark = pytest.mark.gpu
 NEW = 12
 TIE = 0.25  # logits (tests/gpu/test_sglang.py: the random models' near-ties)
 PROBE_TOL = 0.1  # roles.sync_check's bf16 tolerance: mean |engine - actor| log-prob

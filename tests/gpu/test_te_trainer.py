@@ -16,14 +16,7 @@ import pytest
 import torch
 
 from megatron_rl.models import te_spec
-
-
-def _why_not() -> str | None:
-    if not torch.cuda.is_available():
-        return "needs a CUDA GPU"
-    why = te_spec.te_import_error()
-    return None if why is None else f"needs Transformer Engine (launch/build_te.sh): {why}"
-
+from tests.gpu.test_te_layers import _why_not
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_why_not() is not None, reason=str(_why_not()))]
 
