@@ -53,15 +53,13 @@ from megatron_rl.batch import RolloutBatch, SeqMeta
 from megatron_rl.config import Config
 from megatron_rl.microbatches import ForwardPasses, TokenStats
 from megatron_rl.parallel import ParallelState
+from megatron_rl.roles.bridge import Layout, Route, row_routes
 from megatron_rl.roles.critic_data import (
     CRITIC_FIELDS,
     RETURN_FIELDS,
     Bridge,
-    Layout,
-    Route,
     dtype_names,
     recv_values,
-    row_routes,
     send_rows,
 )
 from megatron_rl.roles.transport import broadcast_object, job_mailbox, job_store
@@ -230,14 +228,6 @@ class RemoteCritic:
         dist.all_gather(every, mine, group=ps.dp_group)
         return [[int(x) for x in t] for t in every]
 
-    def _peer_alive(self, work: Callable[[], T]) -> T:
-        """``work()``; a failure of the bridge group raises the critic rank's own cause when it left one."""
-        try:
-            return work()
-        except RuntimeError:
-            self.box.raise_if_peer_left()
-            raise
-
     def values_async(self, step: int, batch: RolloutBatch, stats: TokenStats) -> Pending[torch.Tensor]:
         ps, parts = self.ps, self._parts(batch)
         bridge, critic, _ = self._bridge()
@@ -249,9 +239,9 @@ class RemoteCritic:
 
         def wait() -> torch.Tensor:
             with self.timer("values"):
-                width = parts[ps.dp_rank][2]
-                values = self._peer_alive(lambda: recv_values(bridge, ps.dp_rank, width, routes, critic))
-                self._peer_alive(bridge.wait_sends)
+                with self.box.peer_cause():  # a critic rank that left: its own cause
+                    values = recv_values(bridge, ps.dp_rank, parts[ps.dp_rank][2], routes, critic)
+                    bridge.wait_sends()
                 return values
 
         return Pending(wait)
@@ -270,7 +260,8 @@ class RemoteCritic:
         def wait() -> dict[str, float]:
             with self.timer("update_critic"):
                 metrics, self._counters = self.box.take(f"metrics/{step}", self.ps.world_size)
-                self._peer_alive(bridge.wait_sends)
+                with self.box.peer_cause():
+                    bridge.wait_sends()
             return metrics
 
         return Pending(wait)

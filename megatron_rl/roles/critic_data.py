@@ -35,9 +35,7 @@ from megatron_rl.batch import RolloutBatch, SeqMeta
 from megatron_rl.parallel import ParallelState
 from megatron_rl.roles.bridge import Bridge as _Bridge
 from megatron_rl.roles.bridge import Layout, Route, row_routes
-from megatron_rl.roles.transport import DTYPES
-
-__all__ = ["Bridge", "Layout", "Route", "row_routes"]
+from megatron_rl.roles.transport import DTYPE_NAMES, DTYPES
 
 CRITIC_FIELDS = ("prompts", "responses", "input_ids", "attention_mask", "response_mask")
 """The batch fields a critic computes values from (tokens, masks, the prompt's width)."""
@@ -64,18 +62,9 @@ class Bridge(_Bridge):
     ) -> None:
         super().__init__(ps, store, "critic/data-group", (actor_world, critic_world), actor, timeout, _TAG)
 
-    def send(self, tensor: torch.Tensor, rank: int, to_actor: bool, tag: str) -> None:
-        super().send(tensor, rank, to_actor, tag)
-
-    def recv(
-        self, shape: tuple[int, ...], dtype: torch.dtype, rank: int, from_actor: bool, tag: str
-    ) -> torch.Tensor:
-        return super().recv(shape, dtype, rank, from_actor, tag)
-
 
 def dtype_names(batch: RolloutBatch, fields: tuple[str, ...]) -> dict[str, str]:
-    names = {v: k for k, v in DTYPES.items()}
-    return {f: names[getattr(batch, f).dtype] for f in fields}
+    return {f: DTYPE_NAMES[getattr(batch, f).dtype] for f in fields}
 
 
 # ------------------------------------------------------------------------------------ the actor's side
@@ -93,7 +82,7 @@ def send_rows(
         a, b = route.part_rows
         for rank in critic.ranks_of(route.dp):
             for f in fields:
-                bridge.send(getattr(batch, f)[a:b], rank, to_actor=False, tag=f"{kind}:{f}")
+                bridge.send(getattr(batch, f)[a:b], rank, to_first=False, tag=f"{kind}:{f}")
 
 
 def recv_values(bridge: Bridge, part: int, width: int, routes: list[Route], critic: Layout) -> torch.Tensor:
@@ -103,7 +92,7 @@ def recv_values(bridge: Bridge, part: int, width: int, routes: list[Route], crit
         if route.part == part:
             rows = route.part_rows[1] - route.part_rows[0]
             src = critic.leader_of(route.dp)
-            pieces.append(bridge.recv((rows, width), torch.float32, src, from_actor=False, tag="values"))
+            pieces.append(bridge.recv((rows, width), torch.float32, src, from_first=False, tag="values"))
     return torch.cat(pieces)
 
 
@@ -128,7 +117,7 @@ def recv_slice(
         src = actor.leader_of(route.part)
         got = {
             f: bridge.recv(
-                (rows, widths.get(f, r_width)), DTYPES[dtypes[f]], src, from_actor=True, tag=f"batch:{f}"
+                (rows, widths.get(f, r_width)), DTYPES[dtypes[f]], src, from_first=True, tag=f"batch:{f}"
             )
             for f in CRITIC_FIELDS
         }
@@ -152,7 +141,7 @@ def send_values(bridge: Bridge, values: torch.Tensor, parts: list[list[int]], ac
             continue
         a, b = route.slice_rows
         for rank in actor.ranks_of(route.part):
-            bridge.send(values[a:b, : parts[route.part][2]], rank, to_actor=True, tag="values")
+            bridge.send(values[a:b, : parts[route.part][2]], rank, to_first=True, tag="values")
 
 
 def recv_returns(
@@ -168,6 +157,6 @@ def recv_returns(
         rows, r_width = route.part_rows[1] - route.part_rows[0], parts[route.part][2]
         src = actor.leader_of(route.part)
         for k, f in enumerate(RETURN_FIELDS):
-            t = bridge.recv((rows, r_width), DTYPES[dtypes[f]], src, from_actor=True, tag=f"update:{f}")
+            t = bridge.recv((rows, r_width), DTYPES[dtypes[f]], src, from_first=True, tag=f"update:{f}")
             got[k].append(torch.nn.functional.pad(t, (0, width - r_width)))
     return torch.cat(got[0]), torch.cat(got[1])

@@ -27,7 +27,8 @@ from megatron_rl.config import Config
 from megatron_rl.errors import CheckpointError
 from megatron_rl.microbatches import ForwardPasses
 from megatron_rl.parallel import ParallelState
-from megatron_rl.roles.critic_data import Bridge, Layout, recv_returns, recv_slice, send_values
+from megatron_rl.roles.bridge import Layout
+from megatron_rl.roles.critic_data import Bridge, recv_returns, recv_slice, send_values
 from megatron_rl.roles.transport import all_gather_objects, job_mailbox, job_store
 
 if TYPE_CHECKING:

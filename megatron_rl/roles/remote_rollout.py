@@ -164,11 +164,8 @@ class RolloutClient:
         sums = []
         for bucket in iter_hf_buckets(actor, ps, plan.bucket_bytes, dtype):
             if self.leader:
-                try:
+                with self.box.peer_cause():  # a rollout rank that left says why in the store
                     broadcast_root(self._group, bucket.flat)
-                except RuntimeError:  # a rollout rank that left says why in the store
-                    self.box.raise_if_peer_left()
-                    raise
                 sums += [tensor_checksum(t) for _, t in bucket]
         if self.leader:  # [tensors, 2] float64, in stream order: the engines check their copies
             self.box.put(f"sums/{index}", torch.stack(sums).cpu())

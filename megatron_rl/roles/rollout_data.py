@@ -151,8 +151,5 @@ def recv_generations(bridge: Bridge, msg: dict, route: Route, engine_leader: int
 def receive_rows(bridge: Bridge, box: Mailbox, msg: dict, route: Route) -> list[list[Generation]]:
     """:func:`recv_generations` from the engine leader the message names; a failure of the group
     raises the cause a rollout rank that left put in the store (``Mailbox.raise_if_peer_left``)."""
-    try:
+    with box.peer_cause():
         return recv_generations(bridge, msg, route, msg["leader"])
-    except RuntimeError:
-        box.raise_if_peer_left()
-        raise

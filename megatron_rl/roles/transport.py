@@ -80,7 +80,8 @@ DTYPES: dict[str, torch.dtype] = {
 }
 """The tensor dtypes a payload may carry."""
 
-_NAMES = {v: k for k, v in DTYPES.items()}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+"""The name :data:`DTYPES` gives each dtype."""
 
 
 class WireError(LaunchError):
@@ -117,13 +118,13 @@ def encode(obj: Any, types: tuple[type, ...] = ()) -> bytes:
         if x is None or isinstance(x, (bool, int, float, str)):
             return x
         if isinstance(x, torch.Tensor):
-            if x.dtype not in _NAMES:
+            if x.dtype not in DTYPE_NAMES:
                 raise TypeError(f"tensor dtype {x.dtype} cannot travel the store (allowed: {sorted(DTYPES)})")
             t = x.detach().to("cpu").contiguous()
             # bytes of any dtype (bfloat16 included) through a uint8 view
             data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
             metas.append(
-                {"dtype": _NAMES[t.dtype], "shape": list(t.shape), "offset": offset, "nbytes": len(data)}
+                {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "offset": offset, "nbytes": len(data)}
             )
             blobs.append(data)
             offset += len(data)
@@ -428,6 +429,16 @@ class Mailbox:
             raise
         except Exception as e:
             self.report_failure(rank, e)
+            raise
+
+    @contextlib.contextmanager
+    def peer_cause(self) -> Iterator[None]:
+        """Inside: a failed process-group call between the two roles (a RuntimeError) is raised as the
+        cause a rank of the other role left in the store (:meth:`raise_if_peer_left`), when it left one."""
+        try:
+            yield
+        except RuntimeError:
+            self.raise_if_peer_left()
             raise
 
     def raise_if_peer_left(self) -> None:

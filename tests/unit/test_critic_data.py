@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from megatron_rl.roles.critic_data import Route, row_routes
+from megatron_rl.roles.bridge import Route, row_routes
 from megatron_rl.roles.transport import slice_bounds
 from tests.conftest import run_forked_ranks
 
@@ -78,10 +78,10 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
 
     from megatron_rl.batch import RolloutBatch
     from megatron_rl.parallel import ParallelState
+    from megatron_rl.roles.bridge import Layout
     from megatron_rl.roles.critic_data import (
         CRITIC_FIELDS,
         Bridge,
-        Layout,
         dtype_names,
         recv_returns,
         recv_slice,
