@@ -93,33 +93,6 @@ def episode_row(item) -> dict:
     }
 
 
-def gens_to_wire(gens: list[list[Generation]]) -> list[list[tuple]]:
-    """Generations as tuples of JSON values: token ids, log-probs, finish reason, and for multi-turn
-    episodes the response mask and the episode's info."""
-    return [
-        [
-            (g.token_ids, g.logprobs, g.finish_reason)
-            if g.response_mask is None
-            else (g.token_ids, g.logprobs, g.finish_reason, g.response_mask, g.info)
-            for g in per_prompt
-        ]
-        for per_prompt in gens
-    ]
-
-
-def gens_from_wire(rows: list[list[tuple]]) -> list[list[Generation]]:
-    """:func:`gens_to_wire`'s inverse."""
-    out = []
-    for row in rows:
-        per = []
-        for t in row:
-            lp = None if t[1] is None else list(t[1])
-            mask, info = (list(t[3]), dict(t[4] or {})) if len(t) == 5 else (None, None)
-            per.append(Generation(list(t[0]), lp, t[2], mask, info))
-        out.append(per)
-    return out
-
-
 class RolloutClient:
     """The training ranks' side: post weights and generation requests, take the generations."""
 

@@ -302,13 +302,32 @@ def slice_bounds(total: int, parts: int) -> list[tuple[int, int]]:
     return out
 
 
-def to_plain(gens: list[list[Generation]]) -> list[list[tuple]]:
-    """Generations as tuples of lists (for the store's wire format and ``torch.load(weights_only=True)``)."""
-    return [[(g.token_ids, g.logprobs, g.finish_reason) for g in per_prompt] for per_prompt in gens]
+def gens_to_wire(gens: list[list[Generation]]) -> list[list[tuple]]:
+    """Generations as tuples of JSON values (the store's wire format, ``torch.load(weights_only=True)``):
+    token ids, log-probs, finish reason, and for multi-turn episodes the response mask and the episode's
+    info."""
+    return [
+        [
+            (g.token_ids, g.logprobs, g.finish_reason)
+            if g.response_mask is None
+            else (g.token_ids, g.logprobs, g.finish_reason, g.response_mask, g.info)
+            for g in per_prompt
+        ]
+        for per_prompt in gens
+    ]
 
 
-def from_plain(rows: list[list[tuple]]) -> list[list[Generation]]:
-    return [[Generation(list(t), None if lp is None else list(lp), fr) for t, lp, fr in row] for row in rows]
+def gens_from_wire(rows: list[list[tuple]]) -> list[list[Generation]]:
+    """:func:`gens_to_wire`'s inverse."""
+    out = []
+    for row in rows:
+        per = []
+        for t in row:
+            lp = None if t[1] is None else list(t[1])
+            mask, info = (list(t[3]), dict(t[4] or {})) if len(t) == 5 else (None, None)
+            per.append(Generation(list(t[0]), lp, t[2], mask, info))
+        out.append(per)
+    return out
 
 
 def job_mailbox(ps, prefix: str, types: tuple[type, ...] = ()) -> Mailbox:

@@ -693,8 +693,8 @@ def test_episodes_on_rollout_ranks_of_their_own_need_a_one_rank_engine():
 
 
 def test_episodes_keep_masks_and_info_through_the_store_and_a_checkpoint(tmp_path):
-    from megatron_rl.roles.remote_rollout import MESSAGE_TYPES, gens_from_wire, gens_to_wire
-    from megatron_rl.roles.transport import decode, encode
+    from megatron_rl.roles.remote_rollout import MESSAGE_TYPES
+    from megatron_rl.roles.transport import decode, encode, gens_from_wire, gens_to_wire
 
     info = {"num_turns": 4, "tool_rewards": [0.25], "reward_scores": {"lookup": 1.0}, "tool_reward": 1.25}
     gens = [

@@ -14,7 +14,7 @@ from megatron_rl.batch import RolloutBatch, SeqMeta
 from megatron_rl.job_secret import JobSecret
 from megatron_rl.roles.critic import MESSAGE_TYPES as CRITIC_TYPES
 from megatron_rl.roles.remote_rollout import MESSAGE_TYPES, WeightsPlan
-from megatron_rl.roles.transport import Mailbox, WireError, decode, encode, from_plain, to_plain
+from megatron_rl.roles.transport import Mailbox, WireError, decode, encode, gens_from_wire, gens_to_wire
 from megatron_rl.rollout.base import Generation, SamplingParams
 from megatron_rl.run.ports import free_port
 
@@ -96,11 +96,11 @@ def test_the_roles_messages_round_trip(store):
     box.put("req/0", {"kind": "generate", "tag": "train/1", "prompts": [[1, 2], [3]], "params": params})
     box.put("req/1", {"kind": "weights", "plan": WeightsPlan(2, 1, 1 << 20, "bf16")})
     gens = [[Generation([1, 2], [-0.5, -1.25], "stop"), Generation([4], None, "length")]]
-    box.put("res/train/1/0", (to_plain(gens), 3, 0.25))
+    box.put("res/train/1/0", (gens_to_wire(gens), 3, 0.25))
     assert box.take("req/0", 1)["params"] == params
     assert box.take("req/1", 1)["plan"] == WeightsPlan(2, 1, 1 << 20, "bf16")
     rows, version, seconds = box.take("res/train/1/0", 1)
-    assert from_plain(rows) == gens and version == 3 and seconds == 0.25
+    assert gens_from_wire(rows) == gens and version == 3 and seconds == 0.25
 
     g = torch.Generator().manual_seed(0)
     batch = RolloutBatch.from_tokens(

@@ -19,8 +19,8 @@ from megatron_rl.config import Config
 from megatron_rl.config.batch_sizes import samples_per_draw
 from megatron_rl.data import regroup_samples
 from megatron_rl.parallel import ParallelState
-from megatron_rl.roles.remote_rollout import gens_from_wire, gens_to_wire
 from megatron_rl.roles.rollout.role import Request, RolloutData, sampling_params
+from megatron_rl.roles.transport import gens_from_wire, gens_to_wire
 from megatron_rl.rollout import Generation, SamplingParams
 from megatron_rl.rollout.reshard import WeightSyncError
 from megatron_rl.run.metrics import Timer
