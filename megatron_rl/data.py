@@ -38,6 +38,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from megatron_rl import seeds
 from megatron_rl.config import DataError
 
 logger = logging.getLogger(__name__)
@@ -273,12 +274,6 @@ def _clean_extra_info(extra_info: Any) -> dict[str, Any]:
     return {k: v for k, v in extra_info.items() if v is not None}
 
 
-def _epoch_seed(seed: int, epoch: int) -> int:
-    # A hash rather than seed + epoch, so (seed=1, epoch=0) and (seed=0, epoch=1) shuffle differently.
-    digest = hashlib.sha256(f"{seed}:{epoch}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
 class ResumableDistributedSampler:
     """Per-step index batches for one data-parallel rank, resumable mid-epoch.
 
@@ -349,6 +344,12 @@ class ResumableDistributedSampler:
             return self.num_rows // self.batch_size
         return (self.num_rows + self.batch_size - 1) // self.batch_size
 
+    @property
+    def drawn_epoch(self) -> int:
+        """The epoch of the newest batch drawn (0 before any): what a run's ``training/epoch`` reports,
+        refills of the group filter included (the sampler is the one count of what was drawn)."""
+        return self.epoch if self.position > 0 else max(self.epoch - 1, 0)
+
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its first batch."""
         self.epoch = epoch
@@ -357,7 +358,7 @@ class ResumableDistributedSampler:
     def _order(self, epoch: int) -> list[int]:
         if not self.shuffle:
             return list(range(self.num_rows))
-        generator = torch.Generator().manual_seed(_epoch_seed(self.seed, epoch))
+        generator = torch.Generator().manual_seed(seeds.derive(seeds.DATA_ORDER, self.seed, epoch))
         return torch.randperm(self.num_rows, generator=generator).tolist()
 
     def global_batch(self, epoch: int, step: int) -> list[int]:

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_rl import cpu_bridge
+from megatron_rl import cpu_bridge, seeds
 from megatron_rl.config import ConfigError, MegatronConfig, OptimConfig
 from megatron_rl.errors import LaunchError
 from megatron_rl.models.chunks import ModelChunks, chunks_of
@@ -111,7 +111,8 @@ class ModelOptimizer:
         key: str = "optim",
         seed: int = 0,
     ) -> None:
-        """``seed`` (the run's seed) and the step count seed stochastic rounding's noise."""
+        """``seed`` (the run's seed), ``key`` (the optimizer's section: each role rounds with its own
+        noise) and the step count seed stochastic rounding's noise (megatron_rl.seeds.ROUNDING)."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -122,7 +123,7 @@ class ModelOptimizer:
         self.num_steps = 0
         self.skipped_steps = 0  # updates skipped for a non-finite norm the loss scaler cannot fix
         self.loss_scale_skips = 0  # fp16: updates skipped by the dynamic loss scaler (an overflow)
-        self.seed = seed
+        self.seed, self.key = seed, key
         # the distributed optimizer at every DP size (at 1 it holds all): one checkpoint format for any DP
         self.distributed = distributed = mcfg.use_distributed_optimizer
         self.overlap_param_gather = distributed and mcfg.overlap_param_gather
@@ -209,7 +210,7 @@ class ModelOptimizer:
         is 6e-5): rounded to nearest, the parameter does not move at all and the policy (and the engine,
         which receives these parameters) learns only from the few large updates. Stochastic rounding
         rounds up with probability (distance to the lower value / ulp): unbiased, so small updates move
-        the parameter on average. The noise stream is seeded by (run seed, step): a resumed run rounds
+        the parameter on average. The noise stream is seeded by (run seed, key, step): a resumed run rounds
         as the uninterrupted one did. Replicas walk the same parameters in the same order, so TP and
         DP replicas of a parameter draw the same noise and round alike; with the distributed optimizer
         each DP rank rounds only its own shard (other elements), and the all-gather that follows
@@ -217,9 +218,8 @@ class ModelOptimizer:
         """
         gen = None
         if self.stochastic_rounding:
-            gen = torch.Generator(device=self.ps.device).manual_seed(
-                (self.seed * 1_000_003 + self.num_steps) % (1 << 63)
-            )
+            stream = seeds.derive(seeds.ROUNDING, self.seed, self.key, self.num_steps)
+            gen = torch.Generator(device=self.ps.device).manual_seed(stream)
         for main, model in pairs:
             new = _stochastic_round(main, model.dtype, gen) if gen is not None else main.to(model.dtype)
             self._changed += (new != model).sum()

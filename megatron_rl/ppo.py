@@ -35,6 +35,7 @@ from typing import Literal, overload
 import torch
 from torch import nn
 
+from megatron_rl import seeds
 from megatron_rl.algos import (
     PolicyLossOptions,
     compute_policy_loss,
@@ -259,10 +260,9 @@ def update_actor(
     names: tuple[str, ...] = ("loss", "pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy")
     if cfg.use_kl_loss:
         names += ("kl_loss",)
-    low = cfg.clip_ratio if cfg.clip_ratio_low is None else cfg.clip_ratio_low
-    high = cfg.clip_ratio if cfg.clip_ratio_high is None else cfg.clip_ratio_high
+    spec = plan.spec  # clip bounds, aggregation and loss scale: config.specs.UpdateSpec
     loss_mode = cfg.policy_loss.loss_mode
-    pg_agg_mode = effective_agg_mode(loss_mode, cfg.loss_agg_mode)
+    pg_agg_mode = effective_agg_mode(loss_mode, spec.loss_agg_mode)
     options = PolicyLossOptions(
         clip_cov_ratio=cfg.policy_loss.clip_cov_ratio,
         clip_cov_lb=cfg.policy_loss.clip_cov_lb,
@@ -273,7 +273,7 @@ def update_actor(
         tau_neg=cfg.tau_neg,
     )
     # clip_cov picks tokens at random: the TP/PP peers of one replica draw the same (same seed, same data).
-    generator = torch.Generator().manual_seed(shuffle_seed * 7919 + ps.dp_rank)
+    generator = torch.Generator().manual_seed(seeds.derive(seeds.CLIP_COV, shuffle_seed, ps.dp_rank))
 
     def loss(mb: RolloutBatch, out: torch.Tensor, mini: MiniBatch) -> tuple[torch.Tensor, list[torch.Tensor]]:
         mask, advantages = mb.response_mask, _needed(mb.advantages)
@@ -290,15 +290,15 @@ def update_actor(
             advantages,
             mask,
             clip_ratio=cfg.clip_ratio,
-            clip_ratio_low=low,
-            clip_ratio_high=high,
+            clip_ratio_low=spec.clip_low,
+            clip_ratio_high=spec.clip_high,
             clip_ratio_c=cfg.clip_ratio_c,
-            loss_agg_mode=cfg.loss_agg_mode,
+            loss_agg_mode=spec.loss_agg_mode,
             global_denominator=mini.denominator(pg_agg_mode),
             loss_mode=loss_mode,
             options=options,
             rollout_is_weights=mb.rollout_is_weights,
-            loss_scale_factor=mini.plan.loss_scale,
+            loss_scale_factor=spec.loss_scale,
             generator=generator,
         )
         ent = mini.agg(entropy, mask)
@@ -358,10 +358,10 @@ def update_critic(
             values=_needed(mb.values),
             returns=_needed(mb.returns),
             response_mask=mask,
-            cliprange_value=cfg.cliprange_value,
-            loss_agg_mode=cfg.loss_agg_mode,
+            cliprange_value=plan.spec.clip_high,
+            loss_agg_mode=plan.spec.loss_agg_mode,
             global_denominator=mini.denominator(),
-            loss_scale_factor=mini.plan.loss_scale,
+            loss_scale_factor=plan.spec.loss_scale,
         )
         weight = mini.token_share(mask)
         return vf_loss, [vf_loss.detach(), clipfrac * weight, masked_mean(vpreds.detach(), mask) * weight]

@@ -10,7 +10,8 @@ One update, for each of ppo_epochs passes:
 What differs between the roles is a :class:`RoleLoss`: the micro-batch loss and the metrics it returns
 (their names, the role's metric prefix), and how the model's output is formed (``positions`` and
 ``head`` of :func:`~megatron_rl.models.forward.run_pipeline`); the model and optimizer are the role's.
-The config keys the loop reads (:class:`UpdateConfig`) have the same names under both roles.
+The config keys the loop reads have the same names under both roles' sections; what they decide together
+(the aggregation, its loss scale, the clip bounds) is a :class:`~megatron_rl.config.specs.UpdateSpec`.
 
 On the last pipeline stage each micro-batch's loss is an additive share of the mini-batch loss: the
 aggregation (token-mean, seq-mean-*) divides by the count over the WHOLE mini-batch on all DP ranks
@@ -27,15 +28,16 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron_rl import seeds
 from megatron_rl.algos import agg_loss
 from megatron_rl.batch import RolloutBatch
-from megatron_rl.config import ConfigError
+from megatron_rl.config import ActorConfig, ConfigError, CriticConfig
+from megatron_rl.config.specs import UpdateSpec
 from megatron_rl.microbatches import MicroBatching, TokenStats, micro_batches
 from megatron_rl.models.chunks import num_chunks
 from megatron_rl.models.forward import Positions, broadcast_from_last_stage, run_pipeline, sequence_multiple
@@ -55,27 +57,6 @@ def split(
     return micro_batches(batch, micro, sequence_multiple(model, ps), ps.dp_group, ps.device, stats, count)
 
 
-class UpdateConfig(Protocol):
-    """The keys of an update's config (ActorConfig, CriticConfig) that the loop reads."""
-
-    @property
-    def ppo_mini_batch_size(self) -> int | None: ...
-    @property
-    def ppo_micro_batch_size_per_gpu(self) -> int: ...
-    @property
-    def use_dynamic_bsz(self) -> bool | None: ...
-    @property
-    def ppo_max_token_len_per_gpu(self) -> int: ...
-    @property
-    def ppo_epochs(self) -> int | None: ...
-    @property
-    def shuffle(self) -> bool: ...
-    @property
-    def loss_agg_mode(self) -> str: ...
-    @property
-    def loss_scale_factor(self) -> float | None: ...
-
-
 @dataclass(frozen=True)
 class UpdatePlan:
     """How one update walks its batch: ``epochs`` passes of mini-batches of ``rows`` sequences (this
@@ -87,16 +68,14 @@ class UpdatePlan:
     rows: int
     epochs: int
     shuffle: bool
-    loss_agg_mode: str
-    loss_scale: float
-    """seq-mean-token-sum-norm's constant: loss_scale_factor, else the batch's response width R (the
-    same for every micro-batch, never a micro-batch's own width)."""
+    spec: UpdateSpec
+    """The aggregation, its loss scale and the clip bounds (config.specs: the same on every DP rank)."""
 
     @classmethod
     def of(
         cls,
         batch: RolloutBatch,
-        cfg: UpdateConfig,
+        cfg: ActorConfig | CriticConfig,
         rollout_n: int,
         dp_size: int,
         key: str,
@@ -119,8 +98,7 @@ class UpdatePlan:
             f"{key}.ppo_max_token_len_per_gpu",
         )
         rows = _mini_batch_rows(batch, cfg.ppo_mini_batch_size, micro, rollout_n, dp_size, key)
-        scale = cfg.loss_scale_factor or float(batch.response_length)
-        return cls(key, micro, rows, cfg.ppo_epochs, cfg.shuffle, cfg.loss_agg_mode, scale)
+        return cls(key, micro, rows, cfg.ppo_epochs, cfg.shuffle, UpdateSpec.of(cfg, key))
 
 
 def _mini_batch_rows(
@@ -162,14 +140,15 @@ class MiniBatch:
     def denominator(self, loss_agg_mode: str | None = None) -> torch.Tensor | float:
         """The mini-batch count the aggregation ``loss_agg_mode`` (default: the plan's) divides by:
         tokens, sequences, or nothing for token-sum."""
-        mode = self.plan.loss_agg_mode if loss_agg_mode is None else loss_agg_mode
+        mode = self.plan.spec.loss_agg_mode if loss_agg_mode is None else loss_agg_mode
         if mode == "token-sum":
             return 1.0
         return self.counts[0] if mode == "token-mean" else self.counts[1]
 
     def agg(self, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """A micro-batch's share of the mini-batch aggregate of per-token ``values`` [b, r]."""
-        return agg_loss(values, mask, self.plan.loss_agg_mode, self.denominator(), self.plan.loss_scale)
+        spec = self.plan.spec
+        return agg_loss(values, mask, spec.loss_agg_mode, self.denominator(), spec.loss_scale)
 
     def token_share(self, mask: torch.Tensor) -> torch.Tensor:
         """A micro-batch's share of the mini-batch's tokens: a local token mean times it is the share of
@@ -245,7 +224,10 @@ def run_update(
     for epoch in range(plan.epochs):
         if plan.shuffle:
             order = torch.randperm(
-                len(batch), generator=torch.Generator().manual_seed(shuffle_seed * 1000 + epoch)
+                len(batch),
+                generator=torch.Generator().manual_seed(
+                    seeds.derive(seeds.UPDATE_ORDER, shuffle_seed, epoch)
+                ),
             )
         else:
             order = torch.arange(len(batch))

@@ -43,7 +43,7 @@ import logging
 import os
 import time
 
-from megatron_rl.config import Config, ConfigError, to_dict
+from megatron_rl.config import Config, ConfigError, resolve, to_dict
 from megatron_rl.config.placement import Placement, resolve_placement
 from megatron_rl.microbatches import TokenStats
 from megatron_rl.optim import NonFiniteGuard
@@ -71,10 +71,8 @@ class Trainer:
     def __init__(self, cfg: Config, ps: ParallelState, placement: Placement | None = None) -> None:
         self.cfg, self.ps = cfg, ps
         self.placement = placement or resolve_placement(cfg, ps.world_size)
-        by_rule = not (
-            cfg.custom_reward_function.path or cfg.reward_model.http.url or cfg.reward_model.enable
-        )
-        inputs = read_inputs(cfg, ps, rewards_by_rule=by_rule)
+        self.specs = specs = resolve(cfg, ps.device)  # the facts each role reads, decided once
+        inputs = read_inputs(cfg, specs, ps)
         self.tokenizer, self.model_args, self.data = inputs.tokenizer, inputs.model_args, inputs.data
         self.sampler, self.total_steps = inputs.sampler, inputs.total_steps
         # The rules, a custom function (imported now: a broken file fails before any model is built) or
@@ -92,7 +90,7 @@ class Trainer:
         self._batches = iter(self.sampler)
         self.timer = Timer(ps.device)
         self.roles = build_roles(
-            cfg, ps, self.placement, self.model_args, self.data, self.total_steps,
+            cfg, specs, ps, self.placement, self.model_args, self.data, self.total_steps,
             lambda: next(self._batches), reward, self.tokenizer, self.timer, self.state,
         )  # fmt: skip
         self.sync_probe = SyncProbe(cfg, ps, self.data.train, self.data.pad_id, self.data.stop_ids)
@@ -220,7 +218,7 @@ class Trainer:
             )
         )  # fmt: skip
         metrics["training/global_step"] = step
-        metrics["training/epoch"] = (step - 1) // len(self.sampler)
+        metrics["training/epoch"] = self.sampler.drawn_epoch  # the newest prompts' (refills included)
         return metrics
 
     def validate(self) -> dict[str, float]:

@@ -11,15 +11,15 @@ data-parallel size, parallel sizes against the model's head counts) before any p
 ``python -m megatron_rl.config yaml/X.yaml key=value ...`` prints the fully resolved config.
 
 The package: ``schema`` (the sections and errors), ``model_sections`` (the model, optimizer and megatron
-sections), ``load`` (load_config, derived defaults), ``checks`` (validate), ``describe`` (the key
-reference and the command line).
+sections), ``load`` (load_config, derived defaults), ``checks`` (validate), ``specs`` (the facts each
+role reads, resolved once after validation), ``describe`` (the key reference and the command line).
 """
 
 from megatron_rl.config.checks import validate
 from megatron_rl.config.describe import describe_keys, field_docs, main
 from megatron_rl.config.errors import ConfigError, DataError
 from megatron_rl.config.layout import check_layout_against_model
-from megatron_rl.config.load import keeps_engine_log_probs, known_keys, load_config, needs_reference, to_dict
+from megatron_rl.config.load import known_keys, load_config, to_dict
 from megatron_rl.config.ranges import RANGES, get_key, range_rule
 from megatron_rl.config.schema import (
     ActorConfig,
@@ -48,6 +48,7 @@ from megatron_rl.config.schema import (
     TrainerConfig,
     ValKwargs,
 )
+from megatron_rl.config.specs import Specs, keeps_engine_log_probs, needs_reference, resolve
 
 __all__ = [
     "keeps_engine_log_probs",
@@ -88,6 +89,8 @@ __all__ = [
     "load_config",
     "main",
     "range_rule",
+    "resolve",
+    "Specs",
     "to_dict",
     "validate",
 ]

@@ -21,12 +21,12 @@ from megatron_rl.config.layout import (
     uneven_stages,
     virtual_stages,
 )
-from megatron_rl.config.load import needs_reference
 from megatron_rl.config.lora import check_lora
 from megatron_rl.config.model_sections import FrozenMegatronConfig
 from megatron_rl.config.placement import resolve_placement
 from megatron_rl.config.ranges import check_ranges, get_key
 from megatron_rl.config.schema import Config
+from megatron_rl.config.specs import needs_reference
 
 # --------------------------------------------------------------------------------------------------
 # Validation

@@ -10,7 +10,7 @@ from typing import Any, cast
 
 from megatron_rl.config.errors import ConfigError
 from megatron_rl.config.model_sections import TRAINED_MEGATRON_SECTIONS, TRAINED_ONLY_KEYS
-from megatron_rl.config.schema import Config
+from megatron_rl.config.schema import ActorConfig, Config, CriticConfig
 from megatron_rl.dotted import leaves
 
 # --------------------------------------------------------------------------------------------------
@@ -294,13 +294,8 @@ def _fill_derived(cfg: Config) -> None:
             setattr(owner, key, os.path.expanduser(getattr(owner, key)))
     if arr.rollout.dtype is None:
         arr.rollout.dtype = arr.actor.megatron.params_dtype
-    for trained in (arr.actor, cfg.critic):  # seq-mean-token-sum-norm's constant, never a batch's width
-        if trained.loss_scale_factor is None:
-            trained.loss_scale_factor = cfg.data.max_response_length
-    if arr.actor.clip_ratio_low is None:
-        arr.actor.clip_ratio_low = arr.actor.clip_ratio
-    if arr.actor.clip_ratio_high is None:
-        arr.actor.clip_ratio_high = arr.actor.clip_ratio
+    for trained in (arr.actor, cfg.critic):
+        fill_update_defaults(trained, cfg.data.max_response_length)
     if cfg.trainer.log_dir is None:
         cfg.trainer.log_dir = os.path.join(cfg.trainer.default_local_dir, "logs")
 
@@ -309,19 +304,14 @@ def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def needs_reference(cfg) -> bool:
-    """Whether a KL term reads the reference policy's log-probs (the KL loss, or the KL penalty in the
-    reward): its own frozen model then, or with LoRA the actor without its adapters."""
-    return bool(cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
-
-
-def keeps_engine_log_probs(cfg) -> bool:
-    """Whether the rollout keeps the engine's log-probs of the sampled tokens: asked for
-    (``rollout.calculate_log_probs``), needed by the rollout correction (``rollout_is`` /
-    ``rollout_rs``), or always with ``rollout.max_staleness > 0`` (the behaviour policy is then older
-    than the trainer's actor). The mismatch metrics and corrections read them, so the old-log-prob pass
-    is never skipped while they are kept."""
-    rollout, corr = cfg.actor_rollout_ref.rollout, cfg.algorithm.rollout_correction
-    return bool(
-        rollout.calculate_log_probs or corr.rollout_is or corr.rollout_rs or rollout.max_staleness > 0
-    )
+def fill_update_defaults(section: ActorConfig | CriticConfig, max_response_length: int) -> None:
+    """An update section's derived keys: seq-mean-token-sum-norm's ``loss_scale_factor`` is
+    ``data.max_response_length`` (never a batch's width, which differs between DP ranks and
+    placements); the actor's ``clip_ratio_low`` / ``clip_ratio_high`` are ``clip_ratio``."""
+    if section.loss_scale_factor is None:
+        section.loss_scale_factor = max_response_length
+    if isinstance(section, ActorConfig):
+        if section.clip_ratio_low is None:
+            section.clip_ratio_low = section.clip_ratio
+        if section.clip_ratio_high is None:
+            section.clip_ratio_high = section.clip_ratio

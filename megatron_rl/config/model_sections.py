@@ -59,7 +59,7 @@ class OptimConfig:
     stochastic_rounding: bool = True
     """bf16 models: round the fp32 main weights into the bf16 parameters stochastically (unbiased)
     instead of to nearest, so that updates smaller than half a bf16 ulp (RL learning rates: most of
-    them) still move the policy; seeded by (actor.megatron.seed, optimizer step), so a resumed run
+    them) still move the policy; seeded by (actor.megatron.seed, the optimizer, its step), so a resumed run
     rounds as the uninterrupted one. No effect on fp32 models; fp16 rounds to nearest."""
     loss_scale: float | None = None
     """fp16 models: a fixed loss scale; None = megatron's dynamic scaler (the keys below)."""

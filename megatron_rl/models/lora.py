@@ -29,7 +29,6 @@ import contextlib
 import fnmatch
 import functools
 import math
-import zlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from megatron_rl import seeds
 from megatron_rl.config.errors import ConfigError
 from megatron_rl.config.lora import LINEARS, LoraConfig, lora_targets
 from megatron_rl.parallel import ParallelState
@@ -274,7 +274,7 @@ def add_adapters(model: Any, spec: LoraConfig, ps: ParallelState, key: str, base
             spec.lora_A_init_method,
             ps.tp_rank,
             ps.tp_size,
-            seed=zlib.crc32(f"{seed}:{full}".encode()),
+            seed=seeds.derive(seeds.LORA_INIT, seed, key, full),
             gated=leaf == "linear_fc1",
         )
         parent = model.get_submodule(name.rsplit(".", 1)[0])
@@ -319,16 +319,17 @@ def _add_expert_adapters(
             "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1 (or "
             f"{key}.exclude_modules=['*.experts'])."
         )
-    seeds = []
+    streams = []
     for j in range(experts.num_local_experts):
         g = global_expert_name(f"{prefix}.local_experts.{j}", model.expert_offset)
-        seeds.append(
-            (zlib.crc32(f"{seed}:{g}.linear_fc1".encode()), zlib.crc32(f"{seed}:{g}.linear_fc2".encode()))
+        fc1, fc2 = (
+            seeds.derive(seeds.LORA_INIT, seed, key, f"{g}.{fc}") for fc in ("linear_fc1", "linear_fc2")
         )
+        streams.append((fc1, fc2))
     scale = spec.alpha / spec.rank
     experts.add_module(
         "lora",
-        ExpertAdapters(experts, wanted, spec.rank, scale, spec.dropout, spec.lora_A_init_method, seeds),
+        ExpertAdapters(experts, wanted, spec.rank, scale, spec.dropout, spec.lora_A_init_method, streams),
     )
     return len(wanted) * experts.num_local_experts
 

@@ -25,7 +25,8 @@ from contextlib import nullcontext
 import torch
 
 from megatron_rl.batch import RolloutBatch
-from megatron_rl.config import Config, keeps_engine_log_probs
+from megatron_rl.config import ActorConfig, AlgorithmConfig, RolloutCorrectionConfig
+from megatron_rl.config.specs import ActorSpec
 from megatron_rl.microbatches import ForwardPasses, MicroBatching, TokenStats
 from megatron_rl.mismatch import correct_mismatch, reject
 from megatron_rl.models.lora import adapters_disabled
@@ -38,7 +39,13 @@ _TRAIN_ONLY_NOISE = ("hidden_dropout", "attention_dropout", "moe_input_jitter_ep
 
 
 def old_log_prob_is_first_forward(
-    cfg: Config, batch_size: int, dp_size: int, step: int, model: torch.nn.Module | None = None
+    actor: ActorConfig,
+    spec: ActorSpec,
+    passes: ForwardPasses,
+    batch_size: int,
+    dp_size: int,
+    step: int,
+    model: torch.nn.Module | None = None,
 ) -> bool:
     """Whether step ``step``'s old-log-prob pass may be skipped (``batch.old_log_probs = None`` for
     ppo.update_actor): it would give exactly the update's first forward (ratio 1), and nothing reads
@@ -50,15 +57,15 @@ def old_log_prob_is_first_forward(
       actor.ppo_micro_batch_size_per_gpu``, or dynamic batching on both with the same token budget;
     * the training forward has no noise: no dropout, no MoE input jitter (``model``'s TransformerConfig
       when given, else actor.megatron.override_transformer_config);
+    ``spec`` gives the step's facts (config.specs.ActorSpec), ``passes`` the old-log-prob pass's
+    micro-batching;
     * nothing consumes old_log_probs before the update: no ``algorithm.use_kl_in_reward``, no engine
       log-probs kept (``rollout.calculate_log_probs``, ``algorithm.rollout_correction.rollout_is`` /
       ``rollout_rs``, ``rollout.max_staleness > 0``: mismatch metrics, weights and rejection use them).
     """
-    arr, alg = cfg.actor_rollout_ref, cfg.algorithm
-    actor, rollout = arr.actor, arr.rollout
-    if step <= cfg.trainer.critic_warmup or actor.ppo_epochs != 1 or actor.shuffle:
+    if step <= spec.critic_warmup or actor.ppo_epochs != 1 or actor.shuffle:
         return False
-    if actor.ppo_mini_batch_size * rollout.n != batch_size * dp_size:
+    if actor.ppo_mini_batch_size * spec.rollout_n != batch_size * dp_size:
         return False
     update = MicroBatching.of(
         actor.ppo_micro_batch_size_per_gpu,
@@ -66,7 +73,7 @@ def old_log_prob_is_first_forward(
         actor.ppo_max_token_len_per_gpu,
         "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
     )
-    old = ForwardPasses.from_config(cfg).old_log_prob
+    old = passes.old_log_prob
     dynamic = update.dynamic or old.dynamic
     if (update.max_tokens != old.max_tokens) if dynamic else (update.size != old.size):
         return False
@@ -77,7 +84,7 @@ def old_log_prob_is_first_forward(
         noise = {name: actor.megatron.override_transformer_config.get(name) for name in _TRAIN_ONLY_NOISE}
     if any(noise.values()):
         return False
-    return not (alg.use_kl_in_reward or keeps_engine_log_probs(cfg))
+    return not (spec.use_kl_in_reward or spec.keeps_engine_log_probs)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -89,16 +96,19 @@ class ActorRole:
     """The trained policy on the training ranks (module docstring)."""
 
     def __init__(
-        self, cfg: Config, ps: ParallelState, model, optim, passes: ForwardPasses, timer: Timer
+        self,
+        actor: ActorConfig,
+        correction: RolloutCorrectionConfig,
+        spec: ActorSpec,
+        ps: ParallelState,
+        model,
+        optim,
+        passes: ForwardPasses,
+        timer: Timer,
     ) -> None:
-        self.cfg, self.ps, self.model, self.optim, self.passes, self.timer = (
-            cfg,
-            ps,
-            model,
-            optim,
-            passes,
-            timer,
-        )
+        """``actor``: actor_rollout_ref.actor; ``correction``: algorithm.rollout_correction."""
+        self.actor, self.correction, self.spec = actor, correction, spec
+        self.ps, self.model, self.optim, self.passes, self.timer = ps, model, optim, passes, timer
         self._router_reported = False  # this step's router mismatch came from the old-log-prob pass
 
     def log_probs(self, step: int, batch: RolloutBatch, stats: TokenStats) -> torch.Tensor | None:
@@ -106,12 +116,13 @@ class ActorRole:
         update (old_log_prob_is_first_forward): the update then fills batch.old_log_probs itself."""
         from megatron_rl import ppo
 
-        temperature = self.cfg.actor_rollout_ref.rollout.temperature
+        temperature = self.spec.temperature
         with self.timer("old_log_prob"):  # logged either way (0 s when skipped): the same metric keys
             # skipped, the update's first forward is the old-log-prob pass: R2 then has nothing to replay
-            if old_log_prob_is_first_forward(self.cfg, len(batch), self.ps.dp_size, step, self.model):
+            first = old_log_prob_is_first_forward
+            if first(self.actor, self.spec, self.passes, len(batch), self.ps.dp_size, step, self.model):
                 return None
-            if self.cfg.actor_rollout_ref.actor.router_replay.mode != "R2":
+            if self.actor.router_replay.mode != "R2":
                 return ppo.compute_log_probs(
                     self.model, self.ps, batch, self.passes.old_log_prob, temperature, stats=stats
                 )
@@ -137,14 +148,14 @@ class ActorRole:
         with self.timer("rollout_corr"):
             return {
                 **metrics,
-                **correct_mismatch(batch, self.cfg.algorithm.rollout_correction, self.ps.dp_group),
+                **correct_mismatch(batch, self.correction, self.ps.dp_group),
             }
 
     def _router_mismatch(self) -> dict[str, float]:
         """(token, layer) pairs whose own top-k differs from the replayed one, over the forwards since
         the last call (models/routing.py): ``rollout_corr/router_mismatch`` under R3 (the engine's),
         ``actor/router_mismatch`` under R2 (the old-log-prob pass's); collective."""
-        mode = self.cfg.actor_rollout_ref.actor.router_replay.mode
+        mode = self.actor.router_replay.mode
         if mode == "disabled":
             return {}
         from megatron_rl.models.routing import mismatch_fraction, replays_of
@@ -159,8 +170,8 @@ class ActorRole:
         trainer.critic_warmup steps."""
         from megatron_rl import ppo
 
-        arr = self.cfg.actor_rollout_ref
-        if step <= self.cfg.trainer.critic_warmup:
+        actor, spec = self.actor, self.spec
+        if step <= spec.critic_warmup:
             return {}
         with self.timer("update_actor"):
             metrics = ppo.update_actor(
@@ -168,14 +179,14 @@ class ActorRole:
                 self.optim,
                 self.ps,
                 batch,
-                arr.actor,
-                arr.rollout.n,
-                arr.rollout.temperature,
+                actor,
+                spec.rollout_n,
+                spec.temperature,
                 shuffle_seed=step,
                 stats=stats,
             )
-        if arr.actor.use_kl_loss:
-            metrics["actor/kl_coef"] = arr.actor.kl_loss_coef
+        if actor.use_kl_loss:
+            metrics["actor/kl_coef"] = actor.kl_loss_coef
         router = self._router_mismatch()  # the update's forwards; reported when no old-log-prob pass ran
         if not self._router_reported:
             metrics.update(router)
@@ -191,14 +202,15 @@ class RefRole:
 
     def __init__(
         self,
-        cfg: Config,
+        temperature: float,
         ps: ParallelState,
         model,
         passes: ForwardPasses,
         timer: Timer,
         adapters_off: bool = False,
     ) -> None:
-        self.cfg, self.ps, self.model, self.passes, self.timer = cfg, ps, model, passes, timer
+        """``temperature``: the rollout's (config.specs.ActorSpec.temperature)."""
+        self.temperature, self.ps, self.model, self.passes, self.timer = temperature, ps, model, passes, timer
         self.adapters_off = adapters_off
 
     def log_probs(self, batch: RolloutBatch, stats: TokenStats) -> torch.Tensor | None:
@@ -206,22 +218,21 @@ class RefRole:
 
         if self.model is None:
             return None
-        temperature = self.cfg.actor_rollout_ref.rollout.temperature
         with self.timer("ref"), adapters_disabled(self.model) if self.adapters_off else nullcontext():
             return ppo.compute_log_probs(
-                self.model, self.ps, batch, self.passes.ref, temperature, stats=stats
+                self.model, self.ps, batch, self.passes.ref, self.temperature, stats=stats
             )
 
 
 class Advantages:
     """Token rewards, advantages and returns of a scored batch with its log-probs and values."""
 
-    def __init__(self, cfg: Config, ps: ParallelState, timer: Timer) -> None:
+    def __init__(self, algorithm: AlgorithmConfig, ps: ParallelState, timer: Timer) -> None:
         from megatron_rl.algos.kl import get_kl_controller
         from megatron_rl.algos.rollout_corr import parse_rs
 
-        self.cfg, self.ps, self.timer = cfg, ps, timer
-        kl, corr = cfg.algorithm.kl_ctrl, cfg.algorithm.rollout_correction
+        self.algorithm, self.ps, self.timer = algorithm, ps, timer
+        kl, corr = algorithm.kl_ctrl, algorithm.rollout_correction
         self.kl_ctrl = get_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         self.rejection = parse_rs(corr.rollout_rs, corr.rollout_rs_threshold) if corr.rollout_rs else None
 
@@ -239,7 +250,7 @@ class Advantages:
         from megatron_rl.algos import advantages as adv
         from megatron_rl.algos.kl import apply_kl_penalty
 
-        alg, ps = self.cfg.algorithm, self.ps
+        alg, ps = self.algorithm, self.ps
         metrics: dict[str, float] = {}
         if alg.use_kl_in_reward:
             scores, old, ref = batch.token_level_scores, batch.old_log_probs, batch.ref_log_probs

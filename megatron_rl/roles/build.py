@@ -1,6 +1,6 @@
 """Building a run's roles on the training ranks, in the order memory wants (roles/__init__ maps them):
 
-    build_roles(cfg, ps, placement, ...)
+    build_roles(cfg, specs, ps, placement, ...)    specs: config.specs.resolve, the facts each role reads
       -> colocated rollout: the engine first, on an empty GPU (start_engine), so that
          rollout.gpu_memory_utilization is the share of the whole GPU it takes
       -> the models: actor (+ optimizer), ref, critic (+ optimizer, handed to the critic role), reward
@@ -17,8 +17,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from megatron_rl.config import Config, keeps_engine_log_probs, needs_reference
+from megatron_rl.config import Config
 from megatron_rl.config.placement import Placement
+from megatron_rl.config.specs import Specs
 from megatron_rl.microbatches import ForwardPasses
 from megatron_rl.parallel import ParallelState
 from megatron_rl.reward.source import RewardSource
@@ -58,6 +59,7 @@ class Roles:
 
 def build_roles(
     cfg: Config,
+    specs: Specs,
     ps: ParallelState,
     placement: Placement,
     model_args,
@@ -82,7 +84,17 @@ def build_roles(
     critic = make_critic(
         cfg, ps, critic_built, placement.separate_critic, total_steps, data.pad_id, passes, timer
     )
-    actor = ActorRole(cfg, ps, models.actor, models.actor_optim, passes, timer)
+    arr = cfg.actor_rollout_ref
+    actor = ActorRole(
+        arr.actor,
+        cfg.algorithm.rollout_correction,
+        specs.actor,
+        ps,
+        models.actor,
+        models.actor_optim,
+        passes,
+        timer,
+    )
     if models.reward is not None:
         reward = make_reward_fn(cfg, tokenizer, ps, models.reward)
     if engine is not None:
@@ -111,9 +123,9 @@ def build_roles(
     roles = Roles(
         models,
         actor,
-        ref_role(cfg, ps, models, passes, timer),
+        ref_role(specs, ps, models, passes, timer),
         critic,
-        Advantages(cfg, ps, timer),
+        Advantages(cfg.algorithm, ps, timer),
         rollout,
         reward,
     )
@@ -124,12 +136,13 @@ def build_roles(
     return roles
 
 
-def ref_role(cfg: Config, ps: ParallelState, models: Models, passes: ForwardPasses, timer: Timer) -> RefRole:
+def ref_role(specs: Specs, ps: ParallelState, models: Models, passes: ForwardPasses, timer: Timer) -> RefRole:
     """The reference policy when a KL term needs one: its own frozen model, or with LoRA (no reference
     weights built) the actor without its adapters; else none."""
-    if needs_reference(cfg) and cfg.actor_rollout_ref.model.lora.rank:
-        return RefRole(cfg, ps, models.actor, passes, timer, adapters_off=True)
-    return RefRole(cfg, ps, models.ref, passes, timer)
+    temperature = specs.actor.temperature
+    if specs.ref.adapters_off:
+        return RefRole(temperature, ps, models.actor, passes, timer, adapters_off=True)
+    return RefRole(temperature, ps, models.ref, passes, timer)
 
 
 @dataclass
@@ -144,9 +157,9 @@ class RunInputs:
     total_steps: int
 
 
-def read_inputs(cfg: Config, ps: ParallelState, rewards_by_rule: bool) -> RunInputs:
+def read_inputs(cfg: Config, specs: Specs, ps: ParallelState) -> RunInputs:
     """The run's inputs; one line naming the key for a tokenizer, data or batch size that cannot work.
-    ``rewards_by_rule``: every row's data_source and ground truth are checked against the rules now."""
+    Rewards by the rules (``specs.reward``): every row's data_source and ground truth are checked now."""
     from transformers import AutoTokenizer
 
     from megatron_rl.config import ConfigError
@@ -185,7 +198,7 @@ def read_inputs(cfg: Config, ps: ParallelState, rewards_by_rule: bool) -> RunInp
             truncation=cfg.data.truncation,
             filter_overlong_prompts=cfg.data.filter_overlong_prompts,
             prompt_key=cfg.data.prompt_key,
-            rule_sources=RULE_DATA_SOURCES if rewards_by_rule else None,
+            rule_sources=RULE_DATA_SOURCES if specs.reward.by_rule else None,
             tools=tool_schemas,  # multi-turn: the chat template shows the tools
         )
 
@@ -207,5 +220,5 @@ def read_inputs(cfg: Config, ps: ParallelState, rewards_by_rule: bool) -> RunInp
             f"data.train_batch_size={cfg.data.train_batch_size} exceeds the {len(train)} training prompts."
         )
     total_steps = cfg.trainer.total_training_steps or len(sampler) * cfg.trainer.total_epochs
-    data = RolloutData(train, val, pad_id, stop_ids, keeps_engine_log_probs(cfg))
+    data = RolloutData(train, val, pad_id, stop_ids, specs.rollout.keeps_log_probs)
     return RunInputs(tokenizer, model_args, data, sampler, total_steps)

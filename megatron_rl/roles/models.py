@@ -129,7 +129,7 @@ def build_critic(
     c = cfg.critic
     path = c.model.path
     args = model_args or load_model_args_any(path)
-    seed = cfg.actor_rollout_ref.actor.megatron.seed + 1  # the critic's noise and adapters: its own stream
+    seed = cfg.actor_rollout_ref.actor.megatron.seed  # the job's; the critic's keys keep its streams apart
     lora = ("critic.model.lora", c.model.lora, seed)
     critic = _model(ps, args, "critic", path, c.megatron, c.model.enable_gradient_checkpointing, lora)
     steps = _optim_steps(cfg, c.ppo_epochs, c.ppo_mini_batch_size, total_steps)

@@ -26,14 +26,14 @@ engine copies or loads them before asking for the next one.
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
+
+from megatron_rl import seeds
 
 if TYPE_CHECKING:
     from megatron_rl.parallel import ParallelState
@@ -93,30 +93,21 @@ class SamplingParams:
             raise ValueError(f"top_k={self.top_k} must be -1 (off) or >= 1 (actor_rollout_ref.rollout.top_k)")
 
 
-SEED_BITS = 63
+SEED_BITS = seeds.BITS
 """``sample_seed`` range: [0, 2**63), what ``torch.Generator.manual_seed`` takes as a non-negative int64."""
 SGLANG_SEED_BITS = 31
 """SGLang batches the per-request ``sampling_seed`` into an int32 tensor: [0, 2**31) is all it takes."""
 
 
 def sample_seed(seed: int, step: int, dp_rank: int, row: int, validate: bool, bits: int = SEED_BITS) -> int:
-    """The sampling seed of one response: a hash of (seed, step, dp_rank, row, validate) in [0, 2**bits).
+    """The sampling seed of one response (megatron_rl.seeds.SAMPLE) in [0, 2**bits).
 
     ``dp_rank`` is the data-parallel rank whose prompts the row belongs to (the slice index with a
     separate rollout) and ``row`` the response's index in that rank's list of prompt x n rows (prompt i,
-    sample j -> row i*n + j). A hash rather than a sum of strided terms, so no pair of tuples shares a
-    seed by construction (with ``seed*A + step*B + rank + row`` row B of step s is row 0 of step s+1);
-    at 63 bits a run's few million seeds stay distinct with overwhelming probability. SGLang's
-    ``bits=31`` is the same hash folded to its int32 range.
+    sample j -> row i*n + j). At 63 bits a run's few million seeds stay distinct with overwhelming
+    probability; SGLang's ``bits=31`` is the same hash folded to its int32 range.
     """
-    if not 1 <= bits <= SEED_BITS:
-        raise ValueError(f"bits={bits} must be in [1, {SEED_BITS}]")
-    # seed is masked to 64 bits so any Python int packs; the others are small non-negative ints
-    packed = struct.pack("<QqqqB", seed & (2**64 - 1), step, dp_rank, row, 1 if validate else 0)
-    h = int.from_bytes(hashlib.blake2b(packed, digest_size=8, person=b"mrl-sample").digest(), "little")
-    if bits < 64:
-        h ^= h >> bits  # fold the high bits in rather than dropping them
-    return h & ((1 << bits) - 1)
+    return seeds.derive(seeds.SAMPLE, seed, step, dp_rank, row, validate, bits=bits)
 
 
 @dataclass

@@ -32,6 +32,7 @@ from collections.abc import Iterable
 
 import torch
 
+from megatron_rl import seeds
 from megatron_rl.model_args import ModelArgs
 from megatron_rl.parallel import ParallelState
 from megatron_rl.rollout.base import (
@@ -43,8 +44,6 @@ from megatron_rl.rollout.base import (
     gloo_twin,
     row_seeds,
 )
-
-_SEED_STRIDE = 1_000_003  # unseeded requests: engine seed * stride + call number stands in for params.seed
 
 
 def build_hf_model(
@@ -238,7 +237,7 @@ class HFEngine:
     ) -> list[list[Generation]]:
         """On the hosting rank: ``params.n`` generations of each prompt; ``origins``: each prompt's
         (dp_rank, row), which picks its rows' seeds (so a row's tokens do not depend on its batch)."""
-        fallback = self.seed * _SEED_STRIDE + self._unseeded_calls
+        fallback = seeds.derive(seeds.ENGINE_CALL, self.seed, self._unseeded_calls)  # for params.seed
         if params.seed is None:
             self._unseeded_calls += 1
         gens = [

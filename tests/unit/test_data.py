@@ -203,6 +203,29 @@ def test_sampler_iter_is_endless_across_epochs():
     assert s.state_dict()["epoch"] == 2 and s.state_dict()["position"] == 1
 
 
+def test_sampler_drawn_epoch_counts_every_draw_and_survives_a_resume():
+    """training/epoch is the sampler's drawn_epoch: extra draws (the group filter's refills) move it,
+    the last batch of an epoch still belongs to that epoch, and a resume at the boundary keeps it."""
+    s = ResumableDistributedSampler(30, 10, 0, 1, seed=7)  # 3 batches per epoch
+    it = iter(s)
+    seen = []
+    for _ in range(7):
+        next(it)
+        seen.append(s.drawn_epoch)
+    assert seen == [0, 0, 0, 1, 1, 1, 2]
+    # a step count alone (the former formula) says epoch 0 for a 3rd step that drew 2 refills
+    assert (3 - 1) // len(s) == 0 and seen[2 + 2 + 1] == 1
+    fresh = ResumableDistributedSampler(30, 10, 0, 1, seed=7)
+    assert fresh.drawn_epoch == 0
+    s = ResumableDistributedSampler(30, 10, 0, 1, seed=7)
+    it = iter(s)
+    for _ in range(3):
+        next(it)
+    resumed = ResumableDistributedSampler(30, 10, 0, 1, seed=7)
+    resumed.load_state_dict(s.state_dict())  # saved after the epoch's last batch: (1, 0)
+    assert s.state_dict()["epoch"] == 1 and resumed.drawn_epoch == s.drawn_epoch == 0
+
+
 def test_sampler_state_mismatch_rejected():
     state = ResumableDistributedSampler(50, 10, 0, 1, seed=1).state_dict()
     with pytest.raises(ValueError, match="batch_size"):

@@ -31,7 +31,7 @@ import pytest
 PACKAGE = "megatron_rl"
 ROOT = Path(__file__).resolve().parents[2] / PACKAGE
 
-LEAVES = ("model_args", "errors", "dotted", "job_secret")
+LEAVES = ("model_args", "errors", "dotted", "job_secret", "seeds")
 """Units every layer may import: they import nothing from the package but ``errors`` (a model refused by
 ``model_args`` raises its one-line error)."""
 

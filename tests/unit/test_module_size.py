@@ -14,7 +14,7 @@ LIMITS = {"megatron_rl/trainer.py": 300}
 OVER = {
     "megatron_rl/config/schema.py": 571,
     "megatron_rl/optim.py": 517,
-    "megatron_rl/trainer.py": 326,
+    "megatron_rl/trainer.py": 325,
 }
 """Modules over their limit and the size they may not exceed."""
 

@@ -323,11 +323,24 @@ def _batch(n: int) -> RolloutBatch:
     return b
 
 
+def _loaded(section):
+    """A section as load_config leaves it: its derived keys filled (a response length of 2)."""
+    from megatron_rl.config.load import fill_update_defaults
+
+    fill_update_defaults(section, 2)
+    return section
+
+
 def test_update_rejects_batch_sizes_that_do_not_tile():
     # 6 sequences, mini-batch 2 prompts x n=2 = 4 sequences: 6 is not a multiple
     with pytest.raises(ConfigError, match=r"actor_rollout_ref\.actor\.ppo_mini_batch_size"):
         update_actor(
-            None, None, PS1, _batch(6), ActorConfig(ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=2), 2
+            None,
+            None,
+            PS1,
+            _batch(6),
+            _loaded(ActorConfig(ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=2)),
+            2,
         )
     # micro-batch 3 does not divide the 4 sequences of a mini-batch
     with pytest.raises(ConfigError, match=r"critic\.ppo_micro_batch_size_per_gpu=3"):
@@ -336,12 +349,12 @@ def test_update_rejects_batch_sizes_that_do_not_tile():
             None,
             PS1,
             _batch(8),
-            CriticConfig(ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=3, ppo_epochs=1),
+            _loaded(CriticConfig(ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=3, ppo_epochs=1)),
             2,
         )
     b = _batch(4)
     b.old_log_probs = None  # allowed for one mini-batch and one epoch only (the update's own forward)
-    two_epochs = ActorConfig(ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=2, ppo_epochs=2)
+    two_epochs = _loaded(ActorConfig(ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=2, ppo_epochs=2))
     with pytest.raises(ValueError, match="old_log_probs"):
         update_actor(None, None, PS1, b, two_epochs, 2)
 
@@ -405,8 +418,10 @@ def test_critic_seq_norm_loss_does_not_depend_on_the_batch_width(ps, hf_dir):
         return update_critic(critic, opt, ps, b, cfg, 1)["critic/vf_loss"]
 
     assert vf_loss(3, 8.0) == pytest.approx(vf_loss(6, 8.0), rel=1e-6)
-    # negative control: the batch's own width (the unresolved default) scales with the padding
-    assert vf_loss(3, None) == pytest.approx(2 * vf_loss(6, None), rel=1e-6)
+    # negative control: the batch's own width as the scale (the former fallback) moves with the padding
+    assert vf_loss(3, 3.0) == pytest.approx(2 * vf_loss(6, 6.0), rel=1e-6)
+    with pytest.raises(ConfigError, match=r"critic\.loss_scale_factor is unset"):  # no fallback is left
+        vf_loss(3, None)
 
 
 def test_resuming_optimizer_state_of_the_other_experts_module_is_refused_in_one_line(ps, tmp_path):

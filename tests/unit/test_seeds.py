@@ -124,3 +124,70 @@ def test_rollout_seed_seeds_the_sampling_and_data_seed_does_not():
         == 5
     )
     assert seed_of("data.seed=5") == seed_of("actor_rollout_ref.actor.megatron.seed=5") == 0
+
+
+def test_streams_and_keys_never_share_a_seed():
+    from megatron_rl import seeds
+
+    streams = [seeds.SAMPLE, seeds.ENGINE_CALL, seeds.AGENT_CALL, seeds.DATA_ORDER, seeds.UPDATE_ORDER,
+               seeds.CLIP_COV, seeds.ROUNDING, seeds.LORA_INIT]  # fmt: skip
+    assert len(set(streams)) == len(streams)
+    same_key = {seeds.derive(s, 7, 3) for s in streams}
+    assert len(same_key) == len(streams)  # equal keys, other streams: other seeds
+    # parts are length-prefixed and typed: neither concatenation nor str-vs-int collides
+    assert seeds.derive(seeds.LORA_INIT, 1, "ab", "c") != seeds.derive(seeds.LORA_INIT, 1, "a", "bc")
+    assert seeds.derive(seeds.ROUNDING, 1, "7") != seeds.derive(seeds.ROUNDING, 1, 7)
+    assert seeds.derive(seeds.UPDATE_ORDER, 1, 2) != seeds.derive(seeds.UPDATE_ORDER, 2, 1)
+    assert seeds.derive(seeds.DATA_ORDER, -1, 0) == seeds.derive(seeds.DATA_ORDER, 2**64 - 1, 0)  # mod 2**64
+    # the actor's and the critic's optimizers (same job seed) round with different noise
+    assert seeds.derive(seeds.ROUNDING, 42, "actor_rollout_ref.actor.optim", 5) != seeds.derive(
+        seeds.ROUNDING, 42, "critic.optim", 5
+    )
+
+
+def test_every_stream_of_the_package_comes_from_the_seeds_module():
+    """A generator seeded in the package takes a name (a seed derived by megatron_rl.seeds, handed in)
+    or seeds.derive itself; no module keeps a formula of its own. The owners' streams stay theirs:
+    megatron's model-parallel RNG (cpu_bridge, parallel.seed_all), verl's bootstrap draws (numpy, 42),
+    the random test models and the demo's data generators."""
+    import pathlib
+    import re
+
+    import megatron_rl
+
+    root = pathlib.Path(megatron_rl.__file__).parent
+    owners = {"cpu_bridge.py", "parallel.py", "models/random_hf.py", "demo/toy.py", "demo/tools_task.py",
+              "reward/scoring.py"}  # fmt: skip
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel in owners:
+            continue
+        for arg in seeded_args(path.read_text()):
+            if not (re.fullmatch(r"[A-Za-z_][\w.]*", arg) or arg.startswith("seeds.derive(")):
+                found.append(f"{rel}: {arg}")
+    assert not found, "seed formulas outside megatron_rl.seeds: " + "; ".join(found)
+
+
+def seeded_args(text: str) -> list[str]:
+    """The argument of every manual_seed( / RandomState( / random.Random( call in ``text`` (balanced)."""
+    import re
+
+    out = []
+    for m in re.finditer(r"(?:manual_seed|RandomState|random\.Random)\(", text):
+        depth, i = 1, m.end()
+        while depth:
+            depth += {"(": 1, ")": -1}.get(text[i], 0)
+            i += 1
+        out.append(" ".join(text[m.end() : i - 1].split()))
+    return out
+
+
+def test_the_seed_scan_sees_a_formula():  # negative control of the test above
+    old = (
+        "torch.Generator(device=d).manual_seed(\n    (self.seed * 1_000_003 + self.num_steps) % (1 << 63)\n)"
+    )
+    assert seeded_args(old) == ["(self.seed * 1_000_003 + self.num_steps) % (1 << 63)"]
+    assert seeded_args("g.manual_seed(seeds.derive(seeds.CLIP_COV, s, r))") == [
+        "seeds.derive(seeds.CLIP_COV, s, r)"
+    ]

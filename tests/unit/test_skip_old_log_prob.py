@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from megatron_rl.batch import RolloutBatch, SeqMeta
-from megatron_rl.config import ActorConfig, MegatronConfig, OptimConfig, load_config
-from megatron_rl.microbatches import MicroBatching
+from megatron_rl.config import ActorConfig, MegatronConfig, OptimConfig, load_config, resolve
+from megatron_rl.config.load import fill_update_defaults
+from megatron_rl.microbatches import ForwardPasses, MicroBatching
 from megatron_rl.ppo import compute_log_probs, update_actor
 from megatron_rl.roles.actor import old_log_prob_is_first_forward
 
@@ -50,7 +51,9 @@ def make_batch(vocab: int) -> RolloutBatch:
 def actor_cfg(**kw) -> ActorConfig:
     # one mini-batch of all 8 sequences, micro-batches of 2 (gradient accumulation over 4)
     base = dict(ppo_mini_batch_size=N_PROMPTS, ppo_micro_batch_size_per_gpu=2, entropy_coeff=0.01)
-    return ActorConfig(**{**base, **kw})
+    cfg = ActorConfig(**{**base, **kw})
+    fill_update_defaults(cfg, R)
+    return cfg
 
 
 def update_once(
@@ -143,7 +146,11 @@ HOLDS = [
 
 def holds(*overrides: str, batch_size: int = 4, step: int = 1, model=None) -> bool:
     cfg = load_config(None, [*HOLDS, *overrides])
-    return old_log_prob_is_first_forward(cfg, batch_size, 2, step, model)
+    spec = resolve(cfg, "cpu").actor
+    passes = ForwardPasses.from_config(cfg)
+    return old_log_prob_is_first_forward(
+        cfg.actor_rollout_ref.actor, spec, passes, batch_size, 2, step, model
+    )
 
 
 def test_predicate_holds_for_one_on_policy_update():
@@ -190,7 +197,7 @@ def test_predicate_reads_the_model_config_when_given():
 def test_the_actor_role_skips_the_pass_exactly_when_the_predicate_holds(ps, hf_dir):
     """The loop's call (ActorRole.log_probs) follows the predicate: None (the update fills them) when it
     holds, the pass's log-probs otherwise; timing_s/old_log_prob is logged either way."""
-    from megatron_rl.microbatches import ForwardPasses, TokenStats
+    from megatron_rl.microbatches import TokenStats
     from megatron_rl.model_args import load_model_args
     from megatron_rl.models.builder import build_model, load_hf_weights
     from megatron_rl.roles.actor import ActorRole
@@ -205,7 +212,9 @@ def test_the_actor_role_skips_the_pass_exactly_when_the_predicate_holds(ps, hf_d
     ):
         cfg = load_config(None, [*HOLDS, *extra])
         timer = Timer(ps.device)
-        role = ActorRole(cfg, ps, model, None, ForwardPasses.from_config(cfg), timer)
+        spec, passes = resolve(cfg, "cpu").actor, ForwardPasses.from_config(cfg)
+        correction = cfg.algorithm.rollout_correction
+        role = ActorRole(cfg.actor_rollout_ref.actor, correction, spec, ps, model, None, passes, timer)
         batch = make_batch(99)
         lp = role.log_probs(1, batch, TokenStats())
         assert (lp is None) == skipped

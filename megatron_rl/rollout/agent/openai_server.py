@@ -56,6 +56,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Literal, TypeVar
 
+from megatron_rl import seeds
 from megatron_rl.config.schema import OpenAIServerConfig
 from megatron_rl.rollout.agent.episode import TurnEncoder
 from megatron_rl.rollout.agent.openai_http import (
@@ -70,7 +71,6 @@ from megatron_rl.rollout.base import EngineFailure, Generation, SamplingParams
 
 log = logging.getLogger(__name__)
 
-_TURN_SEED_STRIDE = 7919  # each engine call samples from its own stream
 _MAX_ENCODERS = 64  # distinct tool lists whose TurnEncoder is kept (a harness may vary them per session)
 _T = TypeVar("_T")
 
@@ -271,7 +271,7 @@ class OpenAIServer:
         if not live:
             return 0
         p = self.params
-        seed = None if p.seed is None else p.seed + _TURN_SEED_STRIDE * self._calls
+        seed = None if p.seed is None else seeds.derive(seeds.AGENT_CALL, p.seed, self._calls)
         self._calls += 1
         call = replace(p, n=1, max_new_tokens=max(r.cap for r in live), seed=seed, return_logprobs=True)
         try:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.config import ActorConfig, MegatronConfig, OptimConfig
+from megatron_rl.config.load import fill_update_defaults
 from megatron_rl.model_args import load_model_args
 from megatron_rl.models.builder import (
     TrainingOptions,
@@ -90,8 +91,10 @@ def main():
         ppo_micro_batch_size_per_gpu=micro,
         ppo_epochs=1,
         loss_agg_mode="seq-mean-token-sum-norm",
+        loss_scale_factor=float(batch.response_length),  # a constant: the batch's response width
         optim=OptimConfig(lr=2e-3, lr_warmup_steps=0, weight_decay=0.0, clip_grad=1.0, eps=1e-6),
     )
+    fill_update_defaults(cfg, batch.response_length)
     opt = ModelOptimizer(model, cfg.optim, MegatronConfig(use_distributed_optimizer=True), ps, total_steps=2)
     metrics = update_actor(model, opt, ps, batch, cfg, ROLLOUT_N, TEMPERATURE)
     weights = {_copy_key(n, p, ps): p.detach().clone() for n, p in named_global_params(model).items()}

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from megatron_rl.batch import RolloutBatch, SeqMeta
 from megatron_rl.config import ActorConfig, CriticConfig, MegatronConfig, OptimConfig
+from megatron_rl.config.load import fill_update_defaults
 from megatron_rl.microbatches import MicroBatching, TokenStats
 from megatron_rl.model_args import DTYPES, load_model_args
 from megatron_rl.models.builder import (
@@ -260,7 +261,7 @@ def run_pair(ps, a, actor_dir: str, critic_dir: str, out_dir: str) -> None:
         clip_ratio_c=3.0,
         # per-sequence token sums over a constant (Dr. GRPO): the denominator counts sequences over DP
         loss_agg_mode="seq-mean-token-sum-norm",
-        loss_scale_factor=None,  # the batch's response width R: a constant, whatever the micro-batches
+        loss_scale_factor=float(batch.response_length),  # a constant, whatever the micro-batches
         entropy_coeff=0.01,
         use_kl_loss=True,
         kl_loss_coef=0.1,
@@ -275,6 +276,7 @@ def run_pair(ps, a, actor_dir: str, critic_dir: str, out_dir: str) -> None:
             eps=EPS,
         ),
     )
+    fill_update_defaults(actor_cfg, batch.response_length)
     opt = ModelOptimizer(actor, actor_cfg.optim, mcfg, ps, total_steps=4)
     res["actor"] = update_actor(actor, opt, ps, batch, actor_cfg, ROLLOUT_N, TEMPERATURE, stats=tokens)
     res["actor_steps"] = opt.num_steps
@@ -300,6 +302,7 @@ def run_pair(ps, a, actor_dir: str, critic_dir: str, out_dir: str) -> None:
         ppo_epochs=2,
         cliprange_value=0.5,
         loss_agg_mode="seq-mean-token-sum-norm",
+        loss_scale_factor=float(batch.response_length),
         optim=OptimConfig(
             lr=2e-3,
             min_lr=0.0,
@@ -327,6 +330,7 @@ def run_pair(ps, a, actor_dir: str, critic_dir: str, out_dir: str) -> None:
         clip_ratio=0.2,
         optim=OptimConfig(lr=1e-3, lr_warmup_steps=0, weight_decay=0.0, clip_grad=0.0),
     )
+    fill_update_defaults(dir_cfg, batch.response_length)
     # One DDP per model: the same optimizer continues, with this update's schedule and no clipping.
     opt.cfg, opt.schedule, opt.num_steps = dir_cfg.optim, LRSchedule(dir_cfg.optim, 1), 0
     update_actor(
