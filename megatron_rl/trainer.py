@@ -93,7 +93,7 @@ class Trainer:
             cfg, specs, ps, self.placement, self.model_args, self.data, self.total_steps,
             lambda: next(self._batches), reward, self.tokenizer, self.timer, self.state,
         )  # fmt: skip
-        self.sync_probe = SyncProbe(cfg, ps, self.data.train, self.data.pad_id, self.data.stop_ids)
+        self.sync_probe = SyncProbe(cfg, specs.rollout, ps, self.data)
         self.logger = MetricsLogger(
             t.logger, t.log_dir, t.project_name, t.experiment_name, to_dict(cfg),
             enabled=ps.rank == 0, block_freq=t.console_block_freq,

@@ -134,8 +134,12 @@ class RefSpec:
 @dataclass(frozen=True)
 class CriticSpec:
     enabled: bool
+    """critic.enable (resolved: on with GAE)."""
     update: UpdateSpec
     dtype: str
+    """The dtype it trains in on this device."""
+    rollout_n: int
+    """Samples per prompt (rollout.n): mini-batches count sequences in prompts x n."""
 
 
 @dataclass(frozen=True)
@@ -187,6 +191,7 @@ def resolve(cfg: Config, device: torch.device | str) -> Specs:
             enabled=bool(critic.enable),
             update=UpdateSpec.of(critic, "critic"),
             dtype=run_dtype(critic.megatron.params_dtype, device),
+            rollout_n=arr.rollout.n,
         ),
         rollout=RolloutSpec(
             engine=arr.rollout.name,

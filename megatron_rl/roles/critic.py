@@ -50,7 +50,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.batch import RolloutBatch, SeqMeta
-from megatron_rl.config import Config
+from megatron_rl.config import CriticConfig
+from megatron_rl.config.specs import CriticSpec
 from megatron_rl.microbatches import ForwardPasses, TokenStats
 from megatron_rl.parallel import ParallelState
 from megatron_rl.roles.bridge import Layout, Route, row_routes
@@ -150,10 +151,18 @@ class LocalCritic:
     from here)."""
 
     def __init__(
-        self, cfg: Config, ps: ParallelState, model, optim, passes: ForwardPasses, timer: Timer
+        self,
+        critic: CriticConfig,
+        spec: CriticSpec,
+        ps: ParallelState,
+        model,
+        optim,
+        passes: ForwardPasses,
+        timer: Timer,
     ) -> None:
-        self.cfg, self.ps, self.model, self.optim, self.passes = cfg, ps, model, optim, passes
-        self.timer = timer
+        """``critic``: the critic section; ``spec``: config.specs.CriticSpec."""
+        self.critic, self.spec, self.ps, self.model, self.optim = critic, spec, ps, model, optim
+        self.passes, self.timer = passes, timer
 
     def values_async(self, step: int, batch: RolloutBatch, stats: TokenStats) -> Done[torch.Tensor]:
         from megatron_rl import ppo
@@ -164,10 +173,10 @@ class LocalCritic:
     def update_async(self, step: int, batch: RolloutBatch, stats: TokenStats) -> Done[dict[str, float]]:
         from megatron_rl import ppo
 
-        n = self.cfg.actor_rollout_ref.rollout.n
+        n = self.spec.rollout_n
         with self.timer("update_critic"):  # seed: mini-batch shuffling, the step's
             metrics = ppo.update_critic(
-                self.model, self.optim, self.ps, batch, self.cfg.critic, n, shuffle_seed=step, stats=stats
+                self.model, self.optim, self.ps, batch, self.critic, n, shuffle_seed=step, stats=stats
             )
         return Done(metrics)
 
@@ -300,7 +309,9 @@ class RemoteCritic:
 
 
 def make_critic(
-    cfg: Config,
+    critic: CriticConfig,
+    spec: CriticSpec,
+    dist_timeout: datetime.timedelta,
     ps: ParallelState,
     built: tuple[torch.nn.Module, ModelOptimizer] | None,
     separate: bool,
@@ -310,12 +321,12 @@ def make_critic(
     timer: Timer,
 ) -> CriticRole:
     """The run's critic role: none (critic.enable=false), on ranks of its own (``separate``), or here
-    with ``built`` (the module and optimizer roles.models.build_models made)."""
-    if not cfg.critic.enable:
+    with ``built`` (the module and optimizer roles.models.build_models made); ``dist_timeout``: how
+    long a wait for the remote critic may take (trainer.dist_timeout_minutes)."""
+    if not spec.enabled:
         return NullCritic()
     if separate:
-        timeout = datetime.timedelta(minutes=cfg.trainer.dist_timeout_minutes)
-        return RemoteCritic(ps, total_steps, pad_id, timer, timeout)
+        return RemoteCritic(ps, total_steps, pad_id, timer, dist_timeout)
     if built is None:
         raise ValueError("critic.enable: build_models(with_critic=True) builds the critic for these ranks")
-    return LocalCritic(cfg, ps, built[0], built[1], passes, timer)
+    return LocalCritic(critic, spec, ps, built[0], built[1], passes, timer)

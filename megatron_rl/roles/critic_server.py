@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from megatron_rl.batch import RolloutBatch, SeqMeta
-from megatron_rl.config import Config
+from megatron_rl.config import Config, resolve
 from megatron_rl.errors import CheckpointError
 from megatron_rl.microbatches import ForwardPasses
 from megatron_rl.parallel import ParallelState
@@ -97,6 +97,7 @@ class CriticServer:
         self.bridge: Bridge | None = None  # the group of both roles' ranks (the "link" request)
         self.actor: Layout | None = None  # the actor's ranks: DP rank, DP leaders
         self.passes = ForwardPasses.from_config(cfg)
+        self.spec = resolve(cfg, ps.device).critic  # the facts the critic reads (config.specs)
         self.values_seconds = 0.0  # of the step's values request (perf/critic_busy_s adds the update's)
 
     def serve(self) -> int:
@@ -168,7 +169,7 @@ class CriticServer:
         bridge, actor = self._linked()
         returns, mask = recv_returns(bridge, self.parts, mine.response_length, msg["dtypes"], actor)
         mine.returns, mine.response_mask = returns, mask  # [b, R]
-        n = self.cfg.actor_rollout_ref.rollout.n
+        n = self.spec.rollout_n
         metrics = ppo.update_critic(
             self.model, self.optim, ps, mine, self.cfg.critic, n, shuffle_seed=msg["seed"]
         )

@@ -28,8 +28,9 @@ import torch.distributed as dist
 
 from megatron_rl.batch import RolloutBatch
 from megatron_rl.config import Config
-from megatron_rl.model_args import run_dtype
+from megatron_rl.config.specs import RolloutSpec
 from megatron_rl.parallel import ParallelState
+from megatron_rl.roles.rollout.role import RolloutData
 from megatron_rl.rollout import SamplingParams
 from megatron_rl.rollout.reshard import WeightSyncError
 
@@ -44,16 +45,18 @@ the engine runs in float32)."""
 class SyncProbe:
     """See the module docstring; ``run`` is collective over the training ranks."""
 
-    def __init__(self, cfg: Config, ps: ParallelState, train_data, pad_id: int, stop_ids: list[int]) -> None:
-        self.cfg, self.ps, self.pad_id = cfg, ps, pad_id
+    def __init__(self, cfg: Config, spec: RolloutSpec, ps: ParallelState, data: RolloutData) -> None:
+        """``spec``: the rollout's facts (config.specs.RolloutSpec: the engine's dtype here); ``data``:
+        the training prompts, the pad and stop tokens."""
+        self.cfg, self.ps, self.pad_id = cfg, ps, data.pad_id
+        train_data, stop_ids = data.train, data.stop_ids
         # multi-turn rollouts would run the probe as episodes (tool calls and all): the checksums only
         self.freq = 0 if cfg.actor_rollout_ref.rollout.multi_turn.enable else cfg.trainer.sync_check_freq
         n = len(train_data)
         first = ps.dp_rank * PROMPTS_PER_RANK
         self.items = [train_data[(first + j) % n] for j in range(PROMPTS_PER_RANK)] if n else []
         rollout = cfg.actor_rollout_ref.rollout
-        dtype = run_dtype(rollout.dtype or "bfloat16", ps.device)
-        self.dtype, self.tolerance = dtype, TOLERANCE.get(dtype, 0.1)
+        self.dtype, self.tolerance = spec.dtype, TOLERANCE.get(spec.dtype, 0.1)
         self.params = SamplingParams(
             n=1,
             temperature=1.0,

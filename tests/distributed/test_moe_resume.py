@@ -46,7 +46,11 @@ def test_deepseek_v3_resume_is_bit_exact_with_its_expert_biases(demo, tmp_path, 
     wa, wb = (torch_dist_tensors(f"{d}/global_step_4/actor") for d in (straight, split))
     biases = [k for k in wa if k.endswith("router.expert_bias")]
     assert biases, sorted(wa)[:8]
-    assert any(not torch.equal(wa[k], first[k]) for k in biases), "the expert biases never moved"
+    # They start at zero and move by +-rate each step: nonzero at a checkpoint means they moved (step 2
+    # and step 4 may hold the same values when the load swings back between them).
+    assert any(first[k].count_nonzero() or wa[k].count_nonzero() for k in biases), (
+        "the expert biases never moved"
+    )
     assert wa.keys() == wb.keys()
     for k in wa:
         assert torch.equal(wa[k], wb[k]), f"actor.{k} differs"
