@@ -21,6 +21,7 @@ an update's clip bounds    actor: clip_ratio[_low/_high], clip_ratio_c;  ppo.upd
 and loss scale             critic: cliprange_value; loss_agg_mode and    (one :class:`UpdateSpec` shape for
                            loss_scale_factor (data.max_response_length   both roles)
                            when unset, never a batch's width)
+samples per drawn prompt   rollout.n, data.train_batch_size, DP size     the rollout's sampling and queue
 =========================  ============================================  ==================================
 
 The specs are frozen: a role cannot change a fact another role reads. Each holds what its role reads
@@ -150,6 +151,16 @@ class RolloutSpec:
     """The engine's dtype on this device."""
     keeps_log_probs: bool
     """The engine returns each sampled token's log-prob and the batch keeps them."""
+    samples_per_draw: int
+    """Samples each prompt the sampler hands a rank stands for (config.batch_sizes.samples_per_draw)."""
+    max_new_tokens: int
+    """A response's budget: data.max_response_length (model and tool tokens alike)."""
+    max_prompt_length: int
+    """data.max_prompt_length (an agent harness's own prompt is held to it)."""
+    routed_experts: bool
+    """Routing replay R3: training rollouts return each token's experts."""
+    dist_timeout_minutes: float
+    """How long a wait on the engines' ranks may take (trainer.dist_timeout_minutes)."""
 
 
 @dataclass(frozen=True)
@@ -171,8 +182,11 @@ class Specs:
     reward: RewardSpec
 
 
-def resolve(cfg: Config, device: torch.device | str) -> Specs:
-    """The run's specs on ``device`` (module docstring); ``cfg`` loaded and validated."""
+def resolve(cfg: Config, device: torch.device | str, dp_size: int = 1) -> Specs:
+    """The run's specs on ``device`` for ``dp_size`` training DP ranks (module docstring); ``cfg``
+    loaded and validated."""
+    from megatron_rl.config.batch_sizes import samples_per_draw
+
     arr, critic = cfg.actor_rollout_ref, cfg.critic
     keeps = keeps_engine_log_probs(cfg)
     ref_needed = needs_reference(cfg)
@@ -197,6 +211,11 @@ def resolve(cfg: Config, device: torch.device | str) -> Specs:
             engine=arr.rollout.name,
             dtype=run_dtype(arr.rollout.dtype or arr.actor.megatron.params_dtype, device),
             keeps_log_probs=keeps,
+            samples_per_draw=samples_per_draw(cfg, dp_size),
+            max_new_tokens=cfg.data.max_response_length,
+            max_prompt_length=cfg.data.max_prompt_length,
+            routed_experts=arr.actor.router_replay.mode == "R3",
+            dist_timeout_minutes=cfg.trainer.dist_timeout_minutes,
         ),
         reward=RewardSpec(reward_kind(cfg)),
     )

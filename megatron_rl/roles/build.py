@@ -34,6 +34,7 @@ from megatron_rl.roles.rollout import (
     SeparateRollout,
     start_engine,
 )
+from megatron_rl.roles.rollout.generators import make_generator
 from megatron_rl.run.metrics import Timer
 from megatron_rl.run.state import StateRegistry
 
@@ -110,19 +111,30 @@ def build_roles(
             log=(lambda line: print(line, flush=True)) if ps.rank == 0 else None,
         )
         rollout: RolloutRole = ColocatedRollout(
-            cfg,
+            arr.rollout,
+            specs.rollout,
             ps,
             data,
             models.actor,
             lambda parking: park_for_generation(models, critic, cfg, parking, plan),
             engine,
             draw,
-            tokenizer=tokenizer,
-            plan=plan,
+            make_generator(cfg, ps, tokenizer),  # the engine alone, or multi-turn episodes: chosen once
+            plan,
             new_engine=lambda: start_engine(cfg, ps, model_args),
         )
     else:
-        rollout = SeparateRollout(cfg, ps, data, models.actor, placement, draw, total_steps)
+        rollout = SeparateRollout(
+            arr.rollout,
+            specs.rollout,
+            cfg.data.tokenizer,
+            ps,
+            data,
+            models.actor,
+            placement,
+            draw,
+            total_steps,
+        )
     roles = Roles(
         models,
         actor,

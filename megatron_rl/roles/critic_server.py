@@ -97,7 +97,7 @@ class CriticServer:
         self.bridge: Bridge | None = None  # the group of both roles' ranks (the "link" request)
         self.actor: Layout | None = None  # the actor's ranks: DP rank, DP leaders
         self.passes = ForwardPasses.from_config(cfg)
-        self.spec = resolve(cfg, ps.device).critic  # the facts the critic reads (config.specs)
+        self.spec = resolve(cfg, ps.device, ps.dp_size).critic  # the facts the critic reads (config.specs)
         self.values_seconds = 0.0  # of the step's values request (perf/critic_busy_s adds the update's)
 
     def serve(self) -> int:

@@ -19,7 +19,7 @@ SECRET = JobSecret(b"the two ranks' shared secret")
 def _worker(rank: int, init_file: str, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from megatron_rl.config import Config
+    from megatron_rl.config import load_config
     from megatron_rl.errors import CheckpointError
     from megatron_rl.parallel import ParallelState
     from megatron_rl.roles.critic import RemoteCritic
@@ -38,7 +38,8 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
         job_store=dist.FileStore(os.path.join(out_dir, "job"), 2), job_secret=SECRET,
     )  # fmt: skip
     # the same two ranks play the critic's server and the actor's client, one request at a time
-    server, client = CriticServer(Config(), ps), RemoteCritic(ps, 3, 0, Timer(cpu))  # client posts req/0
+    cfg = load_config(None, ["actor_rollout_ref.model.path=/models/x"])  # as train.py hands it over
+    server, client = CriticServer(cfg, ps), RemoteCritic(ps, 3, 0, Timer(cpu))  # client posts req/0
     requests = [
         {"kind": "load", "path": os.path.join(out_dir, "no_such_step"), "counters": {}},  # missing files
         {"kind": "save", "dir": os.path.join(out_dir, "step")},  # no init request before: a bug

@@ -216,10 +216,12 @@ def test_an_engine_failure_in_an_endpoint_episode_restarts_the_engine_in_place(
     engine and runs the step's episodes again, which come out as an uninterrupted run's."""
     import torch
 
-    from megatron_rl.config import Config
+    from megatron_rl.config import load_config, resolve
     from megatron_rl.model_args import model_args_from_hf_config
     from megatron_rl.roles.rollout import ColocatedRollout, Request, RolloutRole
+    from megatron_rl.roles.rollout.generators import make_generator
     from megatron_rl.rollout.hf_engine import HFEngine
+    from megatron_rl.run.memory_plan import config_plan
     from megatron_rl.run.metrics import Timer
     from tests.conftest import single_ps
 
@@ -240,13 +242,15 @@ def test_an_engine_failure_in_an_endpoint_episode_restarts_the_engine_in_place(
         return started[-1]
 
     (tmp_path / "harness.py").write_text(HARNESS)
-    cfg = Config()
+    cfg = load_config(None, ["actor_rollout_ref.model.path=/models/x"])
     cfg.actor_rollout_ref.rollout.dtype = "float32"  # what config.validate resolves on CPU
     mt = cfg.actor_rollout_ref.rollout.multi_turn
     mt.enable, mt.agent_function.path = True, str(tmp_path / "harness.py")
+    spec = resolve(cfg, "cpu").rollout
+    generator = make_generator(cfg, ps, tok)
     rollout = ColocatedRollout(
-        cfg, ps, None, oracle, lambda parking: None, new_engine(), lambda: [0], tokenizer=tok,
-        new_engine=new_engine,
+        cfg.actor_rollout_ref.rollout, spec, ps, None, oracle, lambda parking: None, new_engine(),
+        lambda: [0], generator, config_plan(cfg), new_engine=new_engine,
     )  # fmt: skip
     assert isinstance(rollout, RolloutRole)
     harness = rollout.generator.runner.fn.__globals__

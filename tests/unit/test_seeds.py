@@ -110,12 +110,13 @@ def test_same_seed_same_rollouts_and_every_key_changes_them(tiny):
 
 
 def test_rollout_seed_seeds_the_sampling_and_data_seed_does_not():
-    from megatron_rl.config import load_config
+    from megatron_rl.config import load_config, resolve
     from megatron_rl.roles.rollout import sampling_params
 
     def seed_of(*overrides: str, validate: bool = False) -> int | None:
         cfg = load_config("yaml/cpu_demo.yaml", list(overrides))
-        return sampling_params(cfg, [2], step=3, validate=validate, logprobs=True).seed
+        spec = resolve(cfg, "cpu").rollout
+        return sampling_params(cfg.actor_rollout_ref.rollout, spec, [2], 3, validate, logprobs=True).seed
 
     assert seed_of() == 0  # verl's default
     assert (

@@ -3,7 +3,8 @@ policy version (the step whose updated weights sampled them), assembled into a R
 the engine shares the training ranks or has ranks of its own (trainer.placement.rollout). What the loop
 calls is :class:`RolloutRole`; a new kind of rollout implements it.
 
-    rollout = ColocatedRollout(...)       (engine from start_engine) | SeparateRollout(...)
+    rollout = ColocatedRollout(section, spec, ...)   (engine from start_engine) | SeparateRollout(...)
+                                          section: actor_rollout_ref.rollout; spec: config.specs
     rollout.start(step)                   after resume: nothing | stream weights, ask ahead
     prompts = rollout.prompts(step)       the sampler's next batch | the batch asked for earlier
     rollout.sampling(step, validate)      SamplingParams of a step's rollout (or of validation)

@@ -15,15 +15,17 @@ from typing import Any
 
 import torch
 
-from megatron_rl.config import Config
+from megatron_rl.config import RolloutConfig
+from megatron_rl.config.specs import RolloutSpec
 from megatron_rl.offload import HostParking
 from megatron_rl.parallel import ParallelState
-from megatron_rl.roles.rollout.generators import make_generator
+from megatron_rl.roles.rollout.generators import Generator
 from megatron_rl.roles.rollout.queue import RequestQueue
 from megatron_rl.roles.rollout.role import Request, RolloutData
 from megatron_rl.roles.rollout.supervisor import EngineSupervisor
 from megatron_rl.rollout import Generation, SamplingParams, engine_dtype
 from megatron_rl.rollout.base import EngineFailure
+from megatron_rl.run.memory_plan import OffloadPlan
 from megatron_rl.run.metrics import Timer
 
 
@@ -32,36 +34,35 @@ class ColocatedRollout(RequestQueue):
 
     def __init__(
         self,
-        cfg: Config,
+        rollout: RolloutConfig,
+        spec: RolloutSpec,
         ps: ParallelState,
         data: RolloutData,
         actor: torch.nn.Module,
         park: Callable[[HostParking], None],
         engine,
         draw: Callable[[], list[int]],
-        tokenizer=None,
-        plan=None,
+        generator: Generator,
+        plan: OffloadPlan,
         new_engine: Callable[[], object] | None = None,
     ):
-        """``park(parking)``: park the training state ``plan`` names before generating
+        """``rollout``: actor_rollout_ref.rollout; ``spec``: the facts it reads beyond it (config.specs);
+        ``park(parking)``: park the training state ``plan`` names before generating
         (roles.models.park_for_generation); ``actor``: the module whose weights the engine syncs;
-        ``plan``: run.memory_plan.OffloadPlan (None: the *_offload keys alone); ``new_engine()``: a
-        fresh engine (collective; start_engine) for a restart in place (None: no restarts)."""
-        from megatron_rl.run.memory_plan import config_plan
-
+        ``generator``: the engine alone or multi-turn episodes (roles.rollout.generators.make_generator);
+        ``plan``: run.memory_plan.OffloadPlan; ``new_engine()``: a fresh engine (collective;
+        start_engine) for a restart in place (None: no restarts)."""
         super().__init__()
-        self.plan = plan or config_plan(cfg)
-        self.cfg, self.ps, self.data, self.actor, self.park = cfg, ps, data, actor, park
+        self.rollout, self.spec, self.plan = rollout, spec, plan
+        self.ps, self.data, self.actor, self.park = ps, data, actor, park
         self.draw = draw
         self.parking = HostParking(ps.device)
         self.trained = 0  # the actor's version, which the engine samples with once synced
         self.weights_stale = True  # the engine starts without the actor's weights
-        allowed = cfg.actor_rollout_ref.rollout.engine_restarts
         self.supervisor = EngineSupervisor(
-            ps, engine, new_engine, allowed, self.parking.reload, self._engine_replaced
+            ps, engine, new_engine, rollout.engine_restarts, self.parking.reload, self._engine_replaced
         )
-        # the engine alone, or multi-turn episodes (rollout/agent/): chosen once
-        self.generator = make_generator(cfg, ps, tokenizer)
+        self.generator = generator
 
     @property
     def engine(self) -> Any:
@@ -100,7 +101,7 @@ class ColocatedRollout(RequestQueue):
         gens = self.supervisor.run(
             request, lambda: self._generate_once(request, prompt_ids, params, timer, items), timer
         )
-        if self.cfg.actor_rollout_ref.rollout.free_cache_engine:
+        if self.rollout.free_cache_engine:
             with timer("engine"):
                 # SGLang drops its weights with its memory: the next rollout streams them again.
                 self.engine.release_memory()
@@ -117,7 +118,7 @@ class ColocatedRollout(RequestQueue):
         memory and a failed sync check included, is raised: a restart would not cure it)."""
         from megatron_rl.rollout.reshard import sync_weights
 
-        ps, rollout = self.ps, self.cfg.actor_rollout_ref.rollout
+        ps, rollout = self.ps, self.rollout
         with timer("offload"):
             self.park(self.parking)
         if rollout.free_cache_engine:

@@ -89,7 +89,7 @@ def make_agent(cfg: Config, ps: ParallelState, tokenizer) -> tuple[Any, Any]:
     from megatron_rl.rollout.agent.agent_loop import AgentLoop, EpisodeStats
 
     if tokenizer is None:
-        raise ValueError("actor_rollout_ref.rollout.multi_turn.enable needs ColocatedRollout(tokenizer=...)")
+        raise ValueError("actor_rollout_ref.rollout.multi_turn.enable needs make_generator(tokenizer=...)")
     if mt.agent_function.path:
         from megatron_rl.rollout.agent.agent_function import AgentFunctionLoop
 

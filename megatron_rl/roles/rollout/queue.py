@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.batch import RolloutBatch
-from megatron_rl.config import Config
-from megatron_rl.config.batch_sizes import samples_per_draw
+from megatron_rl.config import RolloutConfig
+from megatron_rl.config.specs import RolloutSpec
 from megatron_rl.data import regroup_samples
 from megatron_rl.parallel import ParallelState
 from megatron_rl.roles.rollout.role import Request, RolloutData, sampling_params
@@ -31,7 +31,10 @@ class RequestQueue:
     """The queue and the role's shared face (the module docstring); a placement implements
     :meth:`generate` (and :meth:`_take_all` when its generations arrive later)."""
 
-    cfg: Config
+    rollout: RolloutConfig
+    """actor_rollout_ref.rollout."""
+    spec: RolloutSpec
+    """The facts the rollout reads beyond its section (config.specs)."""
     ps: ParallelState
     data: RolloutData
     trained: int
@@ -53,14 +56,14 @@ class RequestQueue:
 
     def sampling(self, step: int, validate: bool) -> SamplingParams:
         keep = self.data.keep_log_probs
-        return sampling_params(self.cfg, self.data.stop_ids, step, validate, keep, self.ps.dp_size)
+        return sampling_params(self.rollout, self.spec, self.data.stop_ids, step, validate, keep)
 
     def batch(
         self, step: int, prompt_indices: list[int], timer: Timer, validate: bool = False
     ) -> RolloutBatch:
         """Generate responses for this rank's prompts and assemble the batch (n samples per prompt),
         every row's meta.policy_version the version that sampled it."""
-        cfg, ps = self.cfg, self.ps
+        ps = self.ps
         data = self.data.val if validate else self.data.train
         if data is None:
             raise ValueError("validation needs data.val_files")
@@ -75,7 +78,7 @@ class RequestQueue:
             raise
         with timer("batch"):
             batch = RolloutBatch.from_generations(
-                items, gens, self.data.pad_id, cfg.data.max_response_length, f"{step}-"
+                items, gens, self.data.pad_id, self.spec.max_new_tokens, f"{step}-"
             )
             for m in batch.meta:
                 m.policy_version = version
@@ -126,7 +129,7 @@ class RequestQueue:
 
     def load_queue(self, state: dict | None) -> None:
         """This DP rank's share of a saved queue (DP size and samples per prompt may have changed)."""
-        ps, per_draw = self.ps, samples_per_draw(self.cfg, self.ps.dp_size)
+        ps, per_draw = self.ps, self.spec.samples_per_draw
         for k, q in (state or {}).items():
             prompts, gens = regroup_samples(q["prompts"], q["gens"], per_draw)
             per = len(prompts) // ps.dp_size

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 from megatron_rl.batch import RolloutBatch
-from megatron_rl.config import Config
-from megatron_rl.config.batch_sizes import samples_per_draw
+from megatron_rl.config import RolloutConfig
+from megatron_rl.config.specs import RolloutSpec
 from megatron_rl.rollout import Generation, SamplingParams
 from megatron_rl.run.metrics import Timer
 from megatron_rl.run.state import StateRegistry
@@ -94,29 +94,28 @@ class RolloutRole(Protocol):
 
 
 def sampling_params(
-    cfg: Config, stop_ids: list[int], step: int, validate: bool, logprobs: bool, dp_size: int = 1
+    rollout: RolloutConfig, spec: RolloutSpec, stop_ids: list[int], step: int, validate: bool, logprobs: bool
 ) -> SamplingParams:
     """Sampling of step ``step``'s rollout (or of validation), seeded by (rollout.seed, step, validate); the
     engines derive each row's seed from these, its DP rank (colocated) or slice (separate) and its row
-    (rollout.base.sample_seed); a training prompt gets config.batch_sizes.samples_per_draw of them."""
-    rollout = cfg.actor_rollout_ref.rollout
+    (rollout.base.sample_seed); a training prompt gets ``spec.samples_per_draw`` of them."""
     if validate:
         vk = rollout.val_kwargs
         n, temperature, top_p, top_k, greedy = vk.n, vk.temperature, vk.top_p, vk.top_k, not vk.do_sample
     else:
         n, temperature, top_p, top_k = rollout.n, rollout.temperature, rollout.top_p, rollout.top_k
-        n, greedy = samples_per_draw(cfg, dp_size), not rollout.do_sample
+        n, greedy = spec.samples_per_draw, not rollout.do_sample
     return SamplingParams(
         n=n,
         temperature=temperature,
         top_p=top_p,
         top_k=top_k,
         greedy=greedy or temperature == 0,
-        max_new_tokens=cfg.data.max_response_length,
+        max_new_tokens=spec.max_new_tokens,
         stop_token_ids=stop_ids,
         seed=rollout.seed,
         step=step,
         validate=validate,
         return_logprobs=logprobs and not validate,
-        return_routed_experts=cfg.actor_rollout_ref.actor.router_replay.mode == "R3" and not validate,
+        return_routed_experts=spec.routed_experts and not validate,
     )

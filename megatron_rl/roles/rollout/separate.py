@@ -19,7 +19,8 @@ from dataclasses import replace
 
 import torch
 
-from megatron_rl.config import Config
+from megatron_rl.config import RolloutConfig
+from megatron_rl.config.specs import RolloutSpec
 from megatron_rl.parallel import ParallelState
 from megatron_rl.roles.rollout.queue import RequestQueue
 from megatron_rl.roles.rollout.role import Request, RolloutData
@@ -32,7 +33,9 @@ class SeparateRollout(RequestQueue):
 
     def __init__(
         self,
-        cfg: Config,
+        rollout: RolloutConfig,
+        spec: RolloutSpec,
+        tokenizer_path: str | None,
         ps: ParallelState,
         data: RolloutData,
         actor: torch.nn.Module,
@@ -40,21 +43,23 @@ class SeparateRollout(RequestQueue):
         draw: Callable[[], list[int]],
         total_steps: int,
     ):
-        """``placement``: the job's config.placement.Placement (the rollout ranks and engines)."""
+        """``rollout``: actor_rollout_ref.rollout; ``spec``: the facts it reads beyond it (config.specs);
+        ``tokenizer_path``: data.tokenizer (the rollout ranks' agent loop encodes with it);
+        ``placement``: the job's config.placement.Placement (the rollout ranks and engines)."""
         from megatron_rl.roles.remote_rollout import RolloutClient
 
         super().__init__()
-        rollout = cfg.actor_rollout_ref.rollout
-        self.cfg, self.ps, self.data, self.actor, self.draw = cfg, ps, data, actor, draw
+        self.rollout, self.spec = rollout, spec
+        self.ps, self.data, self.actor, self.draw = ps, data, actor, draw
         self.total_steps, self.staleness = total_steps, rollout.max_staleness
         self.client = RolloutClient(
-            ps, placement, rollout.tensor_model_parallel_size, cfg.trainer.dist_timeout_minutes
+            ps, placement, rollout.tensor_model_parallel_size, spec.dist_timeout_minutes
         )
         self.pushed = 0  # the weights the engines hold once they reach the next request
         self.trained = 0  # the actor's version
         self._val = 0
         mt = rollout.multi_turn
-        self.episodes = {"multi_turn": mt, "tokenizer": cfg.data.tokenizer} if mt.enable else None
+        self.episodes = {"multi_turn": mt, "tokenizer": tokenizer_path} if mt.enable else None
         self.stats = None
         if mt.enable:
             from megatron_rl.rollout.agent.episode_stats import EpisodeStats
@@ -62,9 +67,8 @@ class SeparateRollout(RequestQueue):
             self.stats = EpisodeStats()
 
     def _push(self, step: int) -> None:
-        rollout = self.cfg.actor_rollout_ref.rollout
-        dtype = engine_dtype(rollout.dtype, self.ps)
-        self.client.push_weights(self.actor, rollout.update_weights_bucket_megabytes, dtype)
+        dtype = engine_dtype(self.rollout.dtype, self.ps)
+        self.client.push_weights(self.actor, self.rollout.update_weights_bucket_megabytes, dtype)
         self.pushed = step
 
     def _ask(self, step: int) -> None:
