@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from megatron_rl.algos.dapo import overlong_penalty
 from megatron_rl.batch import RolloutBatch
+from megatron_rl.config.specs import reward_kind
 from megatron_rl.errors import NonFiniteRewardError
 from megatron_rl.reward.source import RewardSource
 
@@ -92,16 +93,17 @@ def reward_scores(
 _WEIGHT = "actor_rollout_ref.rollout.multi_turn.tool_reward_weight"
 
 
+_SOURCE_KEYS = {
+    "model": "reward_model.model.path",
+    "http": "reward_model.http.url",
+    "function": "custom_reward_function.path/.name",
+    "rules": "the built-in rule of the data_source (reward/rules.py)",
+}
+
+
 def _source_keys(cfg: Config) -> str:
-    """The config keys of the reward source in use (for error lines)."""
-    rm = cfg.reward_model
-    if rm.enable:
-        return "reward_model.model.path"
-    if rm.http.url:
-        return "reward_model.http.url"
-    if cfg.custom_reward_function.path:
-        return "custom_reward_function.path/.name"
-    return "the built-in rule of the data_source (reward/rules.py)"
+    """The config keys of the reward source in use (config.specs.reward_kind), for error lines."""
+    return _SOURCE_KEYS[reward_kind(cfg)]
 
 
 def _check_finite(values: torch.Tensor, batch: RolloutBatch, what: str, keys: str) -> None:
