@@ -1,8 +1,8 @@
 """The config resolved once: after validation, the facts each role reads, as frozen per-role specs.
 
-    cfg = load_config(path, overrides)        # keys, their derived defaults (load.resolve_defaults)
+    cfg = load_config(path, overrides)        # keys and their derived defaults (config.load)
     validate(cfg, world_size)                 # the combinations
-    specs = resolve(cfg, device)              # Specs: actor, ref, critic, rollout, reward
+    specs = resolve(cfg, device, dp_size)     # Specs: actor, ref, critic, rollout, reward
 
 A fact that several keys decide together is computed here and read everywhere else from its spec:
 
@@ -15,12 +15,12 @@ engine log-probs kept      rollout.calculate_log_probs, the rollout      the rol
 reference needed           actor.use_kl_loss, algorithm.use_kl_in_reward  the ref role, the model builder
 reward source              reward_model.enable / http.url,               the trainer (rule rows checked at
                            custom_reward_function.path, else the rules   load), scoring
-train / engine dtype       *.megatron.params_dtype, rollout.dtype, the   the model builder, the engines
-                           device (CPU runs float32)
-an update's clip bounds    actor: clip_ratio[_low/_high], clip_ratio_c;  ppo.update_actor / update_critic
-and loss scale             critic: cliprange_value; loss_agg_mode and    (one :class:`UpdateSpec` shape for
-                           loss_scale_factor (data.max_response_length   both roles)
-                           when unset, never a batch's width)
+engine dtype               rollout.dtype, the device (CPU runs float32:  the sync probe (the engines and
+                           model_args.run_dtype, for the models too)     builders call run_dtype)
+an update's clip bounds    actor: clip_ratio[_low/_high]; critic:        ppo_loop.UpdatePlan for
+and loss scale             cliprange_value; loss_agg_mode and            ppo.update_actor / update_critic
+                           loss_scale_factor (data.max_response_length   (one :class:`UpdateSpec` shape for
+                           when unset, never a batch's width)            both roles)
 samples per drawn prompt   rollout.n, data.train_batch_size, DP size     the rollout's sampling and queue
 =========================  ============================================  ==================================
 
@@ -82,7 +82,7 @@ class UpdateSpec:
     """token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm."""
     loss_scale: float
     """seq-mean-token-sum-norm's constant: ``loss_scale_factor``, data.max_response_length when unset
-    (load.resolve_defaults): the same on every DP rank and placement, never a batch's width."""
+    (config.load.fill_update_defaults): the same on every DP rank and placement, never a batch's width."""
     clip_low: float
     """The ratio's lower clip range (actor: clip_ratio_low, clip_ratio when unset); the critic's value
     clip (cliprange_value) on both sides."""
@@ -109,9 +109,6 @@ class UpdateSpec:
 
 @dataclass(frozen=True)
 class ActorSpec:
-    update: UpdateSpec
-    dtype: str
-    """The dtype it trains in on this device."""
     rollout_n: int
     """Samples per prompt (rollout.n): mini-batches count sequences in prompts x n."""
     temperature: float
@@ -126,8 +123,6 @@ class ActorSpec:
 
 @dataclass(frozen=True)
 class RefSpec:
-    needed: bool
-    """A KL term reads the reference's log-probs."""
     adapters_off: bool
     """LoRA: the reference is the actor with its adapters off (no reference weights built)."""
 
@@ -136,17 +131,12 @@ class RefSpec:
 class CriticSpec:
     enabled: bool
     """critic.enable (resolved: on with GAE)."""
-    update: UpdateSpec
-    dtype: str
-    """The dtype it trains in on this device."""
     rollout_n: int
     """Samples per prompt (rollout.n): mini-batches count sequences in prompts x n."""
 
 
 @dataclass(frozen=True)
 class RolloutSpec:
-    engine: str
-    """hf | sglang."""
     dtype: str
     """The engine's dtype on this device."""
     keeps_log_probs: bool
@@ -155,8 +145,6 @@ class RolloutSpec:
     """Samples each prompt the sampler hands a rank stands for (config.batch_sizes.samples_per_draw)."""
     max_new_tokens: int
     """A response's budget: data.max_response_length (model and tool tokens alike)."""
-    max_prompt_length: int
-    """data.max_prompt_length (an agent harness's own prompt is held to it)."""
     routed_experts: bool
     """Routing replay R3: training rollouts return each token's experts."""
     dist_timeout_minutes: float
@@ -187,33 +175,23 @@ def resolve(cfg: Config, device: torch.device | str, dp_size: int = 1) -> Specs:
     loaded and validated."""
     from megatron_rl.config.batch_sizes import samples_per_draw
 
-    arr, critic = cfg.actor_rollout_ref, cfg.critic
+    arr = cfg.actor_rollout_ref
     keeps = keeps_engine_log_probs(cfg)
-    ref_needed = needs_reference(cfg)
     return Specs(
         actor=ActorSpec(
-            update=UpdateSpec.of(arr.actor, "actor_rollout_ref.actor"),
-            dtype=run_dtype(arr.actor.megatron.params_dtype, device),
             rollout_n=arr.rollout.n,
             temperature=arr.rollout.temperature,
             critic_warmup=cfg.trainer.critic_warmup,
             keeps_engine_log_probs=keeps,
             use_kl_in_reward=cfg.algorithm.use_kl_in_reward,
         ),
-        ref=RefSpec(needed=ref_needed, adapters_off=ref_needed and bool(arr.model.lora.rank)),
-        critic=CriticSpec(
-            enabled=bool(critic.enable),
-            update=UpdateSpec.of(critic, "critic"),
-            dtype=run_dtype(critic.megatron.params_dtype, device),
-            rollout_n=arr.rollout.n,
-        ),
+        ref=RefSpec(adapters_off=needs_reference(cfg) and bool(arr.model.lora.rank)),
+        critic=CriticSpec(enabled=bool(cfg.critic.enable), rollout_n=arr.rollout.n),
         rollout=RolloutSpec(
-            engine=arr.rollout.name,
             dtype=run_dtype(arr.rollout.dtype or arr.actor.megatron.params_dtype, device),
             keeps_log_probs=keeps,
             samples_per_draw=samples_per_draw(cfg, dp_size),
             max_new_tokens=cfg.data.max_response_length,
-            max_prompt_length=cfg.data.max_prompt_length,
             routed_experts=arr.actor.router_replay.mode == "R3",
             dist_timeout_minutes=cfg.trainer.dist_timeout_minutes,
         ),
