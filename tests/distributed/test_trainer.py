@@ -25,6 +25,7 @@ def overrides(demo, out_dir, **kw):
         "data.train_files": f"[{demo['train']}]",
         "data.val_files": f"[{demo['test']}]",
         "data.train_batch_size": 16,
+        "actor_rollout_ref.rollout.n": 4,  # the tests' size, whatever the demo's
         "data.val_batch_size": 32,
         "actor_rollout_ref.model.path": demo["model"],
         "actor_rollout_ref.actor.ppo_mini_batch_size": 8,

@@ -28,6 +28,7 @@ def keys(demo, run_dir: str, steps: int, **extra) -> list[str]:
         "data.val_files": f"[{demo['test']}]",
         "actor_rollout_ref.model.path": demo["model"],
         "data.train_batch_size": 16,
+        "actor_rollout_ref.rollout.n": 4,  # the tests' size, whatever the demo's
         "actor_rollout_ref.actor.ppo_mini_batch_size": 8,
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 32,  # a mini-batch's 32 sequences
         "critic.ppo_micro_batch_size_per_gpu": 32,
