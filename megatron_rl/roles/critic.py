@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, runtime_checkable
 import torch
 import torch.distributed as dist
 
-from megatron_rl.batch import RolloutBatch, SeqMeta
+from megatron_rl.batch import RolloutBatch
 from megatron_rl.config import CriticConfig
 from megatron_rl.config.specs import CriticSpec
 from megatron_rl.microbatches import ForwardPasses, TokenStats
@@ -57,6 +57,7 @@ from megatron_rl.parallel import ParallelState
 from megatron_rl.roles.bridge import Layout, Route, row_routes
 from megatron_rl.roles.critic_data import (
     CRITIC_FIELDS,
+    MESSAGE_TYPES,
     RETURN_FIELDS,
     Bridge,
     dtype_names,
@@ -70,8 +71,6 @@ from megatron_rl.run.state import SHARD, StateRegistry
 if TYPE_CHECKING:
     from megatron_rl.optim import ModelOptimizer
 
-MESSAGE_TYPES = (RolloutBatch, SeqMeta)
-"""The dataclasses the critic's messages carry."""
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)

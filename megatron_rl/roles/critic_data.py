@@ -37,6 +37,9 @@ from megatron_rl.roles.bridge import Bridge as _Bridge
 from megatron_rl.roles.bridge import Layout, Route, row_routes
 from megatron_rl.roles.transport import DTYPE_NAMES, DTYPES
 
+MESSAGE_TYPES = (RolloutBatch, SeqMeta)
+"""The dataclasses the critic's store messages carry (both sides' mailboxes allow these only)."""
+
 CRITIC_FIELDS = ("prompts", "responses", "input_ids", "attention_mask", "response_mask")
 """The batch fields a critic computes values from (tokens, masks, the prompt's width)."""
 

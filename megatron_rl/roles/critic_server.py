@@ -22,23 +22,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_rl.batch import RolloutBatch, SeqMeta
+from megatron_rl.batch import RolloutBatch
 from megatron_rl.config import Config, resolve
 from megatron_rl.errors import CheckpointError
 from megatron_rl.microbatches import ForwardPasses
 from megatron_rl.parallel import ParallelState
 from megatron_rl.roles.bridge import Layout
-from megatron_rl.roles.critic_data import Bridge, recv_returns, recv_slice, send_values
+from megatron_rl.roles.critic_data import MESSAGE_TYPES, Bridge, recv_returns, recv_slice, send_values
 from megatron_rl.roles.transport import all_gather_objects, job_mailbox, job_store
 
 if TYPE_CHECKING:
     from megatron_rl.optim import ModelOptimizer
 
 log = logging.getLogger(__name__)
-
-MESSAGE_TYPES = (RolloutBatch, SeqMeta)
-"""The dataclasses the critic's messages carry (the same as ``roles.critic.MESSAGE_TYPES``; defined
-here too so that this module does not import ``roles.critic``, which imports :func:`raise_failure`)."""
 
 
 class CriticServerError(RuntimeError):
