@@ -133,6 +133,8 @@ class CriticSpec:
     """critic.enable (resolved: on with GAE)."""
     rollout_n: int
     """Samples per prompt (rollout.n): mini-batches count sequences in prompts x n."""
+    dist_timeout_minutes: float
+    """How long a wait for a critic on ranks of its own may take (trainer.dist_timeout_minutes)."""
 
 
 @dataclass(frozen=True)
@@ -186,7 +188,7 @@ def resolve(cfg: Config, device: torch.device | str, dp_size: int = 1) -> Specs:
             use_kl_in_reward=cfg.algorithm.use_kl_in_reward,
         ),
         ref=RefSpec(adapters_off=needs_reference(cfg) and bool(arr.model.lora.rank)),
-        critic=CriticSpec(enabled=bool(cfg.critic.enable), rollout_n=arr.rollout.n),
+        critic=CriticSpec(bool(cfg.critic.enable), arr.rollout.n, cfg.trainer.dist_timeout_minutes),
         rollout=RolloutSpec(
             dtype=run_dtype(arr.rollout.dtype or arr.actor.megatron.params_dtype, device),
             keeps_log_probs=keeps,

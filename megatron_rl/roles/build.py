@@ -14,7 +14,6 @@ A new role is built here and registers its state here; the trainer only calls it
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -83,10 +82,9 @@ def build_roles(
     models, critic_built = build_models(
         cfg, ps, model_args, total_steps, with_critic=not placement.separate_critic
     )
-    timeout = datetime.timedelta(minutes=cfg.trainer.dist_timeout_minutes)
     critic = make_critic(
-        cfg.critic, specs.critic, timeout, ps, critic_built, placement.separate_critic, total_steps,
-        data.pad_id, passes, timer,
+        cfg.critic, specs.critic, ps, critic_built, placement.separate_critic, total_steps, data.pad_id,
+        passes, timer,
     )  # fmt: skip
     arr = cfg.actor_rollout_ref
     actor = ActorRole(

@@ -310,7 +310,6 @@ class RemoteCritic:
 def make_critic(
     critic: CriticConfig,
     spec: CriticSpec,
-    dist_timeout: datetime.timedelta,
     ps: ParallelState,
     built: tuple[torch.nn.Module, ModelOptimizer] | None,
     separate: bool,
@@ -320,12 +319,12 @@ def make_critic(
     timer: Timer,
 ) -> CriticRole:
     """The run's critic role: none (critic.enable=false), on ranks of its own (``separate``), or here
-    with ``built`` (the module and optimizer roles.models.build_models made); ``dist_timeout``: how
-    long a wait for the remote critic may take (trainer.dist_timeout_minutes)."""
+    with ``built`` (the module and optimizer roles.models.build_models made)."""
     if not spec.enabled:
         return NullCritic()
     if separate:
-        return RemoteCritic(ps, total_steps, pad_id, timer, dist_timeout)
+        timeout = datetime.timedelta(minutes=spec.dist_timeout_minutes)
+        return RemoteCritic(ps, total_steps, pad_id, timer, timeout)
     if built is None:
         raise ValueError("critic.enable: build_models(with_critic=True) builds the critic for these ranks")
     return LocalCritic(critic, spec, ps, built[0], built[1], passes, timer)
