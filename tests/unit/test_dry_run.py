@@ -99,7 +99,7 @@ def test_world_size_comes_from_nproc_and_nnodes(demo, capsys):
     assert rc == 1 and len(errors) == 1
     assert "world size 3" in errors[0] and "TP=2 x PP=1" in errors[0]
     ok = [DEMO, *demo_overrides(demo), "--check", "--nproc=2", "--nnodes=2", "data.train_batch_size=64"]
-    # DP=2 halves a mini-batch's 64 sequences per rank: the demo's micro-batches (64) no longer divide them
+    # DP=2: a mini-batch's 16 x 8 sequences are 64 per rank; micro-batches of 32 divide them
     ok += [
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32",
         "critic.ppo_micro_batch_size_per_gpu=32",
@@ -304,6 +304,7 @@ def test_a_config_with_several_kinds_of_problem_lists_them_all(demo, capsys):
     model: one dry run lists each in one line (the keys left beside the unknown one are still checked)."""
     argv = [DEMO, *demo_overrides(demo), "--check", "trainer.save_frequency=3", "data.truncation=cut"]
     argv += ["data.train_batch_size=10", "actor_rollout_ref.actor.ppo_mini_batch_size=3"]
+    argv += ["actor_rollout_ref.rollout.n=4"]  # 3 prompts x 4 samples: the 12 sequences named below
     argv += [
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=5",
         "critic.ppo_micro_batch_size_per_gpu=7",
