@@ -104,10 +104,9 @@ def test_one_step_off_policy_rollout_learns_and_resumes_with_its_queue(demo, tmp
         "trainer.total_training_steps": 40,
         "trainer.test_freq": 20,
         "actor_rollout_ref.rollout.max_staleness": 1,
-        # the recipe this test is measured with (independent of the demo's): at it, one-step-stale
+        # the demo's recipe (8 samples per prompt, entropy bonus 0.03, lr 2e-3): one-step-stale
         # rollouts reach validation >= 0.9 by step 40
-        "actor_rollout_ref.actor.optim.lr": 1e-3,
-        "actor_rollout_ref.actor.entropy_coeff": 0.0,
+        "actor_rollout_ref.rollout.n": 8,
         "actor_rollout_ref.rollout.seed": 1,
         **SEPARATE,
     }
