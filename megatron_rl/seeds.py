@@ -1,9 +1,10 @@
 """Every random stream of a run, derived from one hash: ``derive(stream, key, ...)``.
 
 A stream is named for what it draws and keyed by the config's seed and the indices that tell its
-draws apart. blake2b over the stream's name and its packed key gives 8 bytes, folded to ``bits``; no
-two keys share a value by construction (a sum of strided terms does: with ``seed*A + step*B + row``,
-row B of step s is row 0 of step s+1), and two streams never share one even with equal keys.
+draws apart. blake2b over the stream's name and its packed key gives 8 bytes, folded to ``bits``: two
+keys, or two streams at equal keys, share a seed only by chance (about 2**-63 a pair at 63 bits),
+never by construction as a sum of strided terms does (with ``seed*A + step*B + row``, row B of step s
+is row 0 of step s+1).
 
 =================  ==================================================  =====================================
 stream             key                                                 draws

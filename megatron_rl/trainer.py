@@ -71,7 +71,7 @@ class Trainer:
     def __init__(self, cfg: Config, ps: ParallelState, placement: Placement | None = None) -> None:
         self.cfg, self.ps = cfg, ps
         self.placement = placement or resolve_placement(cfg, ps.world_size)
-        self.specs = specs = resolve(cfg, ps.device, ps.dp_size)  # the facts each role reads, once
+        specs = resolve(cfg, ps.device, ps.dp_size)  # the facts each role reads, decided once
         inputs = read_inputs(cfg, specs, ps)
         self.tokenizer, self.model_args, self.data = inputs.tokenizer, inputs.model_args, inputs.data
         self.sampler, self.total_steps = inputs.sampler, inputs.total_steps

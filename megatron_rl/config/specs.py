@@ -178,6 +178,8 @@ def resolve(cfg: Config, device: torch.device | str, dp_size: int = 1) -> Specs:
     from megatron_rl.config.batch_sizes import samples_per_draw
 
     arr = cfg.actor_rollout_ref
+    if arr.rollout.dtype is None:  # config.load fills it with the actor's params_dtype
+        raise ConfigError("actor_rollout_ref.rollout.dtype is unset: load the config with load_config")
     keeps = keeps_engine_log_probs(cfg)
     return Specs(
         actor=ActorSpec(
@@ -190,7 +192,7 @@ def resolve(cfg: Config, device: torch.device | str, dp_size: int = 1) -> Specs:
         ref=RefSpec(adapters_off=needs_reference(cfg) and bool(arr.model.lora.rank)),
         critic=CriticSpec(bool(cfg.critic.enable), arr.rollout.n, cfg.trainer.dist_timeout_minutes),
         rollout=RolloutSpec(
-            dtype=run_dtype(arr.rollout.dtype or arr.actor.megatron.params_dtype, device),
+            dtype=run_dtype(arr.rollout.dtype, device),
             keeps_log_probs=keeps,
             samples_per_draw=samples_per_draw(cfg, dp_size),
             max_new_tokens=cfg.data.max_response_length,

@@ -46,6 +46,13 @@ def test_the_facts_each_role_reads():
     assert specs(*n8, dp_size=2).rollout.samples_per_draw == 8
 
 
+def test_an_unresolved_engine_dtype_is_refused():
+    cfg = load_config(None, BASE)
+    cfg.actor_rollout_ref.rollout.dtype = None  # what load_config would have filled
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref\.rollout\.dtype is unset"):
+        resolve(cfg, "cpu")
+
+
 def test_specs_are_frozen():
     s = specs()
     with pytest.raises(dataclasses.FrozenInstanceError):
