@@ -17,15 +17,19 @@ prompts of exactly --prompt-len tokens); every prompt row names the simulated us
 - ``tail``: ``latency`` with a long-tail mix: --tail-share of the episodes (seeded) run --tail-factor
   times the median's turns (and tokens);
 - each multi-turn run also as ``<name>_lockstep`` (multi_turn.schedule=lockstep: every turn waits for
-  every episode's, the batch-synchronous schedule).
+  every episode's, the batch-synchronous schedule);
+- ``tail_partial``: ``tail`` with partial rollouts (rollout.partial_rollout, max_staleness
+  --max-staleness): a step trains on the first batch of prompts whose episodes ended, the others go on
+  into the next step.
 
 Reported per run (steps after the first): timing_s/gen and the step's seconds, the engine's model tokens
 per step (replies not counted) and their tokens/s, multi_turn/engine_busy_ratio (seconds with a turn in
 the engine over the rollout's), multi_turn/prefix_cache_hit_ratio (SGLang: context tokens its radix
-cache held), the median and longest episode's seconds, and the step and generation time over the
-median episode's. Staleness of the trained tokens is 0 here: every step trains on episodes its own
-policy sampled (no partial rollouts). Ratios: multi / single tokens/s (goal >= 0.9), latency / multi
-generation time (goal <= 1.1), tail / latency step time (goal <= 1.3), async / lockstep per pair.
+cache held), the median and longest episode's seconds, the step and generation time over the
+median episode's, and the staleness of the trained sequences (rollout/staleness/*: 0 but with partial
+rollouts). Ratios: multi / single tokens/s (goal >= 0.9), latency / multi generation time (goal <= 1.1),
+tail_partial / latency step time (goal <= 1.3; tail / latency without partial rollouts), async /
+lockstep per pair.
 """
 
 from __future__ import annotations
@@ -43,7 +47,16 @@ from ppo_step import prepare, run, summarize  # noqa: E402
 
 INTERACTION = "synthetic"
 TURNS = 3
-RUNS = ("single", "multi", "multi_lockstep", "latency", "latency_lockstep", "tail", "tail_lockstep")
+RUNS = (
+    "single",
+    "multi",
+    "multi_lockstep",
+    "latency",
+    "latency_lockstep",
+    "tail",
+    "tail_lockstep",
+    "tail_partial",
+)
 
 
 def add_interaction(data: str, out_path: str, tail_share: float, tail_factor: int, seed: int) -> str:
@@ -109,7 +122,9 @@ def measure(rows: list[dict], a: argparse.Namespace) -> dict:
         "episode_s_max": mean("multi_turn/episode_s/max"),
         "gen_over_median_episode": gen / median_ep if gen and median_ep else None,
         "step_over_median_episode": step / median_ep if step and median_ep else None,
-        "staleness_max": 0,  # no partial rollouts: every token was sampled by the policy it trains
+        # partial rollouts: policy versions between the sampling and the trained actor (0 without)
+        "staleness_mean": mean("rollout/staleness/mean") or 0.0,
+        "staleness_max": max((r.get("rollout/staleness/max", 0.0) for r in steady), default=0.0),
     }
 
 
@@ -147,6 +162,7 @@ def main() -> None:
         help="auto (the default: park only what does not fit) or every *_offload key on",
     )
     ap.add_argument("--only", default=",".join(RUNS), help=f"comma-separated runs of {', '.join(RUNS)}")
+    ap.add_argument("--max-staleness", type=int, default=1, help="tail_partial: rollout.max_staleness")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
     ap.add_argument(
@@ -168,7 +184,8 @@ def main() -> None:
     a.out = os.path.abspath(a.out)
     os.makedirs(a.out, exist_ok=True)
     inputs = os.path.join(a.out, "inputs")
-    model_dir, tok_dir, data = prepare(inputs, a.model, a.prompt_len, a.batch * a.steps, a.seed)
+    # one batch more than the steps: partial rollouts keep two batches in flight from the first step
+    model_dir, tok_dir, data = prepare(inputs, a.model, a.prompt_len, a.batch * (a.steps + 1), a.seed)
     mt_data = add_interaction(data, os.path.join(inputs, "train_multi_turn.parquet"), 0.0, 1, a.seed)
     tail_data = add_interaction(
         data, os.path.join(inputs, "train_tail.parquet"), a.tail_share, a.tail_factor, a.seed
@@ -183,7 +200,7 @@ def main() -> None:
     for name in RUNS:
         if name not in only:
             continue
-        base = name.removesuffix("_lockstep")
+        base = name.removesuffix("_lockstep").removesuffix("_partial")
         extra: dict = {}
         rows_data = data
         if base != "single":
@@ -201,6 +218,11 @@ def main() -> None:
                 f"{mt}.schedule": "lockstep" if name.endswith("_lockstep") else "async",
                 "data.max_response_length": budget(turns),
             }
+            if name.endswith("_partial"):
+                extra |= {
+                    "actor_rollout_ref.rollout.partial_rollout": True,
+                    "actor_rollout_ref.rollout.max_staleness": a.max_staleness,
+                }
             rows_data = tail_data if base == "tail" else mt_data
         rows, rc = run(a, model_dir, tok_dir, rows_data, name, True, False, extra)
         result[name] = measure(rows, a) if rows else {}
@@ -215,7 +237,8 @@ def main() -> None:
 
     result["multi_vs_single_tokens_per_s"] = ratio("multi", "single", "tokens_per_s")  # goal >= 0.9
     result["latency_vs_multi_gen_s"] = ratio("latency", "multi", "gen_s")  # goal <= 1.1
-    result["tail_vs_latency_step_s"] = ratio("tail", "latency", "step_s")  # goal <= 1.3
+    result["tail_vs_latency_step_s"] = ratio("tail", "latency", "step_s")
+    result["tail_partial_vs_latency_step_s"] = ratio("tail_partial", "latency", "step_s")  # goal <= 1.3
     for base in ("multi", "latency", "tail"):
         result[f"{base}_async_vs_lockstep_gen_s"] = ratio(base, f"{base}_lockstep", "gen_s")
     with open(os.path.join(a.out, "summary.json"), "w") as f:

@@ -65,7 +65,10 @@ class SeqMeta:
     """The reward function's "pred" when it is not a number (a string answer, hashable): the vote
     of validation's maj@k (reward.scoring.ValidationScores); a numeric pred is in reward_extras."""
     policy_version: int = 0
-    """The step whose updated weights generated this sequence (0: the initial weights)."""
+    """The step whose updated weights generated this sequence (0: the initial weights); with partial
+    rollouts the oldest of its model tokens' versions."""
+    token_versions: list[int] | None = None
+    """Partial rollouts: the policy version of each response token (rollout.Generation.versions)."""
 
 
 @dataclass

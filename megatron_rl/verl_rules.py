@@ -179,7 +179,11 @@ RULES: tuple[Rule, ...] = (
     _ignored("*.qat.*", "quantization-aware training is not implemented"),
     _ignored("*.entropy_from_logits_*", "the entropy comes from the vocabulary-parallel logit shards"),
     _ignored("*.calculate_sum_pi_squared", "no loss here uses the per-token sum of squared probabilities"),
-    _ignored("data.gen_batch_size", "each generation batch is data.train_batch_size prompts"),
+    _ignored(
+        "data.gen_batch_size",
+        "each generation batch is data.train_batch_size prompts (partial rollouts keep "
+        "actor_rollout_ref.rollout.partial_rollout_batches of them in flight)",
+    ),
     _ignored("data.function_tool_path", "set actor_rollout_ref.rollout.multi_turn.tool_config_path"),
     _ignored("data.audio_key", NO_MULTIMODAL),
     _ignored("data.mm_processor_kwargs", NO_MULTIMODAL),

@@ -196,6 +196,7 @@ def validate(cfg: Config, world_size: int, model_dims: dict[str, int] | None = N
         )
 
     check_batch_sizes(cfg, dp, tp, pp, placement)
+    _check_partial_rollout(cfg, dp, placement.separate_rollout)
     check_interleaving(cfg, dp, pp, vpp)
     _validate_token_budgets(cfg)
     if cfg.algorithm.adv_estimator in ("grpo", "rloo") and rollout.n < 2:
@@ -261,6 +262,38 @@ def validate(cfg: Config, world_size: int, model_dims: dict[str, int] | None = N
                 f"first pipeline stage; actor_rollout_ref.actor.megatron.tensor/pipeline_model_parallel_size"
                 f"={tp}/{pp}): set actor_rollout_ref.rollout.tensor_model_parallel_size to one of {fits}."
             )
+
+
+_PARTIAL = "actor_rollout_ref.rollout.partial_rollout=true"
+
+
+def _check_partial_rollout(cfg: Config, dp: int, separate_rollout: bool) -> None:
+    """rollout.partial_rollout: multi-turn episodes of the built-in agent loop on the training ranks,
+    whole prompts per rank, a staleness bound that lets an episode outlive its step."""
+    rollout = cfg.actor_rollout_ref.rollout
+    if not rollout.partial_rollout:
+        return
+    why = None
+    if not rollout.multi_turn.enable:
+        why = "it carries multi-turn episodes across steps: set multi_turn.enable=true"
+    elif rollout.multi_turn.agent_function.path:
+        why = f"the episodes of {_AGENT}.path run to their end inside the harness: unset one of them"
+    elif separate_rollout:
+        why = "it runs on a colocated rollout: leave trainer.placement.rollout unset"
+    elif rollout.max_staleness < 1:
+        why = (
+            "an episode carried into the next step lags the actor by one version at least: set "
+            "actor_rollout_ref.rollout.max_staleness >= 1"
+        )
+    elif cfg.algorithm.filter_groups.enable:
+        why = "DAPO's refills draw prompts of their own: set algorithm.filter_groups.enable=false"
+    elif cfg.data.train_batch_size % dp:
+        why = (
+            f"each rank keeps whole prompts in flight: data.train_batch_size={cfg.data.train_batch_size} "
+            f"must be a multiple of the {dp} data-parallel ranks"
+        )
+    if why:
+        raise ConfigError(f"{_PARTIAL}: {why} (or set partial_rollout=false).")
 
 
 _AGENT = "actor_rollout_ref.rollout.multi_turn.agent_function"

@@ -173,11 +173,12 @@ def _check_with_config(cfg: Config, pl: Placement) -> None:
             f"(critic.enable=false with algorithm.adv_estimator={cfg.algorithm.adv_estimator}): leave "
             "trainer.placement.critic unset, or use a critic (algorithm.adv_estimator=gae)."
         )
-    if rollout.max_staleness > 0 and not pl.separate_rollout:
+    if rollout.max_staleness > 0 and not pl.separate_rollout and not rollout.partial_rollout:
         raise ConfigError(
             f"actor_rollout_ref.rollout.max_staleness={rollout.max_staleness} overlaps generation with "
             "training, which needs rollout ranks of their own: set trainer.placement.rollout to ranks "
-            "outside the actor's (e.g. trainer.placement.rollout=[2] on 3 processes) or max_staleness=0."
+            "outside the actor's (e.g. trainer.placement.rollout=[2] on 3 processes), carry multi-turn "
+            "episodes across steps (actor_rollout_ref.rollout.partial_rollout=true), or max_staleness=0."
         )
     if not pl.separate_rollout:
         return

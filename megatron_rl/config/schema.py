@@ -278,7 +278,17 @@ class RolloutConfig:
     max_staleness: int = 0
     """Policy versions a rollout may lag the actor: 0 = the synchronous on-policy loop (step k samples
     with the weights after step k-1); 1 = step k+1 is generated while step k trains (needs
-    trainer.placement.rollout on ranks of its own). The engine's log-probs are kept when > 0."""
+    trainer.placement.rollout on ranks of its own, or partial_rollout). The engine's log-probs are kept
+    when > 0."""
+    partial_rollout: bool = False
+    """Multi-turn: a step trains on the first data.train_batch_size prompts whose episodes (all
+    rollout.n) have ended; the other episodes stop before their next model turn and go on in the next
+    step under the new weights (each token keeps the policy version that sampled it; a prompt whose
+    oldest token would lag the actor by more than max_staleness starts again). Needs max_staleness >= 1;
+    docs/multi_turn.md."""
+    partial_rollout_batches: int = 2
+    """With partial_rollout: batches of data.train_batch_size prompts in flight at each step's start (the
+    sampler tops them up as batches are trained; 2: one batch's worth goes on while another trains)."""
     calculate_log_probs: bool = False
     """Keep the engine's log-probs of the sampled tokens and log the rollout-training mismatch metrics
     (training/rollout_probs_diff_*, rollout_corr/*); on whenever algorithm.rollout_correction corrects."""

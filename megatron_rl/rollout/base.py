@@ -130,6 +130,9 @@ class Generation:
     """With ``return_routed_experts``: [prompt + response - 1, L, k] int16, the experts each token the
     engine read (prompt, then response but its last token) went to in each decoder layer; -1 on dense
     layers."""
+    versions: list[int] | None = None
+    """Partial rollouts: the policy version that sampled each token of ``token_ids`` (an episode carried
+    across steps holds several); None: the version the rollout role records for the whole batch."""
 
 
 Bucket = list[tuple[str, torch.Tensor]]

@@ -82,6 +82,11 @@ def cut_turn(g: Generation, max_new_tokens: int) -> Generation:
     return replace(g, token_ids=g.token_ids[:max_new_tokens], logprobs=lps, finish_reason="length")
 
 
+class Suspended(Exception):
+    """A turn the server did not run because the run is stopping (partial rollouts): the episode stops
+    before it and goes on in a later run."""
+
+
 class _Server:
     """Pending turns and the driver task that hands them to the engine (``_dispatch``)."""
 
@@ -90,6 +95,10 @@ class _Server:
         self.live: int | None = None
         """lockstep: episodes still running; a batch waits until each has a turn pending. None: async."""
         self._pending: list[tuple[list[int], SamplingParams, tuple[int, int], asyncio.Future]] = []
+        self.stop: Callable[[], bool] | None = None
+        """Partial rollouts: once it holds, pending turns are not sent to the engine; their episodes get
+        :class:`Suspended` (under lockstep the decision falls between rounds, so it does not depend on
+        timing)."""
         self._wake: asyncio.Event | None = None
 
     async def turn(self, prefix: list[int], params: SamplingParams, origin: tuple[int, int]) -> Generation:
@@ -145,6 +154,11 @@ class _Server:
                 continue
             await self._coalesce()
             batch, self._pending = self._pending, []
+            if self.stop is not None and self.stop():  # partial rollouts: these turns wait for a later run
+                for b in batch:
+                    if not b[3].done():
+                        b[3].set_exception(Suspended())
+                continue
             self.stats.turns += len(batch)
             self.stats.prompt_tokens += sum(len(b[0]) for b in batch)
             await self._dispatch(batch)
@@ -172,13 +186,10 @@ class RoundServer(_Server):
             await asyncio.sleep(min(0.05, 0.1 * self._last_round_s))
 
     async def _dispatch(self, batch: list) -> None:
-        prompts = [b[0] for b in batch]
-        origins: Origins = [b[2] for b in batch]
-        params = replace(batch[0][1], n=1, max_new_tokens=max(b[1].max_new_tokens for b in batch))
         start = time.monotonic()
         self.stats.rounds += 1
         try:  # a thread: the loop keeps running the episodes' tools and bookkeeping meanwhile
-            out = await asyncio.to_thread(self._generate, prompts, origins, params)
+            out = await asyncio.to_thread(self._round, batch)
         except Exception as exc:
             for b in batch:
                 if not b[3].done():
@@ -192,6 +203,18 @@ class RoundServer(_Server):
             self.stats.model_tokens += len(g.token_ids)
             if not b[3].done():
                 b[3].set_result(g)
+
+    def _round(self, batch: list) -> list[list[Generation]]:
+        """One engine call per seed step among the turns (one, unless partial rollouts carry episodes
+        started in earlier steps: each turn samples with its episode's step), in batch order."""
+        out: list[Any] = [None] * len(batch)
+        for step in sorted({b[1].step for b in batch}):
+            ks = [k for k, b in enumerate(batch) if b[1].step == step]
+            params = replace(batch[ks[0]][1], n=1, max_new_tokens=max(batch[k][1].max_new_tokens for k in ks))
+            got = self._generate([batch[k][0] for k in ks], [batch[k][2] for k in ks], params)
+            for k, g in zip(ks, got, strict=True):
+                out[k] = g
+        return out
 
 
 class SGLangTurns(_Server):
@@ -280,14 +303,36 @@ def _run_for(contributions: list[Contribution], run: RunLocal) -> list:
     flat = [p for c in contributions if c for p in c[1]]
     rows = [r for c in contributions if c for r in (c[2] if c[2] is not None else [None] * len(c[1]))]
     origins: Origins = [(c[0], i) for c in contributions if c for i in range(len(c[1]))]
-    try:
-        out = run(flat, rows if any(r is not None for r in rows) else None, origins) if flat else []
-        if len(out) != len(flat):
-            raise RuntimeError(f"the episodes returned {len(out)} results for {len(flat)} prompts")
-    except Exception as exc:  # every rank served raises it, past the collectives
-        failed = _Failed(dist.get_rank() if dist.is_initialized() else 0, failure_of(exc))
-        return [failed] * len(contributions)
+    out = run(flat, rows if any(r is not None for r in rows) else None, origins) if flat else []
+    if len(out) != len(flat):
+        raise RuntimeError(f"the episodes returned {len(out)} results for {len(flat)} prompts")
     return split_back(contributions, out)
+
+
+def hosted(
+    ps: ParallelState,
+    mine: Any,
+    group: dist.ProcessGroup | None,
+    mp_group: dist.ProcessGroup | None,
+    run_for: Callable[[list[Any]], list[Any]],
+) -> Any:
+    """Collective: rollout.base.on_host with the host's failure raised on every rank it serves (past
+    the collectives). ``mine``: this DP leader's contribution (None on the other ranks); ``group``: the
+    rollout group (gloo) whose rank 0 hosts the engine, None when every DP leader hosts its own;
+    ``mp_group``: a gloo twin of the model-parallel group, None without TP/PP peers."""
+    ps.check_current()
+
+    def guarded(contributions: list[Any]) -> list[Any]:
+        try:
+            return run_for(contributions)
+        except Exception as exc:
+            failed = _Failed(dist.get_rank() if dist.is_initialized() else 0, failure_of(exc))
+            return [failed] * len(contributions)
+
+    result = on_host(mine, group, mp_group, guarded)
+    if isinstance(result, _Failed):
+        raise_failure(result.failure, result.rank)
+    return result
 
 
 def run_hosted(
@@ -299,17 +344,13 @@ def run_hosted(
     mp_group: dist.ProcessGroup | None,
     run: RunLocal,
 ) -> list[list[Generation]]:
-    """Collective: this rank's prompts -> their episodes' generations (module docstring). ``group``: the
-    rollout group (gloo) whose rank 0 hosts the engine, None when every DP leader hosts its own;
-    ``mp_group``: a gloo twin of the model-parallel group, None without TP/PP peers."""
+    """Collective: this rank's prompts -> their episodes' generations (module docstring; ``group``,
+    ``mp_group``: :func:`hosted`)."""
     params.check()
-    ps.check_current()
     mine: Contribution = (
         (ps.dp_rank, list(prompts), list(items) if items else None) if ps.is_dp_leader else None
     )
-    result = on_host(mine, group, mp_group, lambda gathered: _run_for(gathered, run))
-    if isinstance(result, _Failed):
-        raise_failure(result.failure, result.rank)
+    result = hosted(ps, mine, group, mp_group, lambda gathered: _run_for(gathered, run))
     if result is None or len(result) != len(prompts):
         raise RuntimeError(
             f"rank {ps.rank} passed {len(prompts)} prompts but received "

@@ -11,15 +11,18 @@ right before generating, so step k always samples with the weights after step k-
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
 
+from megatron_rl.batch import RolloutBatch
 from megatron_rl.config import RolloutConfig
 from megatron_rl.config.specs import RolloutSpec
 from megatron_rl.offload import HostParking
 from megatron_rl.parallel import ParallelState
 from megatron_rl.roles.rollout.generators import Generator
+from megatron_rl.roles.rollout.partial import PromptWindow, batch_of, share_of, window_state
 from megatron_rl.roles.rollout.queue import RequestQueue
 from megatron_rl.roles.rollout.role import Request, RolloutData
 from megatron_rl.roles.rollout.supervisor import EngineSupervisor
@@ -27,6 +30,9 @@ from megatron_rl.rollout import Generation, SamplingParams, engine_dtype
 from megatron_rl.rollout.base import EngineFailure
 from megatron_rl.run.memory_plan import OffloadPlan
 from megatron_rl.run.metrics import Timer
+from megatron_rl.run.state import SHARED, StateRegistry
+
+T = TypeVar("T")
 
 
 class ColocatedRollout(RequestQueue):
@@ -63,6 +69,8 @@ class ColocatedRollout(RequestQueue):
             ps, engine, new_engine, rollout.engine_restarts, self.parking.reload, self._engine_replaced
         )
         self.generator = generator
+        self.window = PromptWindow(spec.partial_slots) if spec.partial_slots else None
+        """Partial rollouts: this rank's prompts in flight (roles.rollout.partial)."""
 
     @property
     def engine(self) -> Any:
@@ -81,7 +89,39 @@ class ColocatedRollout(RequestQueue):
         self.trained, self.weights_stale = step, True
 
     def prompts(self, step: int) -> list[int]:
-        return self.asked[step][0] if step in self.asked else self.draw()  # queued by a separate rollout
+        if step in self.asked:  # queued by a separate rollout
+            return self.asked[step][0]
+        if self.window is None:
+            return self.draw()
+        per_draw = self.spec.partial_slots // self.rollout.partial_rollout_batches
+        return [i for _ in range(self.window.draws(per_draw)) for i in self.draw()]
+
+    def batch(
+        self, step: int, prompt_indices: list[int], timer: Timer, validate: bool = False
+    ) -> RolloutBatch:
+        """Partial rollouts (training only): ``prompt_indices`` join the window and the batch is the
+        groups the host hands back (roles.rollout.partial); otherwise RequestQueue.batch."""
+        if self.window is None or validate:
+            return super().batch(step, prompt_indices, timer, validate)
+        from megatron_rl.rollout.agent.partial import run_window
+
+        window, loop = self.window, getattr(self.generator, "runner", None)
+        assert loop is not None  # partial rollouts run the built-in agent loop (config.checks)
+        with timer("data"):
+            window.fill(prompt_indices)
+            new = window.to_send(self.data.train)
+        params = self.sampling(step, False)
+        quota = self.spec.partial_slots // self.rollout.partial_rollout_batches  # train_batch_size / DP
+        request = Request("train", step)
+
+        def produce(engine: Any) -> Any:
+            return run_window(loop, engine, new, quota, params, self.trained, self.rollout.max_staleness)
+
+        taken = self._hybrid(request, produce, timer)
+        self.generator.record(request, [t[2] for t in taken])
+        window.trained([t[0] for t in taken])
+        with timer("batch"):
+            return batch_of(taken, self.data.pad_id, self.spec.max_new_tokens, step).to(self.ps.device)
 
     def generate(
         self,
@@ -98,9 +138,18 @@ class ColocatedRollout(RequestQueue):
         queued = self._queued(request)
         if queued is not None:
             return queued
-        gens = self.supervisor.run(
-            request, lambda: self._generate_once(request, prompt_ids, params, timer, items), timer
-        )
+
+        def produce(engine: Any) -> list[list[Generation]]:
+            gens = self.generator.run(engine, prompt_ids, params, items)
+            self.generator.record(request, gens)
+            return gens
+
+        return self._hybrid(request, produce, timer), self.trained
+
+    def _hybrid(self, request: Request, produce: Callable[[Any], T], timer: Timer) -> T:
+        """``produce(engine)`` inside the hybrid engine's cycle (module docstring), restarted in place
+        when the engine dies."""
+        out = self.supervisor.run(request, lambda: self._generate_once(produce, timer), timer)
         if self.rollout.free_cache_engine:
             with timer("engine"):
                 # SGLang drops its weights with its memory: the next rollout streams them again.
@@ -108,14 +157,14 @@ class ColocatedRollout(RequestQueue):
             self.weights_stale = True
         with timer("offload"):
             self.parking.reload()
-        return gens, self.trained
+        return out
 
     def _generate_once(
-        self, request: Request, prompt_ids: list[list[int]], params: SamplingParams, timer, items: list | None
-    ) -> tuple[list[list[Generation]] | None, EngineFailure | None]:
-        """Park, resume the engine, sync the weights if stale, generate: (generations, None), or (None,
-        the failure) when the generator failed (rollout.base.EngineFailure; anything else, out of
-        memory and a failed sync check included, is raised: a restart would not cure it)."""
+        self, produce: Callable[[Any], T], timer: Timer
+    ) -> tuple[T | None, EngineFailure | None]:
+        """Park, resume the engine, sync the weights if stale, generate: (what ``produce`` returned,
+        None), or (None, the failure) when the generator failed (rollout.base.EngineFailure; anything
+        else, out of memory and a failed sync check included, is raised: a restart would not cure it)."""
         from megatron_rl.rollout.reshard import sync_weights
 
         ps, rollout = self.ps, self.rollout
@@ -137,11 +186,14 @@ class ColocatedRollout(RequestQueue):
                 self.parking.park(self.actor.parameters())
         with timer("gen"):
             try:
-                gens = self.generator.run(self.engine, prompt_ids, params, items)
+                return produce(self.engine), None
             except EngineFailure as e:  # raised on every rank the failed generator serves
                 return None, e
-            self.generator.record(request, gens)
-        return gens, None
+
+    def register_state(self, registry: StateRegistry) -> None:
+        super().register_state(registry)
+        if self.window is not None:
+            registry.register("partial_rollouts", _WindowState(self), SHARED)
 
     def policy_updated(self, step: int, timer: Timer) -> None:
         self.trained, self.weights_stale = step, True
@@ -157,3 +209,30 @@ class ColocatedRollout(RequestQueue):
     def shutdown(self) -> None:
         self.generator.shutdown()
         self.engine.shutdown()
+
+
+class _WindowState:
+    """The window in a checkpoint (roles.rollout.partial: the rule at a save)."""
+
+    def __init__(self, role: ColocatedRollout) -> None:
+        self.role = role
+
+    def state_dict(self) -> dict:
+        """Collective over the DP group: every rank's slots; the host drops its groups (tools released)
+        and every prompt is sent again at the next step."""
+        from megatron_rl.rollout.agent.partial import release
+
+        role = self.role
+        window, loop = role.window, getattr(role.generator, "runner", None)
+        assert window is not None and loop is not None  # registered with partial rollouts only
+        loop.window.clear(lambda e: release(loop, e))
+        window.resend_all()
+        parts: list = [None] * role.ps.dp_size
+        dist.all_gather_object(parts, dict(window.slots), group=role.ps.dp_group)
+        return window_state(parts, window.size)
+
+    def load_state_dict(self, state: dict | None) -> None:
+        role = self.role
+        assert role.window is not None
+        if state is not None:
+            role.window.load(share_of(state, role.ps.dp_rank, role.ps.dp_size, role.window.size))

@@ -52,10 +52,11 @@ from megatron_rl.rollout.agent.episode import (
     truncate_text,
 )
 from megatron_rl.rollout.agent.episode_stats import EpisodeStats
+from megatron_rl.rollout.agent.pool import EpisodePool
 from megatron_rl.rollout.agent.tool_formats import ToolCall, looks_like_a_call, parse_tool_calls
 from megatron_rl.rollout.agent.tool_pool import ToolFuture, ToolPool, ToolRefused, wait_job
 from megatron_rl.rollout.base import Generation, Origins, SamplingParams, gloo_twin, object_group
-from megatron_rl.rollout.episode_engine import run_hosted, turn_server
+from megatron_rl.rollout.episode_engine import Suspended, run_hosted, turn_server
 
 if TYPE_CHECKING:
     from megatron_rl.config.schema import MultiTurnConfig
@@ -89,18 +90,25 @@ class AgentLoop:
         )
         schemas = [tl.schema_dict(t.tool_schema) for t in self.tools.values()]
         self.encoder = TurnEncoder(tokenizer, schemas)
-        self._mp = gloo_twin(ps, ps.mp_group) if ps.tp_size * ps.pp_size > 1 else None
+        self.mp = gloo_twin(ps, ps.mp_group) if ps.tp_size * ps.pp_size > 1 else None
         self._pool = ToolPool(cfg.tool_workers, cfg.max_abandoned_tool_calls) if ps.is_dp_leader else None
         self._groups: dict[int, dist.ProcessGroup] = {}
+        self.window = EpisodePool()
+        """Partial rollouts: the groups in flight on this host across steps (rollout.agent.partial)."""
         self.last_run: dict[str, Any] | None = None
         """The latest run's engine figures on the rank that hosted its episodes (None elsewhere):
         rollout.episode_engine.TurnStats' fields and episode_s (each episode's seconds)."""
+
+    @property
+    def abandoned_tool_calls(self) -> int:
+        """This host's timed-out tool calls whose threads may still run."""
+        return 0 if self._pool is None else self._pool.abandoned
 
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown()
 
-    def _rollout_group(self, engine) -> dist.ProcessGroup | None:
+    def rollout_group(self, engine) -> dist.ProcessGroup | None:
         """A gloo group over the ranks one engine serves (SGLang with rollout TP > 1), else None: every
         DP leader runs its own episodes. Collective on the first call (every rank runs the loop)."""
         r = int(getattr(engine, "group_size", 1) or 1)
@@ -123,7 +131,7 @@ class AgentLoop:
         def local(flat: list[list[int]], rows: list | None, origins: Origins) -> list[list[Generation]]:
             return self._run_local(engine, flat, rows, origins, params)
 
-        return run_hosted(self.ps, prompts, items, params, self._rollout_group(engine), self._mp, local)
+        return run_hosted(self.ps, prompts, items, params, self.rollout_group(engine), self.mp, local)
 
     def _episodes_of(
         self, prompts: list[list[int]], items: list | None, origins: Origins, n: int
@@ -151,11 +159,38 @@ class AgentLoop:
                 episodes.append(e)
         return episodes
 
+    def episodes_of(self, prompt: list[int], item: Any, dp: int, k: int, n: int, step: int) -> list[Episode]:
+        """The ``n`` episodes of one prompt, seeded as prompt ``k`` of DP rank ``dp`` at step ``step``
+        (partial rollouts: rollout.agent.partial)."""
+        episodes = self._episodes_of([prompt], [item] if item is not None else None, [(dp, k)], n)
+        for e in episodes:
+            e.seed_step = step
+        return episodes
+
     def _run_local(
         self, engine, prompts: list[list[int]], items: list | None, origins: Origins, params: SamplingParams
     ) -> list[list[Generation]]:
         """On the host: every episode of ``prompts`` to its end (module docstring)."""
         episodes = self._episodes_of(prompts, items, origins, params.n)
+        self.serve(engine, episodes, params)
+        assert self._pool is not None  # serve made it
+        abandoned = self._pool.abandoned
+        out = [self.generation(e, params, abandoned) for e in episodes]
+        n = params.n
+        return [out[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def serve(
+        self,
+        engine,
+        episodes: list[Episode],
+        params: SamplingParams,
+        version: int = 0,
+        stop: Callable[[], bool] | None = None,
+        ended: Callable[[Episode, int], None] | None = None,
+    ) -> None:
+        """On the host: ``episodes`` on the engine's turn server, each to its end (or, partial rollouts,
+        until ``stop()`` holds when its next turn would go to the engine); ``ended(e, tick)`` at each
+        end, tick the server's rounds so far. Sets :attr:`last_run`."""
         if self._pool is None:  # a host that is no DP leader (SGLang's rollout group)
             self._pool = ToolPool(self.cfg.tool_workers, self.cfg.max_abandoned_tool_calls)
         if self.cfg.schedule not in ("async", "lockstep"):
@@ -163,11 +198,15 @@ class AgentLoop:
                 f"actor_rollout_ref.rollout.multi_turn.schedule={self.cfg.schedule!r}: use async or lockstep"
             )
         server = turn_server(engine)
+        server.stop = stop
         if self.cfg.schedule == "lockstep":
             server.live = len(episodes)
+        at_end = None if ended is None else (lambda e: ended(e, server.stats.rounds))
 
         async def main() -> None:
-            tasks = [asyncio.ensure_future(self._episode(server, e, params)) for e in episodes]
+            tasks = [
+                asyncio.ensure_future(self.episode(server, e, params, version, at_end)) for e in episodes
+            ]
             try:
                 await asyncio.gather(*tasks)
             except BaseException:  # the first error stops the others
@@ -176,48 +215,65 @@ class AgentLoop:
                 await asyncio.gather(*tasks, return_exceptions=True)
                 raise
 
-        server.run(main())
-        abandoned = self._pool.abandoned
+        if episodes:
+            server.run(main())
         self.last_run = {
             **vars(server.stats),
-            "episode_s": [e.span[1] - e.span[0] for e in episodes],
+            "episode_s": [e.span[1] - e.span[0] for e in episodes if e.finish is not None],
         }
-        out = []
-        for e in episodes:
-            info = {
-                "num_turns": e.assistant_turns + e.user_turns + 1,  # verl's count: the prompt is a turn
-                "assistant_turns": e.assistant_turns,
-                "user_turns": e.user_turns,
-                **e.stats,
-                "tool_rewards": list(e.tool_rewards),
-                "turn_scores": list(e.turn_scores),
-                "reward_scores": dict(e.reward_scores),
-                "tool_reward": sum(e.tool_rewards) + sum(e.reward_scores.values()),
-                "abandoned_tool_calls": abandoned,  # this rank's, when the run ended
-            }
-            lps = list(e.logprobs) if params.return_logprobs else None
-            out.append(Generation(list(e.tokens), lps, e.finish or "stop", list(e.mask), info))
-        n = params.n
-        return [out[i * n : (i + 1) * n] for i in range(len(prompts))]
 
-    async def _episode(self, server, e: Episode, params: SamplingParams) -> None:
-        """One episode, turn after turn, to its end; then its tools' rewards."""
+    def generation(self, e: Episode, params: SamplingParams, abandoned: int) -> Generation:
+        """An ended episode as a Generation (``abandoned``: this rank's abandoned tool calls now)."""
+        info = {
+            "num_turns": e.assistant_turns + e.user_turns + 1,  # verl's count: the prompt is a turn
+            "assistant_turns": e.assistant_turns,
+            "user_turns": e.user_turns,
+            **e.stats,
+            "tool_rewards": list(e.tool_rewards),
+            "turn_scores": list(e.turn_scores),
+            "reward_scores": dict(e.reward_scores),
+            "tool_reward": sum(e.tool_rewards) + sum(e.reward_scores.values()),
+            "abandoned_tool_calls": abandoned,
+        }
+        lps = list(e.logprobs) if params.return_logprobs else None
+        return Generation(
+            list(e.tokens), lps, e.finish or "stop", list(e.mask), info, versions=list(e.versions)
+        )
+
+    async def episode(
+        self,
+        server,
+        e: Episode,
+        params: SamplingParams,
+        version: int = 0,
+        ended: Callable[[Episode], None] | None = None,
+    ) -> None:
+        """One episode, turn after turn, to its end; then its tools' rewards. Partial rollouts
+        (rollout.agent.partial): its tokens are stamped ``version``; it returns unended when the server
+        suspends its next turn (``server.stop``), and ``ended(e)`` is called at its end."""
         budget = params.max_new_tokens
-        e.span = (time.monotonic(), 0.0)
-        turn = 0
+        if not e.span[0]:
+            e.span = (time.monotonic(), 0.0)
+        step = params.step if e.seed_step is None else e.seed_step
         try:
             while e.finish is None:
                 room = budget - len(e.tokens)
                 cap = min(room, self.cfg.max_tokens_per_turn) if self.cfg.max_tokens_per_turn else room
                 dp, row = e.seed_key
-                p1 = replace(params, n=1, max_new_tokens=max(1, cap))
-                g = await server.turn(e.prompt + e.tokens, p1, (dp, row + turn * _TURN_ROW_STRIDE))
-                turn += 1
+                p1 = replace(params, n=1, max_new_tokens=max(1, cap), step=step)
+                turn = e.assistant_turns  # the turns it took so far (in this run or earlier ones)
+                try:
+                    g = await server.turn(e.prompt + e.tokens, p1, (dp, row + turn * _TURN_ROW_STRIDE))
+                except Suspended:  # the run stops (partial rollouts): this episode goes on in a later one
+                    return
                 self._model_turn(e, g, budget, params.return_logprobs)
                 if e.finish is None:
                     self._apply(e, await self._environment(e), budget)
+                e.versions += [version] * (len(e.tokens) - len(e.versions))
         finally:
             server.leave()
+        if ended is not None:
+            ended(e)
         await self._final_rewards(e)
         e.span = (e.span[0], time.monotonic())
 

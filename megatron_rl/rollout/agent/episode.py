@@ -90,6 +90,9 @@ class Episode:
     tokens: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    """The policy version that sampled each token (tool and user tokens: the one current when they were
+    appended)."""
     assistant_turns: int = 0
     user_turns: int = 0
     finish: Literal["stop", "length"] | None = None
@@ -107,6 +110,8 @@ class Episode:
     """The episode in error lines: its prompt's data row and sample."""
     seed_key: tuple[int, int] = (0, 0)
     """(dp_rank, row) of its response row (prompt i, sample j -> row i*n + j): with the turn, its seeds."""
+    seed_step: int | None = None
+    """The step whose seeds its turns use (partial rollouts: the step it started); None: the run's."""
     span: tuple[float, float] = (0.0, 0.0)
     """time.monotonic() at its first turn's submission and at its end."""
 
