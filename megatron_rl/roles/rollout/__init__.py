@@ -28,6 +28,8 @@ a checkpoint), and written into the batch's meta when the step is trained on.
     generators.py   the colocated generator, chosen once: the engine alone | multi-turn episodes
                     (the agent loop or a user's agent function, rollout/agent/)
     supervisor.py   start_engine, EngineSupervisor: a dead engine restarted in place
+    partial.py      partial rollouts' window of prompts in flight (which prompt in which slot, the
+                    checkpoint rule) and the batch of the groups a step trains on
     separate.py     SeparateRollout: engines on ranks of their own (roles.remote_rollout)
 """
 
