@@ -10,10 +10,9 @@ is row 0 of step s+1).
 stream             key                                                 draws
 =================  ==================================================  =====================================
 ``SAMPLE``         rollout.seed, step, dp_rank, row, validate          one response's tokens (each turn of
-                                                                       an episode: its own row and step)
+                                                                       an episode, of the agent loop or
+                                                                       the OpenAI endpoint: its own row)
 ``ENGINE_CALL``    the engine's seed, call number                      a call without rollout.seed
-``AGENT_CALL``     rollout.seed, call number                           one engine call of the agent's
-                                                                       OpenAI endpoint
 ``DATA_ORDER``     data.seed, epoch                                    the training prompts' order
 ``UPDATE_ORDER``   global step, update epoch                           the mini-batch order (``*.shuffle``)
 ``CLIP_COV``       global step, dp_rank                                clip_cov's tokens
@@ -32,7 +31,6 @@ import hashlib
 
 SAMPLE = "rollout/sample"
 ENGINE_CALL = "rollout/engine_call"
-AGENT_CALL = "rollout/agent_call"
 DATA_ORDER = "data/order"
 UPDATE_ORDER = "update/order"
 CLIP_COV = "update/clip_cov"

@@ -88,8 +88,6 @@ RANGES: dict[str, str] = {
     "actor_rollout_ref.rollout.multi_turn.endpoint.max_body_bytes": ">=1",
     "actor_rollout_ref.rollout.multi_turn.endpoint.request_timeout_s": ">0",
     "actor_rollout_ref.rollout.multi_turn.endpoint.max_sessions": ">=1",
-    "actor_rollout_ref.rollout.multi_turn.endpoint.max_batch": ">=1",
-    "actor_rollout_ref.rollout.multi_turn.endpoint.batch_window_s": ">=0",
     "actor_rollout_ref.rollout.multi_turn.endpoint.episode_timeout_s": ">0",
     "critic.cliprange_value": ">0",
     "algorithm.gamma": "[0,1]",

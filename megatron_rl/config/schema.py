@@ -172,13 +172,9 @@ class OpenAIServerConfig:
     max_body_bytes: int = 1 << 20
     """Largest request body accepted; a larger one is refused with HTTP 413 before it is read."""
     request_timeout_s: float = 300.0
-    """Seconds a chat request may wait for the engine (queue + generation); then HTTP 504."""
+    """Seconds a chat request may wait for its turn's tokens; then HTTP 504."""
     max_sessions: int = 64
     """Most sessions (episodes) open at once; also the number of harness threads."""
-    max_batch: int = 64
-    """Most requests answered by one engine.generate call."""
-    batch_window_s: float = 0.02
-    """Seconds the engine thread waits after the first queued request for others to join its batch."""
     episode_timeout_s: float = 1800.0
     """Seconds one agent function call may take; a slower episode fails the rollout."""
     model_name: str = "megatron-rl-policy"

@@ -52,6 +52,9 @@ if TYPE_CHECKING:
     from megatron_rl.parallel import ParallelState
 
 T = TypeVar("T")
+TURN_ROW_STRIDE = 1 << 32
+"""Turn t of response row r samples with the seed of row r + t * stride (rows stay below it): an
+episode's turns, of the agent loop or of an endpoint session, each have their own seed."""
 LocalGenerate = Callable[[list[list[int]], Origins, SamplingParams], list[list[Generation]]]
 
 

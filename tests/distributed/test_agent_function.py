@@ -63,7 +63,6 @@ def test_agent_function_episodes_train(demo, tmp_path, torchrun):
         "actor_rollout_ref.rollout.multi_turn.tool_config_path": "null",
         "actor_rollout_ref.rollout.multi_turn.tool_reward_weight": 1.0,
         "actor_rollout_ref.rollout.multi_turn.agent_function.path": str(agent),
-        "actor_rollout_ref.rollout.multi_turn.endpoint.batch_window_s": 0.05,
         "actor_rollout_ref.rollout.calculate_log_probs": "true",
         "trainer.default_local_dir": out,
         "trainer.total_training_steps": 2,

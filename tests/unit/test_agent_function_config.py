@@ -44,7 +44,7 @@ def test_a_valid_harness_passes_and_sets_the_keys(harness):
     check(
         f"{KEY}.path={harness}",
         f"{KEY}.name=other",
-        "actor_rollout_ref.rollout.multi_turn.endpoint.max_batch=8",
+        "actor_rollout_ref.rollout.multi_turn.endpoint.max_sessions=8",
     )
     cfg = cfg_with(f"{KEY}.path={harness}", "actor_rollout_ref.rollout.multi_turn.endpoint.max_sessions=3")
     assert cfg.actor_rollout_ref.rollout.multi_turn.endpoint.max_sessions == 3
@@ -107,8 +107,6 @@ def test_builtin_loop_keys_beside_it_are_refused(harness, tmp_path):
         ("max_body_bytes", 0),
         ("request_timeout_s", 0),
         ("max_sessions", 0),
-        ("max_batch", 0),
-        ("batch_window_s", -1),
         ("episode_timeout_s", 0),
         ("port", -1),
     ],

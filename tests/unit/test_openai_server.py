@@ -1,6 +1,7 @@
 """The OpenAI-compatible endpoint on the transformers engine: a urllib harness runs episodes with a tool
 call; the recorded sequence is token-exact (against the replies' ids and an independent forward of the
-model), the masks mark the engine's tokens, requests of concurrent sessions are batched, and the bounds
+model), the masks mark the engine's tokens, concurrent sessions' turns share engine calls without their tokens
+depending on it, and the bounds
 (body size, loopback only, request timeout, session count) hold."""
 
 from __future__ import annotations
@@ -145,21 +146,40 @@ class CountingEngine:
         return self.engine.generate(prompts, params)
 
 
-def test_concurrent_sessions_are_batched(setup):
+def test_concurrent_sessions_share_engine_calls(setup):
+    # each request is a turn on the engine's turn server: turns pending together go in one engine call
     tok, oracle, engine, params, _ = setup
     counting = CountingEngine(engine)
     replies: list = []
-    cfg = OpenAIServerConfig(max_batch=4, batch_window_s=0.3)
     items = [item(i) for i in range(3)]
     gens = run_agent_episodes(counting, tok, items, two_turns(replies, threading.Barrier(6, timeout=30)),
-                              replace_n(params, 2), cfg)  # fmt: skip
-    assert max(counting.sizes) > 1 and max(counting.sizes) <= 4
+                              replace_n(params, 2))  # fmt: skip
+    assert max(counting.sizes) > 1
     assert sum(counting.sizes) == 12  # 6 episodes x 2 requests
     assert [len(per) for per in gens] == [2, 2, 2]
     for per in gens:
         for g in per:
             check_logprobs(oracle, g.info["prompt_ids"], g)  # token-exact inside a batch too
             assert g.response_mask.count(0) == 4
+
+
+def test_a_sessions_tokens_do_not_depend_on_its_batch(setup):
+    # sampled turns (temperature 1): each turn's seed is its episode's row and turn, so six sessions at
+    # once (their turns batched) sample exactly what one session at a time does; another seed differs
+    from dataclasses import replace
+
+    tok, _, engine, params, _ = setup
+    sampled = replace(params, greedy=False, n=2)
+    items = [item(i) for i in range(3)]
+
+    def tokens(cfg: OpenAIServerConfig, p: SamplingParams) -> list:
+        gens = run_agent_episodes(engine, tok, items, two_turns([]), p, cfg, dp_rank=1)
+        return [(g.token_ids, g.response_mask) for per in gens for g in per]
+
+    together = tokens(OpenAIServerConfig(max_sessions=6), sampled)
+    assert together == tokens(OpenAIServerConfig(max_sessions=1), sampled)
+    assert len({tuple(t) for t, _ in together}) > 1  # the six episodes are not all alike
+    assert together != tokens(OpenAIServerConfig(max_sessions=6), replace(sampled, seed=6))
 
 
 def replace_n(params: SamplingParams, n: int) -> SamplingParams:

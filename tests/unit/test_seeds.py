@@ -130,7 +130,7 @@ def test_rollout_seed_seeds_the_sampling_and_data_seed_does_not():
 def test_streams_and_keys_never_share_a_seed():
     from megatron_rl import seeds
 
-    streams = [seeds.SAMPLE, seeds.ENGINE_CALL, seeds.AGENT_CALL, seeds.DATA_ORDER, seeds.UPDATE_ORDER,
+    streams = [seeds.SAMPLE, seeds.ENGINE_CALL, seeds.DATA_ORDER, seeds.UPDATE_ORDER,
                seeds.CLIP_COV, seeds.ROUNDING, seeds.LORA_INIT]  # fmt: skip
     assert len(set(streams)) == len(streams)
     same_key = {seeds.derive(s, 7, 3) for s in streams}

@@ -93,7 +93,7 @@ def make_agent(cfg: Config, ps: ParallelState, tokenizer) -> tuple[Any, Any]:
     if mt.agent_function.path:
         from megatron_rl.rollout.agent.agent_function import AgentFunctionLoop
 
-        return AgentFunctionLoop(mt, tokenizer, cfg.data.max_prompt_length), EpisodeStats()
+        return AgentFunctionLoop(mt, tokenizer, cfg.data.max_prompt_length, ps.dp_rank), EpisodeStats()
     return AgentLoop(mt, ps, tokenizer), EpisodeStats()
 
 

@@ -4,7 +4,8 @@
     gens = run_agent_episodes(engine, tokenizer, items, agent_fn, params, cfg)   # gens[i]: params.n episodes
 
 ``agent_fn(item, base_url)`` runs in a thread per episode (at most endpoint.max_sessions at once) against
-its own session; this thread pumps the server, so it alone calls ``engine.generate``. Each episode comes
+its own session; this thread runs the engine's turn server, on which each request is a turn of its
+episode (as the built-in loop's turns, with their seeds: openai_server.py). Each episode comes
 back as a Generation in AgentLoop.run's shape: its response is every token after the session's prompt
 (model tokens mask 1, appended tool/user tokens mask 0), ``info["prompt_ids"]`` the session's prompt and
 ``info["agent_reward"]`` what the harness returned. An engine that fails mid-rollout fails the call
@@ -14,6 +15,7 @@ engine restarted in place and this call made again, every episode of the step fr
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hashlib
 import importlib.util
@@ -77,12 +79,15 @@ class AgentFunctionLoop:
     """multi_turn.agent_function as the rollout's episode runner: :meth:`run` takes AgentLoop.run's
     arguments (roles/rollout.py calls either); each rank runs its own server on its own engine."""
 
-    def __init__(self, cfg: MultiTurnConfig, tokenizer, max_prompt_tokens: int | None = None) -> None:
+    def __init__(
+        self, cfg: MultiTurnConfig, tokenizer, max_prompt_tokens: int | None = None, dp_rank: int = 0
+    ) -> None:
         path = cfg.agent_function.path
         if path is None:
             raise ValueError("actor_rollout_ref.rollout.multi_turn.agent_function.path is not set")
         self.fn = load_agent_function(path, cfg.agent_function.name)
         self.endpoint, self.tok, self.max_prompt_tokens = cfg.endpoint, tokenizer, max_prompt_tokens
+        self.dp_rank = dp_rank  # its episodes' seeds: (dp_rank, row) as the agent loop's
 
     def run(
         self, engine, prompts: list[list[int]], params: SamplingParams, items: list | None = None
@@ -92,7 +97,7 @@ class AgentFunctionLoop:
         if items is None or len(items) != len(prompts):
             raise ValueError("multi_turn.agent_function needs the prompts' data.PromptItem rows (items)")
         return run_agent_episodes(
-            engine, self.tok, items, self.fn, params, self.endpoint, self.max_prompt_tokens
+            engine, self.tok, items, self.fn, params, self.endpoint, self.max_prompt_tokens, self.dp_rank
         )
 
     def shutdown(self) -> None:
@@ -107,6 +112,7 @@ def run_agent_episodes(
     params: SamplingParams,
     cfg: OpenAIServerConfig | None = None,
     max_prompt_tokens: int | None = None,
+    dp_rank: int = 0,
 ) -> list[list[Generation]]:
     """``params.n`` episodes per item, each ``agent_fn(item, base_url)`` against its own session, at most
     ``cfg.max_sessions`` at once; this thread drives the engine. Returns AgentLoop.run's shape: per item,
@@ -119,7 +125,8 @@ def run_agent_episodes(
     fails the call with what it raised, as a failed ``engine.generate`` of the agent loop does (its
     harnesses' requests get 503; the episodes done so far are dropped): the rollout role restarts an
     engine that raised rollout.base.EngineFailure and runs every episode of the step again.
-    ``max_prompt_tokens``: as :class:`OpenAIServer`'s."""
+    ``max_prompt_tokens``: as :class:`OpenAIServer`'s. Episode ``j`` of item ``i`` is seeded as row
+    ``i * n + j`` of DP rank ``dp_rank`` (its turns as the built-in loop's)."""
     cfg = cfg or OpenAIServerConfig()
     n = params.n
     jobs = [(i, j) for i in range(len(items)) for j in range(n)]
@@ -127,20 +134,23 @@ def run_agent_episodes(
     failures: list[str] = []
     pool = ToolPool(min(cfg.max_sessions, max(1, len(jobs))))
     server = OpenAIServer(engine, tokenizer, params, cfg, max_prompt_tokens).start()
-    try:
+
+    async def drive() -> None:  # on the engine's turn server: the sessions' requests are its turns
         running: dict[tuple[int, int], tuple[str, Any, float]] = {}  # job -> (session, future, start)
         waiting = list(jobs)
         while waiting or running:
             while waiting and len(running) < cfg.max_sessions:
                 i, j = waiting.pop(0)
-                eid = server.open_session(f"{getattr(items[i], 'index', i)}-{j}-{uuid.uuid4().hex[:8]}")
+                eid = server.open_session(
+                    f"{getattr(items[i], 'index', i)}-{j}-{uuid.uuid4().hex[:8]}", (dp_rank, i * n + j)
+                )
                 url = server.base_url(eid)
                 running[(i, j)] = (
                     eid,
                     pool.submit(functools.partial(agent_fn, items[i], url)),
                     time.monotonic(),
                 )
-            server.pump(0.01)
+            await asyncio.sleep(0.01)
             if server.failure is not None:
                 raise server.failure
             now = time.monotonic()
@@ -156,7 +166,10 @@ def run_agent_episodes(
                     else:
                         results[job] = got
             if failures:
-                break
+                return
+
+    try:
+        server.serve(drive())
     finally:
         server.shutdown()
         pool.shutdown()

@@ -56,7 +56,7 @@ from megatron_rl.rollout.agent.pool import EpisodePool
 from megatron_rl.rollout.agent.tool_formats import ToolCall, looks_like_a_call, parse_tool_calls
 from megatron_rl.rollout.agent.tool_pool import ToolFuture, ToolPool, ToolRefused, wait_job
 from megatron_rl.rollout.base import Generation, Origins, SamplingParams, gloo_twin, object_group
-from megatron_rl.rollout.episode_engine import Suspended, run_hosted, turn_server
+from megatron_rl.rollout.episode_engine import TURN_ROW_STRIDE, Suspended, run_hosted, turn_server
 
 if TYPE_CHECKING:
     from megatron_rl.config.schema import MultiTurnConfig
@@ -74,7 +74,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-_TURN_ROW_STRIDE = 1 << 32  # turn t of row r samples as row r + t * stride (rows stay below it)
 
 
 class AgentLoop:
@@ -263,7 +262,7 @@ class AgentLoop:
                 p1 = replace(params, n=1, max_new_tokens=max(1, cap), step=step)
                 turn = e.assistant_turns  # the turns it took so far (in this run or earlier ones)
                 try:
-                    g = await server.turn(e.prompt + e.tokens, p1, (dp, row + turn * _TURN_ROW_STRIDE))
+                    g = await server.turn(e.prompt + e.tokens, p1, (dp, row + turn * TURN_ROW_STRIDE))
                 except Suspended:  # the run stops (partial rollouts): this episode goes on in a later one
                     return
                 self._model_turn(e, g, budget, params.return_logprobs)

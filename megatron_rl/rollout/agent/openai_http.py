@@ -66,14 +66,12 @@ def check_endpoint(cfg: OpenAIServerConfig) -> None:
             f"{_KEY}.host={cfg.host!r} is not a loopback address; the endpoint has no "
             "authentication, so it binds 127.0.0.1 only: set host to 127.0.0.1"
         )
-    for key in ("max_body_bytes", "max_sessions", "max_batch"):
+    for key in ("max_body_bytes", "max_sessions"):
         if getattr(cfg, key) < 1:
             raise ValueError(f"{_KEY}.{key}={getattr(cfg, key)} must be >= 1")
     for key in ("request_timeout_s", "episode_timeout_s"):
         if getattr(cfg, key) <= 0:
             raise ValueError(f"{_KEY}.{key}={getattr(cfg, key)} must be > 0")
-    if cfg.batch_window_s < 0:
-        raise ValueError(f"{_KEY}.batch_window_s={cfg.batch_window_s} must be >= 0")
 
 
 # -- the connections -----------------------------------------------------------------------------------

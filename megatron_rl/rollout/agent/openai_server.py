@@ -13,10 +13,13 @@ Each episode gets a session named by its URL prefix, ``http://127.0.0.1:<port>/s
     engine.generate -> the model's ids appended (mask 1, with the engine's log-probs)
     reply: chat.completion (content, Hermes tool_calls, finish_reason, usage) + the token ids
 
-Requests of all sessions go through one queue; the thread that owns the engine (the caller of
-agent_function.run_agent_episodes, or :meth:`OpenAIServer.start`'s thread) takes what is waiting, up to
-``max_batch`` requests, gathered for ``batch_window_s`` after the first, and answers them with one
-``engine.generate`` call. ``engine.generate`` is only ever called from that thread.
+Each request is one turn of its episode on the engine's per-episode turn server
+(rollout.episode_engine.turn_server), as the built-in agent loop's turns are: SGLang's async requests,
+batched continuously by its scheduler; the transformers engine's rounds of whatever turns are pending.
+The turn server's loop runs in the thread that owns the engine (:meth:`OpenAIServer.serve`: the caller
+of agent_function.run_agent_episodes, or :meth:`OpenAIServer.start`'s thread); HTTP threads hand their
+turns to it. Turn t of a session seeded (dp, row) samples with the seed of (dp, row + t * 2**32), the
+built-in loop's: its tokens do not depend on which other sessions' turns shared its batch.
 
 Bounds: the server binds a loopback address only; a body larger than ``max_body_bytes`` gets 413 (a
 request without a ``Content-Length`` 411, one whose ``Content-Length`` is not a byte count 400);
@@ -45,18 +48,16 @@ rank with TP = PP = 1): the server makes calls other ranks do not mirror.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
-import queue
 import threading
-import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field, replace
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
-from megatron_rl import seeds
 from megatron_rl.config.schema import OpenAIServerConfig
 from megatron_rl.rollout.agent.episode import TurnEncoder
 from megatron_rl.rollout.agent.openai_http import (
@@ -68,6 +69,7 @@ from megatron_rl.rollout.agent.openai_http import (
 )
 from megatron_rl.rollout.agent.openai_request import EndpointLimits, HTTPError, check_chat, completion
 from megatron_rl.rollout.base import EngineFailure, Generation, SamplingParams
+from megatron_rl.rollout.episode_engine import TURN_ROW_STRIDE, TurnStats, turn_server
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +98,8 @@ class Session:
     finish: Literal["length"] | None = None
     """"length" once the response budget is spent."""
     last_finish: Literal["stop", "length"] = "stop"
+    seed_key: tuple[int, int] = (0, 0)
+    """(dp_rank, row) of its episode: with the turn, its seeds (the module docstring)."""
     busy: bool = False
     closed: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -120,10 +124,10 @@ class Session:
 
 
 class _Request:
-    """One queued chat request: the engine's prompt and the turn's token cap."""
+    """One chat request's turn: the engine's prompt, the turn's token cap and its seed origin."""
 
-    def __init__(self, prompt: list[int], cap: int) -> None:
-        self.prompt, self.cap = prompt, cap
+    def __init__(self, prompt: list[int], cap: int, origin: tuple[int, int]) -> None:
+        self.prompt, self.cap, self.origin = prompt, cap, origin
         self.done = threading.Event()
         self.result: Generation | None = None
         self.error: tuple[int, str] | None = None
@@ -134,9 +138,9 @@ class _Request:
 class OpenAIServer:
     """``POST /s/<episode_id>/v1/chat/completions`` and ``GET [/s/<episode_id>]/v1/models`` on 127.0.0.1.
 
-    ``pump`` (one batch) must be called by the thread that owns the engine, or ``start(engine_thread=
-    True)`` runs it in a thread of its own; sessions are opened with :meth:`open_session` (a request
-    to an unknown one gets 404).
+    :meth:`serve` runs the engine's turn server in the thread that owns the engine, or
+    ``start(engine_thread=True)`` in a thread of its own; sessions are opened with :meth:`open_session`
+    (a request to an unknown one gets 404).
     """
 
     def __init__(
@@ -158,11 +162,15 @@ class OpenAIServer:
         params.check()
         self.engine, self.tok, self.params = engine, tokenizer, params
         self.max_prompt_tokens = max_prompt_tokens
-        self._queue: queue.SimpleQueue[_Request] = queue.SimpleQueue()
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
         self._encoders: dict[str, TurnEncoder] = {}
-        self._calls = 0
+        self._loop: asyncio.AbstractEventLoop | None = None  # the turn server's, while it serves
+        self._turns: Any = None
+        self._opened = 0
+        self._inflight: set[_Request] = set()  # handed to the turn server, not yet answered
+        self.stats: TurnStats | None = None
+        """What the last :meth:`serve` cost the engine (rollout.episode_engine.TurnStats)."""
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.failure: BaseException | None = None
@@ -192,15 +200,47 @@ class OpenAIServer:
         return f"http://{self.cfg.host}:{self.port}/s/{episode_id}/v1"
 
     def start(self, engine_thread: bool = False) -> OpenAIServer:
-        """Serve HTTP in a daemon thread; with ``engine_thread`` also run :meth:`pump` in one."""
+        """Serve HTTP in a daemon thread; with ``engine_thread`` also the engine's turns
+        (:meth:`serve`) in one, until :meth:`shutdown`."""
         t = threading.Thread(target=self._httpd.serve_forever, name="openai-http", daemon=True)
         t.start()
         self._threads.append(t)
         if engine_thread:
-            e = threading.Thread(target=self._pump_forever, name="openai-engine", daemon=True)
+            e = threading.Thread(target=self._serve_until_stopped, name="openai-engine", daemon=True)
             e.start()
             self._threads.append(e)
         return self
+
+    def serve(self, main: Coroutine[Any, Any, _T]) -> _T:
+        """Run ``main`` on the engine's turn server in this thread (which must own the engine); while it
+        runs, the sessions' requests are its turns."""
+        turns = turn_server(self.engine)
+
+        async def serving() -> _T:
+            with self._lock:
+                self._loop, self._turns = asyncio.get_running_loop(), turns
+            try:
+                return await main
+            finally:
+                with self._lock:
+                    self._loop = self._turns = None
+                    left, self._inflight = self._inflight, set()
+                for r in left:  # the turn server stops with them unanswered
+                    if not r.done.is_set():
+                        r.error = (503, "the endpoint's engine stopped serving")
+                        r.done.set()
+
+        try:
+            return turns.run(serving())
+        finally:
+            self.stats = turns.stats
+
+    def _serve_until_stopped(self) -> None:
+        async def until_stopped() -> None:
+            while not self._stop.is_set():
+                await asyncio.sleep(0.05)
+
+        self.serve(until_stopped())
 
     @property
     def http(self) -> EndpointHTTPServer:
@@ -208,7 +248,7 @@ class OpenAIServer:
         return self._httpd
 
     def shutdown(self) -> None:
-        """Stop serving: queued requests get 503, the port is closed."""
+        """Stop serving: later requests get 503, the port is closed."""
         self._stop.set()
         self._refuse_all(503, "the endpoint shut down", [])
         self._httpd.shutdown()
@@ -224,7 +264,9 @@ class OpenAIServer:
 
     # -- sessions --------------------------------------------------------------------------------
 
-    def open_session(self, episode_id: str | None = None) -> str:
+    def open_session(self, episode_id: str | None = None, seed_key: tuple[int, int] | None = None) -> str:
+        """A new session; ``seed_key`` (dp_rank, row) picks its turns' seeds (default: the number of
+        sessions opened before it, on rank 0)."""
         episode_id = episode_id or uuid.uuid4().hex
         if not SESSION_PATH.match(f"/s/{episode_id}/v1/"):
             raise ValueError(f"episode id {episode_id!r}: use 1-128 of A-Z a-z 0-9 . _ -")
@@ -236,7 +278,8 @@ class OpenAIServer:
                     f"{len(self._sessions)} sessions are open, the most the endpoint allows "
                     f"(max_sessions={self.cfg.max_sessions}); close one first"
                 )
-            self._sessions[episode_id] = Session(episode_id)
+            self._sessions[episode_id] = Session(episode_id, seed_key=seed_key or (0, self._opened))
+            self._opened += 1
         return episode_id
 
     def close_session(self, episode_id: str) -> Session:
@@ -249,42 +292,22 @@ class OpenAIServer:
 
     # -- the engine side -------------------------------------------------------------------------
 
-    def _pump_forever(self) -> None:
-        while not self._stop.is_set():
-            self.pump(0.1)
-
-    def pump(self, wait_s: float) -> int:
-        """Answer one batch: wait up to ``wait_s`` for a request, gather more for ``batch_window_s``
-        (at most ``max_batch``), run one ``engine.generate``. Returns the number of requests answered."""
+    async def _turn(self, req: _Request) -> None:
+        """On the turn server's loop: one request's turn."""
         try:
-            batch = [self._queue.get(timeout=wait_s)]
-        except queue.Empty:
-            return 0
-        deadline = time.monotonic() + self.cfg.batch_window_s
-        while len(batch) < self.cfg.max_batch:
-            left = deadline - time.monotonic()
+            if req.abandoned:  # timed out before its turn began: skipped
+                return
+            params = replace(self.params, n=1, max_new_tokens=req.cap, return_logprobs=True)
             try:
-                batch.append(self._queue.get(timeout=left) if left > 0 else self._queue.get_nowait())
-            except queue.Empty:
-                break
-        live = [r for r in batch if not r.abandoned]
-        if not live:
-            return 0
-        p = self.params
-        seed = None if p.seed is None else seeds.derive(seeds.AGENT_CALL, p.seed, self._calls)
-        self._calls += 1
-        call = replace(p, n=1, max_new_tokens=max(r.cap for r in live), seed=seed, return_logprobs=True)
-        try:
-            gens = self.engine.generate([r.prompt for r in live], call)
-            if len(gens) != len(live):
-                raise RuntimeError(f"engine returned {len(gens)} results for {len(live)} prompts")
-        except Exception as exc:  # the engine is done: the batch and every later request are refused
-            self._engine_failed(exc, live)
-            return len(live)
-        for r, (g,) in zip(live, gens, strict=True):
-            r.result = g
-            r.done.set()
-        return len(live)
+                g = await self._turns.turn(req.prompt, params, req.origin)
+            except Exception as exc:  # the engine is done: this request and every later one are refused
+                self._engine_failed(exc, [req])
+                return
+            req.result = g
+            req.done.set()
+        finally:
+            with self._lock:
+                self._inflight.discard(req)
 
     def _engine_failed(self, exc: Exception, batch: list[_Request]) -> None:
         """Record the failure for run_agent_episodes and refuse the batch and all later requests: an
@@ -303,23 +326,23 @@ class OpenAIServer:
         with self._lock:
             if self._refusal is None:
                 self._refusal = (status, why)
-            queued = []
-            while True:
-                try:
-                    queued.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-        for r in batch + queued:
+        for r in batch:
             r.error = self._refusal
             r.done.set()
 
     def _submit(self, req: _Request) -> None:
-        """Queue ``req`` for the engine, or refuse it at once if the server no longer serves."""
+        """Hand ``req`` to the turn server, or refuse it at once if the endpoint no longer serves (a
+        refusal, or no turn server running: 503)."""
         with self._lock:
-            if self._refusal is None:
-                self._queue.put(req)
-                return
-            req.error = self._refusal
+            loop, refusal = self._loop, self._refusal
+            if refusal is None and loop is not None:
+                self._inflight.add(req)
+                try:
+                    asyncio.run_coroutine_threadsafe(self._turn(req), loop)
+                    return
+                except RuntimeError:  # the loop closed meanwhile
+                    self._inflight.discard(req)
+            req.error = refusal or (503, "the endpoint's engine is not serving")
         req.done.set()
 
     # -- the HTTP side ---------------------------------------------------------------------------
@@ -393,7 +416,8 @@ class OpenAIServer:
                     cap = min(cap, body[key])
             engine_prompt = prompt + s.tokens + appended
             s.busy = True
-        req = _Request(engine_prompt, cap)
+        dp, row = s.seed_key
+        req = _Request(engine_prompt, cap, (dp, row + s.assistant_turns * TURN_ROW_STRIDE))
         self._submit(req)
         answered = req.done.wait(self.cfg.request_timeout_s)
         with s.lock:
