@@ -58,6 +58,8 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeVar
 
+import torch.distributed as dist
+
 from megatron_rl.config.schema import OpenAIServerConfig
 from megatron_rl.rollout.agent.episode import TurnEncoder
 from megatron_rl.rollout.agent.openai_http import (
@@ -68,7 +70,7 @@ from megatron_rl.rollout.agent.openai_http import (
     quiet_http_client_logs,
 )
 from megatron_rl.rollout.agent.openai_request import EndpointLimits, HTTPError, check_chat, completion
-from megatron_rl.rollout.base import EngineFailure, Generation, SamplingParams
+from megatron_rl.rollout.base import EngineDied, EngineFailure, Generation, SamplingParams
 from megatron_rl.rollout.episode_engine import TURN_ROW_STRIDE, TurnStats, turn_server
 
 log = logging.getLogger(__name__)
@@ -300,6 +302,10 @@ class OpenAIServer:
             params = replace(self.params, n=1, max_new_tokens=req.cap, return_logprobs=True)
             try:
                 g = await self._turns.turn(req.prompt, params, req.origin)
+            except EngineDied as exc:  # the engine's worker is gone: what the rollout restarts on
+                rank = dist.get_rank() if dist.is_initialized() else 0
+                self._engine_failed(EngineFailure(rank, f"{type(exc).__name__}: {exc}"), [req])
+                return
             except Exception as exc:  # the engine is done: this request and every later one are refused
                 self._engine_failed(exc, [req])
                 return
