@@ -24,7 +24,7 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from megatron_rl.rollout.agent.tool_formats import TOOL_CALL, parse_hermes
 
@@ -265,3 +265,20 @@ def completion(
         },
         "prompt_token_ids": list(engine_prompt),  # what the engine was given
     }
+
+
+_T = TypeVar("_T")
+
+
+def rendered(render: Callable[[], _T]) -> _T:
+    """``render()`` (the chat template on a request's messages and tools); a template that cannot render
+    them is the request's fault: 400."""
+    try:
+        return render()
+    except HTTPError:
+        raise
+    except Exception as exc:
+        raise HTTPError(
+            400,
+            f"the chat template cannot render 'messages' / 'tools' ({type(exc).__name__}: {exc})"[:500],
+        ) from None

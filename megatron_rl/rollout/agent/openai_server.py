@@ -54,7 +54,7 @@ import logging
 import math
 import threading
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeVar
 
@@ -69,7 +69,13 @@ from megatron_rl.rollout.agent.openai_http import (
     handler_for,
     quiet_http_client_logs,
 )
-from megatron_rl.rollout.agent.openai_request import EndpointLimits, HTTPError, check_chat, completion
+from megatron_rl.rollout.agent.openai_request import (
+    EndpointLimits,
+    HTTPError,
+    check_chat,
+    completion,
+    rendered,
+)
 from megatron_rl.rollout.base import EngineDied, EngineFailure, Generation, SamplingParams
 from megatron_rl.rollout.episode_engine import TURN_ROW_STRIDE, TurnStats, turn_server
 
@@ -391,16 +397,16 @@ class OpenAIServer:
             if s.prompt is None:  # the first request: the prompt is the rendered conversation
                 kw = {"tools": tools} if tools else {}
                 template = self.tok.apply_chat_template
-                text = _rendered(lambda: template(messages, add_generation_prompt=True, tokenize=False, **kw))
+                text = rendered(lambda: template(messages, add_generation_prompt=True, tokenize=False, **kw))
                 prompt = list(self.tok.encode(text, add_special_tokens=False))
                 appended: list[int] = []
                 new: list[dict] = messages
-                encoder = _rendered(lambda: self._encoder(tools))
+                encoder = rendered(lambda: self._encoder(tools))
             else:
                 new = self._new_messages(s, messages)
                 assert s.encoder is not None  # set with the prompt
                 encoder, last = s.encoder, s.tokens[-1] if s.tokens else None
-                appended = _rendered(lambda: encoder.encode(new, last))
+                appended = rendered(lambda: encoder.encode(new, last))
                 prompt = s.prompt
                 if len(s.tokens) + len(appended) >= budget:  # the reply does not fit (as agent_loop)
                     s.finish = "length"
@@ -487,17 +493,3 @@ class OpenAIServer:
     def _reply(self, s: Session, toks: list[int], engine_prompt: list[int], finish: str) -> dict:
         ids = (s.episode_id, s.assistant_turns)
         return completion(self.tok, self.cfg.model_name, ids, toks, engine_prompt, finish)
-
-
-def _rendered(render: Callable[[], _T]) -> _T:
-    """``render()`` (the chat template on a request's messages and tools); a template that cannot render
-    them is the request's fault: 400."""
-    try:
-        return render()
-    except HTTPError:
-        raise
-    except Exception as exc:
-        raise HTTPError(
-            400,
-            f"the chat template cannot render 'messages' / 'tools' ({type(exc).__name__}: {exc})"[:500],
-        ) from None
