@@ -34,8 +34,9 @@ class Group:
 
     @property
     def oldest_version(self) -> int | None:
-        """The oldest policy version among its model tokens (None: none sampled yet)."""
-        vs = [v for e in self.episodes for v, m in zip(e.versions, e.mask, strict=True) if m]
+        """The oldest policy version among its model tokens (None: none sampled yet; tokens of a turn
+        whose run failed get their version when the episode goes on)."""
+        vs = [v for e in self.episodes for v, m in zip(e.versions, e.mask, strict=False) if m]
         return min(vs) if vs else None
 
 
