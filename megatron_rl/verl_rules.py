@@ -182,7 +182,7 @@ RULES: tuple[Rule, ...] = (
     _ignored(
         "data.gen_batch_size",
         "each generation batch is data.train_batch_size prompts (partial rollouts keep "
-        "actor_rollout_ref.rollout.partial_rollout_batches of them in flight)",
+        "actor_rollout_ref.rollout.partial_rollout_window batches in flight)",
     ),
     _ignored("data.function_tool_path", "set actor_rollout_ref.rollout.multi_turn.tool_config_path"),
     _ignored("data.audio_key", NO_MULTIMODAL),

@@ -63,7 +63,7 @@ RANGES: dict[str, str] = {
     "*.model.lora.dropout": "[0,1)",
     "actor_rollout_ref.rollout.n": ">=1",
     "actor_rollout_ref.rollout.max_staleness": ">=0",
-    "actor_rollout_ref.rollout.partial_rollout_batches": ">=2",
+    "actor_rollout_ref.rollout.partial_rollout_window": ">1",
     "actor_rollout_ref.rollout.temperature": ">0",
     "actor_rollout_ref.rollout.top_p": "(0,1]",
     "actor_rollout_ref.rollout.top_k": ">=-1",

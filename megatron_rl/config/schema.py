@@ -282,9 +282,10 @@ class RolloutConfig:
     step under the new weights (each token keeps the policy version that sampled it; a prompt whose
     oldest token would lag the actor by more than max_staleness starts again). Needs max_staleness >= 1;
     docs/multi_turn.md."""
-    partial_rollout_batches: int = 2
-    """With partial_rollout: batches of data.train_batch_size prompts in flight at each step's start (the
-    sampler tops them up as batches are trained; 2: one batch's worth goes on while another trains)."""
+    partial_rollout_window: float = 1.25
+    """With partial_rollout: prompts in flight at each step's start, in batches of data.train_batch_size
+    (1.25: a quarter batch more than a step trains on, so its slowest episodes can go on into the next
+    step while the step trains on those that ended); the sampler tops the window up as groups train."""
     calculate_log_probs: bool = False
     """Keep the engine's log-probs of the sampled tokens and log the rollout-training mismatch metrics
     (training/rollout_probs_diff_*, rollout_corr/*); on whenever algorithm.rollout_correction corrects."""

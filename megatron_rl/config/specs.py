@@ -151,9 +151,11 @@ class RolloutSpec:
     """Routing replay R3: training rollouts return each token's experts."""
     dist_timeout_minutes: float
     """How long a wait on the engines' ranks may take (trainer.dist_timeout_minutes)."""
+    partial_quota: int = 0
+    """Partial rollouts: the groups a step trains on per DP rank (data.train_batch_size / DP); 0: off."""
     partial_slots: int = 0
-    """Partial rollouts: prompts this DP rank keeps in flight (rollout.partial_rollout_batches x
-    data.train_batch_size / DP); 0: off."""
+    """Partial rollouts: prompts this DP rank keeps in flight (rollout.partial_rollout_window x the
+    quota, rounded, at least one more than the quota); 0: off."""
 
 
 @dataclass(frozen=True)
@@ -201,8 +203,12 @@ def resolve(cfg: Config, device: torch.device | str, dp_size: int = 1) -> Specs:
             max_new_tokens=cfg.data.max_response_length,
             routed_experts=arr.actor.router_replay.mode == "R3",
             dist_timeout_minutes=cfg.trainer.dist_timeout_minutes,
+            partial_quota=cfg.data.train_batch_size // dp_size if arr.rollout.partial_rollout else 0,
             partial_slots=(
-                arr.rollout.partial_rollout_batches * cfg.data.train_batch_size // dp_size
+                max(
+                    cfg.data.train_batch_size // dp_size + 1,
+                    round(arr.rollout.partial_rollout_window * cfg.data.train_batch_size / dp_size),
+                )
                 if arr.rollout.partial_rollout
                 else 0
             ),

@@ -40,9 +40,10 @@ def test_partial_rollouts_resume_with_episodes_in_flight(demo, tmp_path, torchru
     # episodes did carry over (trained one version late), never beyond the bound
     assert max(r["rollout/staleness/max"] for r in a) == 1
     assert sum(r["rollout/staleness/mean"] for r in a[1:]) > 0
-    # the checkpoint keeps the window: every rank's prompts in flight, none twice
+    # the checkpoint keeps the window: every rank's prompts in flight and drawn, none twice
     shared = torch.load(os.path.join(split, "global_step_2", SHARED_FILE), weights_only=False)
     window = shared["partial_rollouts"]
-    assert window["size"] == 16 and len(window["slots"]) == 2
-    held = [i for part in window["slots"] for i in part.values()]
-    assert len(held) == 16 and len(set(held)) == 16  # 2 batches in flight, one trained: 8 x 2 ranks
+    assert window["size"] == 10 and len(window["ranks"]) == 2  # 1.25 x 16 prompts / 2 ranks
+    held = [i for r in window["ranks"] for i in [*r["slots"].values(), *r["queue"]]]
+    # 3 sampler batches of 8 a rank drawn by step 2, 16 trained: 8 a rank left, 2 in slots, 6 queued
+    assert [len(r["slots"]) for r in window["ranks"]] == [2, 2] and len(held) == 16 == len(set(held))

@@ -140,37 +140,44 @@ def test_a_restarted_episode_releases_its_tools(tok, engine):
     try:
         run_window(loop, engine, sent(["1", SHORT], [0, 1]), 1, params_of(tok, 1), 0, 1)
         (g,) = loop.window.groups.values()
-        assert g.episodes[0].instances and tool.released == ["i1"]  # the ended episode's, at its end
+        running = g.episodes[0].instances["lookup"]
+        assert len(tool.released) == 1 and running not in tool.released  # the ended one's, at its end
         loop.window.clear(lambda e: release(loop, e))  # the rule at a checkpoint
-        assert tool.released == ["i1", "i0"] and not loop.window.groups
+        assert tool.released[1:] == [running] and not loop.window.groups
     finally:
         loop.shutdown()
 
 
 def test_the_window_fills_free_slots_and_sends_each_prompt_once():
-    w = PromptWindow(4)
-    assert w.draws(2) == 2
-    w.fill([7, 8, 9, 10])
-    data = {i: items_for([str(i)])[0] for i in (7, 8, 9, 10, 11, 12)}
-    assert [s for s, _, _ in w.to_send(data)] == [0, 1, 2, 3] and w.to_send(data) == []
-    w.trained([1, 3])
-    assert w.draws(2) == 1
-    w.fill([11, 12])
-    assert w.slots == {0: 7, 1: 11, 2: 9, 3: 12}
-    assert [s for s, _, _ in w.to_send(data)] == [1, 3]
-    with pytest.raises(RuntimeError, match="free slots"):
-        w.fill([1])
+    w = PromptWindow(5)
+    assert w.draws(4) == 2  # 5 slots: two sampler batches of 4, one prompt waits in the queue
+    w.fill([7, 8, 9, 10, 11, 12, 13, 14])
+    assert w.slots == {0: 7, 1: 8, 2: 9, 3: 10, 4: 11} and w.queue == [12, 13, 14]
+    data = {i: items_for([str(i)])[0] for i in range(7, 20)}
+    assert [s for s, _, _ in w.to_send(data)] == [0, 1, 2, 3, 4] and w.to_send(data) == []
+    w.trained([1, 3, 4])
+    assert w.draws(4) == 0  # the queue fills the three free slots
+    w.fill([])
+    assert w.slots == {0: 7, 1: 12, 2: 9, 3: 13, 4: 14} and w.queue == []
+    assert [s for s, _, _ in w.to_send(data)] == [1, 3, 4]
+    w.trained([0, 1, 2, 3])
+    assert w.draws(4) == 1
     w.resend_all()  # after a checkpoint every prompt goes again
-    assert [s for s, _, _ in w.to_send(data)] == [0, 1, 2, 3]
+    assert [s for s, _, _ in w.to_send(data)] == [4]
 
 
 def test_a_saved_window_deals_out_at_another_dp_size():
-    state = window_state([{0: 5, 1: 6, 3: 8}, {2: 9}], 4)
-    assert share_of(state, 1, 2, 4) == {2: 9}  # the same DP size: each rank its own
-    assert share_of(state, 0, 1, 8) == {0: 5, 1: 6, 2: 8, 3: 9}  # one rank: all of them
-    assert share_of(state, 1, 4, 2) == {0: 6}
-    with pytest.raises(RuntimeError, match="partial_rollout_batches"):
-        share_of(state, 0, 1, 2)
+    a, b = PromptWindow(3), PromptWindow(3)
+    a.fill([5, 6, 8, 4])
+    b.fill([9])
+    state = window_state([a.state(), b.state()], 3)
+    assert share_of(state, 1, 2, 3) == b.state()  # the same DP size: each rank its own
+    assert share_of(state, 0, 1, 6) == {"slots": {}, "queue": [5, 6, 8, 9, 4]}  # one rank: all of them
+    assert [share_of(state, r, 4, 2)["queue"] for r in range(4)] == [[5, 6], [8, 9], [4], []]
+    c = PromptWindow(3)
+    c.load(share_of(state, 0, 1, 3))
+    c.fill([])
+    assert c.slots == {0: 5, 1: 6, 2: 8} and c.queue == [9, 4] and c.unsent == {0, 1, 2}
 
 
 PARTIAL = [
@@ -195,9 +202,13 @@ def test_a_partial_rollout_config_passes_and_sizes_the_window():
 
     check()
     spec = resolve(
-        load_config(None, [*PARTIAL, "actor_rollout_ref.rollout.partial_rollout_batches=3"]), "cpu", 2
+        load_config(None, [*PARTIAL, "actor_rollout_ref.rollout.partial_rollout_window=1.5"]), "cpu", 2
     )
-    assert spec.rollout.partial_slots == 3 * 8 // 2 and spec.rollout.keeps_log_probs
+    assert (spec.rollout.partial_quota, spec.rollout.partial_slots) == (4, 6) and spec.rollout.keeps_log_probs
+    tight = resolve(
+        load_config(None, [*PARTIAL, "actor_rollout_ref.rollout.partial_rollout_window=1.01"]), "cpu", 2
+    )
+    assert tight.rollout.partial_slots == 5  # at least one prompt more than a step trains on
 
 
 @pytest.mark.parametrize(
@@ -206,7 +217,7 @@ def test_a_partial_rollout_config_passes_and_sizes_the_window():
         ("actor_rollout_ref.rollout.multi_turn.enable=false", "multi_turn.enable=true"),
         ("actor_rollout_ref.rollout.max_staleness=0", "max_staleness >= 1"),
         ("algorithm.filter_groups.enable=true", "algorithm.filter_groups.enable=false"),
-        ("actor_rollout_ref.rollout.partial_rollout_batches=1", "partial_rollout_batches"),
+        ("actor_rollout_ref.rollout.partial_rollout_window=1", "partial_rollout_window"),
     ],
 )
 def test_what_partial_rollouts_cannot_do_is_refused_in_one_line(override, names):

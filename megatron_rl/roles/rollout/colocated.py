@@ -93,8 +93,7 @@ class ColocatedRollout(RequestQueue):
             return self.asked[step][0]
         if self.window is None:
             return self.draw()
-        per_draw = self.spec.partial_slots // self.rollout.partial_rollout_batches
-        return [i for _ in range(self.window.draws(per_draw)) for i in self.draw()]
+        return [i for _ in range(self.window.draws(self.spec.partial_quota)) for i in self.draw()]
 
     def batch(
         self, step: int, prompt_indices: list[int], timer: Timer, validate: bool = False
@@ -111,7 +110,7 @@ class ColocatedRollout(RequestQueue):
             window.fill(prompt_indices)
             new = window.to_send(self.data.train)
         params = self.sampling(step, False)
-        quota = self.spec.partial_slots // self.rollout.partial_rollout_batches  # train_batch_size / DP
+        quota = self.spec.partial_quota  # train_batch_size / DP
         request = Request("train", step)
 
         def produce(engine: Any) -> Any:
@@ -228,7 +227,7 @@ class _WindowState:
         loop.window.clear(lambda e: release(loop, e))
         window.resend_all()
         parts: list = [None] * role.ps.dp_size
-        dist.all_gather_object(parts, dict(window.slots), group=role.ps.dp_group)
+        dist.all_gather_object(parts, window.state(), group=role.ps.dp_group)
         return window_state(parts, window.size)
 
     def load_state_dict(self, state: dict | None) -> None:

@@ -2,18 +2,18 @@
 prompt sits in which slot of this DP rank's window, and a step's batch from the groups the host hands
 back (the episodes themselves live on the host: rollout.agent.partial).
 
-    window = PromptWindow(slots)          # partial_rollout_batches x train_batch_size / DP slots
-    window.draws(per_draw)                # sampler batches that fill the free slots (the first step:
-                                          # every slot; later: the slots trained on)
-    window.fill(prompt_indices)           # into the free slots, lowest first
+    window = PromptWindow(slots)          # rollout.partial_rollout_window x train_batch_size / DP slots
+    window.draws(per_draw)                # sampler batches of ``per_draw`` prompts that fill the free
+                                          # slots (drawn prompts no slot takes yet wait in a queue)
+    window.fill(prompt_indices)           # drawn prompts into the queue, the queue into the free slots
     window.to_send(dataset)               # the prompts the host has not got: new ones, and after a
                                           # checkpoint every prompt in the window (its rule, below)
     window.trained(slots)                 # the slots of the groups a step trained on are free again
 
-A checkpoint keeps the window's prompt indices (every DP rank's), not the episodes' progress: at a save
-the host drops its groups (tools released) and every prompt of the window is sent again at the next
-step, where its episodes start from scratch -- in the run that saved and in a run resumed from that
-checkpoint alike, so the two stay equal.
+A checkpoint keeps the window's prompt indices and its queue (every DP rank's), not the episodes'
+progress: at a save the host drops its groups (tools released) and every prompt of the window is sent
+again at the next step, where its episodes start from scratch -- in the run that saved and in a run
+resumed from that checkpoint alike, so the two stay equal.
 """
 
 from __future__ import annotations
@@ -31,19 +31,21 @@ class PromptWindow:
         self.size = size
         self.slots: dict[int, int] = {}
         """slot -> prompt index (data.PromptDataset's)."""
+        self.queue: list[int] = []
+        """Drawn prompts waiting for a slot, in the sampler's order."""
         self.unsent: set[int] = set()
 
     def draws(self, per_draw: int) -> int:
         """Sampler batches of ``per_draw`` prompts that fill the free slots."""
-        return (self.size - len(self.slots)) // per_draw
+        need = self.size - len(self.slots) - len(self.queue)
+        return max(0, -(-need // per_draw))
 
     def fill(self, prompt_indices: list[int]) -> None:
-        free = [s for s in range(self.size) if s not in self.slots]
-        if len(prompt_indices) > len(free):
-            raise RuntimeError(f"partial rollouts: {len(prompt_indices)} prompts for {len(free)} free slots")
-        for s, i in zip(free, prompt_indices, strict=False):
-            self.slots[s] = i
-            self.unsent.add(s)
+        self.queue += prompt_indices
+        for s in range(self.size):
+            if s not in self.slots and self.queue:
+                self.slots[s] = self.queue.pop(0)
+                self.unsent.add(s)
 
     def to_send(self, dataset: Any) -> list[NewPrompt]:
         out = [(s, dataset[self.slots[s]].prompt_ids, dataset[self.slots[s]]) for s in sorted(self.unsent)]
@@ -57,31 +59,30 @@ class PromptWindow:
     def resend_all(self) -> None:
         self.unsent = set(self.slots)
 
-    def load(self, slots: dict[int, int]) -> None:
-        self.slots = {int(s): int(i) for s, i in slots.items()}
+    def state(self) -> dict:
+        return {"slots": dict(self.slots), "queue": list(self.queue)}
+
+    def load(self, state: dict) -> None:
+        self.slots = {int(s): int(i) for s, i in state["slots"].items()}
+        self.queue = [int(i) for i in state["queue"]]
         self.resend_all()
 
 
-def window_state(parts: list[dict[int, int]], size: int) -> dict:
-    """The checkpoint's record: every DP rank's slots, in DP order."""
-    return {"size": size, "slots": [{int(s): int(i) for s, i in p.items()} for p in parts]}
+def window_state(parts: list[dict], size: int) -> dict:
+    """The checkpoint's record: every DP rank's window (PromptWindow.state), in DP order."""
+    return {"size": size, "ranks": parts}
 
 
-def share_of(state: dict, dp_rank: int, dp_size: int, size: int) -> dict[int, int]:
-    """This DP rank's slots of a saved window: its own at the same DP size and window; else the saved
-    prompts, in DP and slot order, dealt out again in contiguous shares (the window holds
-    partial_rollout_batches x train_batch_size prompts at any DP size, so they fit)."""
-    parts = state["slots"]
+def share_of(state: dict, dp_rank: int, dp_size: int, size: int) -> dict:
+    """This DP rank's window of a saved one: its own at the same DP size and window size; else every
+    saved prompt (the slots', then the queues', in DP and slot order) dealt out in contiguous shares
+    into the ranks' queues (they take slots at the next step; none is lost, none taken twice)."""
+    parts = state["ranks"]
     if len(parts) == dp_size and int(state["size"]) == size:
-        return dict(parts[dp_rank])
-    flat = [p[s] for p in parts for s in sorted(p)]
+        return parts[dp_rank]
+    flat = [p["slots"][s] for p in parts for s in sorted(p["slots"])] + [i for p in parts for i in p["queue"]]
     per = -(-len(flat) // dp_size)
-    if per > size:
-        raise RuntimeError(
-            f"the checkpoint's partial rollouts hold {len(flat)} prompts, more than {dp_size} ranks x {size} "
-            "slots: resume with the run's actor_rollout_ref.rollout.partial_rollout_batches"
-        )
-    return dict(enumerate(flat[dp_rank * per : (dp_rank + 1) * per]))
+    return {"slots": {}, "queue": flat[dp_rank * per : (dp_rank + 1) * per]}
 
 
 def batch_of(taken: Taken, pad_id: int, max_new_tokens: int, step: int) -> RolloutBatch:

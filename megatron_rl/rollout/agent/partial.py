@@ -8,7 +8,7 @@ step trains on.
       groups (pending turns are then not sent: their episodes stop before them) -> each leader's
       first ``quota`` ended groups, removed from the pool, back to it and its TP/PP peers
 
-A *group* is one prompt's rollout.n episodes; a DP leader owns ``partial_rollout_batches x
+A *group* is one prompt's rollout.n episodes; a DP leader owns ``partial_rollout_window x
 train_batch_size / DP`` *slots* (the leader's rollout role keeps which prompt index sits in which:
 roles.rollout.partial). Each episode's turns sample with the seeds of (the step its group started,
 dp, slot x n + sample, turn) (rollout.base.sample_seed): unique while the slot holds the group, and
