@@ -57,7 +57,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal, TypeVar
 
 from megatron_rl import seeds
-from megatron_rl.config.schema import OpenAIServerConfig
+from megatron_rl.config.rollout_sections import OpenAIServerConfig
 from megatron_rl.rollout.agent.episode import TurnEncoder
 from megatron_rl.rollout.agent.openai_http import (
     SESSION_PATH,
