@@ -23,7 +23,8 @@ micro-batches' backward passes (``run_pipeline`` on :attr:`ModelOptimizer.ddp`):
    advance, and the returned norm is inf.
 4. Clip to ``clip_grad``, set the scheduled LR, Adam on the fp32 main parameters (bf16/fp16 models keep
    fp32 masters; the distributed optimizer shards masters and moments over DP), copy back into the
-   model's parameters (all-gathered over DP when sharded).
+   model's parameters, rounded to nearest or stochastically (:mod:`megatron_rl.rounding`), all-gathered
+   over DP when sharded.
 """
 
 from __future__ import annotations
@@ -36,11 +37,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_rl import cpu_bridge, seeds
+from megatron_rl import cpu_bridge
 from megatron_rl.config import ConfigError, MegatronConfig, OptimConfig
 from megatron_rl.errors import LaunchError
 from megatron_rl.models.chunks import ModelChunks, chunks_of
 from megatron_rl.parallel import ParallelState
+from megatron_rl.rounding import MainToModel
 
 BUCKET_NUMEL = 1 << 25  # 32M elements per DDP bucket (megatron's default scales with DP; fixed here)
 
@@ -123,7 +125,6 @@ class ModelOptimizer:
         self.num_steps = 0
         self.skipped_steps = 0  # updates skipped for a non-finite norm the loss scaler cannot fix
         self.loss_scale_skips = 0  # fp16: updates skipped by the dynamic loss scaler (an overflow)
-        self.seed, self.key = seed, key
         # the distributed optimizer at every DP size (at 1 it holds all): one checkpoint format for any DP
         self.distributed = distributed = mcfg.use_distributed_optimizer
         self.overlap_param_gather = distributed and mcfg.overlap_param_gather
@@ -169,13 +170,10 @@ class ModelOptimizer:
         config.no_sync_func = syncs if mcfg.overlap_grad_reduce else None
         self._init_adam_state()
         # bf16/fp16: our copy of the fp32 mains into the model (stochastic rounding; counts changes)
-        self.stochastic_rounding = cfg.stochastic_rounding
-        self._changed = torch.zeros((), dtype=torch.float64, device=ps.device)
-        self._elements = torch.zeros((), dtype=torch.float64, device=ps.device)
+        self.main_to_model = MainToModel(cfg.stochastic_rounding, seed, key, ps.device)
         if dtype != torch.float32:
             for sub in self._sub_optimizers:
-                pairs = _main_to_model_pairs(sub)
-                sub._copy_main_params_to_model_params = lambda pairs=pairs: self._copy_main_to_model(pairs)
+                self.main_to_model.install(sub, lambda: self.num_steps)
 
     @property
     def _sub_optimizers(self) -> list:
@@ -200,41 +198,11 @@ class ModelOptimizer:
                     "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
                 }
 
-    # -- writing the updated weights --------------------------------------------------------------
-
-    @torch.no_grad()
-    def _copy_main_to_model(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """fp32 main weights -> bf16/fp16 parameters, rounded to nearest or stochastically.
-
-        An RL-sized Adam step (~lr, e.g. 5e-6) is below half a bf16 ulp for most weights (ulp/2 of 0.02
-        is 6e-5): rounded to nearest, the parameter does not move at all and the policy (and the engine,
-        which receives these parameters) learns only from the few large updates. Stochastic rounding
-        rounds up with probability (distance to the lower value / ulp): unbiased, so small updates move
-        the parameter on average. The noise stream is seeded by (run seed, key, step): a resumed run rounds
-        as the uninterrupted one did. Replicas walk the same parameters in the same order, so TP and
-        DP replicas of a parameter draw the same noise and round alike; with the distributed optimizer
-        each DP rank rounds only its own shard (other elements), and the all-gather that follows
-        copies the rounded bits, so the replicas stay bit-identical.
-        """
-        gen = None
-        if self.stochastic_rounding:
-            stream = seeds.derive(seeds.ROUNDING, self.seed, self.key, self.num_steps)
-            gen = torch.Generator(device=self.ps.device).manual_seed(stream)
-        for main, model in pairs:
-            new = _stochastic_round(main, model.dtype, gen) if gen is not None else main.to(model.dtype)
-            self._changed += (new != model).sum()
-            self._elements += model.numel()
-            model.copy_(new)
-
     def pop_update_fraction(self) -> float | None:
         """Fraction of the low-precision parameter elements that changed value in the steps since the
-        last call (over all ranks; None for fp32 models). Collective over the whole job."""
-        counts = torch.stack([self._changed, self._elements])
-        dist.all_reduce(counts)
-        self._changed.zero_()
-        self._elements.zero_()
-        changed, total = counts.tolist()
-        return changed / total if total else None
+        last call (:meth:`megatron_rl.rounding.MainToModel.pop_update_fraction`; None for fp32 models).
+        Collective over the whole job."""
+        return self.main_to_model.pop_update_fraction()
 
     # -- the step -----------------------------------------------------------------------------------
 
@@ -374,38 +342,6 @@ def _zero_padding(state: Any) -> None:
     elif isinstance(state, list | tuple):
         for v in state:
             _zero_padding(v)
-
-
-def _stochastic_round(x: torch.Tensor, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
-    """fp32 ``x`` -> bf16, rounded up or down at random in proportion to the distance (unbiased).
-
-    bf16 is fp32's upper 16 bits: add uniform noise in [0, 2^16) to the lower 16 bits, then truncate.
-    The int32 view of a float is sign-magnitude, so the same works for negative values. fp16 (other
-    exponent range) is rounded to nearest.
-    """
-    if dtype != torch.bfloat16:
-        return x.to(dtype)
-    bits = x.contiguous().view(torch.int32)
-    noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=x.device, generator=gen)
-    return ((bits + noise) & -65536).view(torch.float32).to(dtype)  # exact: the low bits are zero
-
-
-def _main_to_model_pairs(sub) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(fp32 main tensor, model memory it is copied into) for each low-precision parameter of one of
-    megatron's optimizers: the whole parameter, or with the distributed optimizer this rank's shard of
-    it in DDP's parameter buffer (all-gathered over DP after the copy)."""
-    if hasattr(sub, "shard_fp32_from_float16_groups"):  # DistributedOptimizer
-        pairs = []
-        for mains, params in zip(sub.shard_fp32_from_float16_groups, sub.model_float16_groups, strict=True):
-            for main, param in zip(mains, params, strict=True):
-                world = sub._get_model_param_range_map(param)["gbuf_world_in_bucket"]
-                buf, _, bucket = sub.model_param_gbuf_map[param]
-                view = sub.buffers[buf].buckets[bucket].param_data.view(-1)[world.start : world.end]
-                pairs.append((main, view))
-        return pairs
-    mains = [m for group in sub.fp32_from_float16_groups for m in group]
-    params = [p for group in sub.float16_groups for p in group]
-    return list(zip(mains, params, strict=True))
 
 
 class NonFiniteError(LaunchError):

@@ -137,7 +137,7 @@ def serve_rollout(cfg, placement) -> None:
     from megatron_rl.run.lifecycle import PreemptionWatch
     from megatron_rl.run.memory_plan import cuda_graph_max_bs
 
-    arr = cfg.actor_rollout_ref  # SGLang on a machine without a GPU: the pre-flight said so
+    arr = cfg.actor_rollout_ref  # SGLang without a GPU: rollout.check_engine_device
     ps = init_parallel(
         arr.rollout.tensor_model_parallel_size,
         1,

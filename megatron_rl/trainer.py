@@ -38,7 +38,6 @@ policy.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -90,16 +89,30 @@ class Trainer:
         self._batches = iter(self.sampler)
         self.timer = Timer(ps.device)
         self.roles = build_roles(
-            cfg, specs, ps, self.placement, self.model_args, self.data, self.total_steps,
-            lambda: next(self._batches), reward, self.tokenizer, self.timer, self.state,
-        )  # fmt: skip
+            cfg,
+            specs,
+            ps,
+            self.placement,
+            self.model_args,
+            self.data,
+            self.total_steps,
+            lambda: next(self._batches),
+            reward,
+            self.tokenizer,
+            self.timer,
+            self.state,
+        )
         self.sync_probe = SyncProbe(cfg, specs.rollout, ps, self.data)
         self.logger = MetricsLogger(
-            t.logger, t.log_dir, t.project_name, t.experiment_name, to_dict(cfg),
-            enabled=ps.rank == 0, block_freq=t.console_block_freq,
-        )  # fmt: skip
+            t.logger,
+            t.log_dir,
+            t.project_name,
+            t.experiment_name,
+            to_dict(cfg),
+            enabled=ps.rank == 0,
+            block_freq=t.console_block_freq,
+        )
         self.global_step = 0
-        self._resumed_row: dict[str, float] | None = None  # the resumed step's metrics (Trainer.save)
         self.nonfinite = NonFiniteGuard(t.max_nonfinite_steps, log if ps.rank == 0 else None)
         self.peak_flops = measure_peak_flops(ps.device)
 
@@ -110,7 +123,7 @@ class Trainer:
         the current step with a checkpoint and :class:`~megatron_rl.run.lifecycle.Preempted`."""
         from megatron_rl.run.lifecycle import REPLACE, Preempted, PreemptionWatch
 
-        self._maybe_resume()
+        self.global_step, resumed_row = self.state.resume(self.ckpt, self.cfg.trainer, self.ps.rank)
         self.roles.rollout.start(self.global_step)  # separate rollout: weights out, next steps asked for
         cfg, last = self.cfg.trainer, {}
         if self.global_step >= self.total_steps > 0:
@@ -124,7 +137,7 @@ class Trainer:
                 )
             return last
         self.logger.begin(self.global_step)
-        self._replay_row()
+        self.logger.replay(self.global_step, resumed_row)
         if self.ps.rank == 0:
             write_config_record(self.cfg, fresh=self.global_step == 0)
         has_val = self.data.val is not None
@@ -183,9 +196,16 @@ class Trainer:
         t_step, metrics, tokens = time.perf_counter(), {}, TokenStats()  # tokens: perf/padding_fraction
 
         batch = scored_batch(
-            lambda idx: r.rollout.batch(step, idx, timer), prompt_indices, more, r.reward, ps, cfg,
-            self.data.pad_id, timer, metrics,
-        )  # fmt: skip
+            lambda idx: r.rollout.batch(step, idx, timer),
+            prompt_indices,
+            more,
+            r.reward,
+            ps,
+            cfg,
+            self.data.pad_id,
+            timer,
+            metrics,
+        )
         metrics.update(r.rollout.step_metrics(step))
         with timer("metrics"):
             metrics.update(r.rollout.staleness_metrics(batch))
@@ -212,11 +232,18 @@ class Trainer:
         metrics["timing_s/step"] = metrics["perf/time_per_step"] = time.perf_counter() - t_step
         metrics.update(
             perf_metrics(
-                cfg, ps, self.model_args, r.critic.model.args if r.critic.model is not None else None,
-                [o for o in (r.models.actor_optim, r.critic.optim) if o is not None], batch, metrics,
-                self.peak_flops, timer, self.placement.world_size,
+                cfg,
+                ps,
+                self.model_args,
+                r.critic.model.args if r.critic.model is not None else None,
+                [o for o in (r.models.actor_optim, r.critic.optim) if o is not None],
+                batch,
+                metrics,
+                self.peak_flops,
+                timer,
+                self.placement.world_size,
             )
-        )  # fmt: skip
+        )
         metrics["training/global_step"] = step
         metrics["training/epoch"] = self.sampler.drawn_epoch  # the newest prompts' (refills included)
         return metrics
@@ -227,8 +254,11 @@ class Trainer:
         with self.timer("testing"):
             out = validation_metrics(
                 lambda idx: r.rollout.batch(self.global_step, idx, scratch, validate=True),
-                r.reward, len(self.data.val), self.ps, self.cfg,
-            )  # fmt: skip
+                r.reward,
+                len(self.data.val),
+                self.ps,
+                self.cfg,
+            )
         out.update(self.timer.pop())
         return out
 
@@ -236,51 +266,11 @@ class Trainer:
 
     def save(self, row: dict[str, float] | None = None) -> str:
         """``row``: the step's metrics (without the save's own time), kept in the checkpoint so that a
-        death between publishing it and writing the row loses no row (:meth:`_replay_row`)."""
+        death between publishing it and writing the row loses no row (run.metrics.MetricsLogger.replay)."""
         path = self.state.save(self.ckpt, self.global_step, extra={"metrics_row": row})
         if self.ps.rank == 0:
             log.info("saved checkpoint %s", path)
         return path
-
-    def _maybe_resume(self) -> None:
-        t = self.cfg.trainer
-        if t.resume_mode == "disable":
-            earlier = self.ckpt.latest()  # a fresh run in a used directory: say what becomes of the old
-            if earlier is not None and self.ps.rank == 0:
-                log.info(
-                    "trainer.resume_mode=disable: training from step 0 in %s, which holds an earlier run "
-                    "(newest %s); its metrics and config are set aside (metrics.1.jsonl, config.1.yaml, "
-                    "...), its checkpoints count with this run's for trainer.max_ckpt_to_keep (oldest "
-                    "saved first pruned). "
-                    "trainer.resume_mode=auto would resume it.",
-                    t.default_local_dir,
-                    os.path.basename(earlier),
-                )
-            return
-        # auto: the tracker's checkpoint; an unusable tracker stops the run in one line (never step 0)
-        path = t.resume_from_path if t.resume_mode == "resume_path" else self.ckpt.resume_path()
-        if path is None:
-            return
-        state = self.state.load(self.ckpt, path)
-        self.global_step = state["global_step"]
-        # The row is replayed only into the run directory that wrote the checkpoint (its metrics file
-        # may lack it); a run resumed from another directory's checkpoint starts its record after it.
-        own = os.path.dirname(os.path.abspath(path)) == os.path.abspath(t.default_local_dir)
-        self._resumed_row = state.get("metrics_row") if own else None
-        self.ckpt.resumed_from = path  # pruning never deletes it
-        if self.ps.rank == 0:
-            log.info("resumed from %s at step %d", path, self.global_step)
-
-    def _replay_row(self) -> None:
-        """After a resume: the resumed step's metrics row, from its checkpoint, if metrics.jsonl lacks it
-        (the run died after publishing the checkpoint, before writing the row)."""
-        row, log_ = self._resumed_row, self.logger
-        if row is None or not (log_.enabled and "jsonl" in log_.sinks and os.path.isfile(log_.jsonl_path)):
-            return
-        with open(log_.jsonl_path) as f:
-            if any(json.loads(line).get("step") == self.global_step for line in f if line.strip()):
-                return
-        log_.log(self.global_step, row, echo=lambda _line: None)
 
     def _check_same_data(self, saved: str, path: str) -> None:
         """Resuming continues the sampler's position in the same prompts: other prompts (even as many)

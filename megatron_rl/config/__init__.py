@@ -10,9 +10,10 @@ data-parallel size, parallel sizes against the model's head counts) before any p
 
 ``python -m megatron_rl.config yaml/X.yaml key=value ...`` prints the fully resolved config.
 
-The package: ``schema`` (the sections and errors), ``model_sections`` (the model, optimizer and megatron
-sections), ``load`` (load_config, derived defaults), ``checks`` (validate), ``specs`` (the facts each
-role reads, resolved once after validation), ``describe`` (the key reference and the command line).
+The package: ``schema`` (Config and the other sections), ``model_sections`` (the model, optimizer and megatron
+sections), ``rollout_sections`` (the engine, sampling and multi-turn sections), ``load`` (load_config,
+derived defaults), ``checks`` (validate), ``specs`` (the facts each role reads, resolved once after
+validation), ``describe`` (the key reference and the command line).
 """
 
 from megatron_rl.config.checks import validate
@@ -20,33 +21,34 @@ from megatron_rl.config.describe import describe_keys, field_docs, main
 from megatron_rl.config.errors import ConfigError, DataError
 from megatron_rl.config.layout import check_layout_against_model
 from megatron_rl.config.load import known_keys, load_config, to_dict
+from megatron_rl.config.model_sections import (
+    ActorMegatronConfig,
+    CriticModelConfig,
+    FrozenMegatronConfig,
+    MegatronConfig,
+    ModelConfig,
+    OptimConfig,
+)
 from megatron_rl.config.ranges import RANGES, get_key, range_rule
+from megatron_rl.config.rollout_sections import RolloutConfig, ValKwargs
 from megatron_rl.config.schema import (
     ActorConfig,
-    ActorMegatronConfig,
     ActorRolloutRefConfig,
     AlgorithmConfig,
     Config,
     CriticConfig,
-    CriticModelConfig,
     CustomRewardFunctionConfig,
     DataConfig,
     FilterGroupsConfig,
-    FrozenMegatronConfig,
     HttpRewardConfig,
     KLCtrlConfig,
-    MegatronConfig,
-    ModelConfig,
-    OptimConfig,
     OverlongBufferConfig,
     PolicyLossConfig,
     RefConfig,
     RewardModelConfig,
     RewardModelModelConfig,
-    RolloutConfig,
     RolloutCorrectionConfig,
     TrainerConfig,
-    ValKwargs,
 )
 from megatron_rl.config.specs import Specs, keeps_engine_log_probs, needs_reference, resolve
 

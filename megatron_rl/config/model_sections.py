@@ -1,6 +1,7 @@
 """The model sections of the config: weights (model paths), the optimizer, and the megatron sections
 of the trained models (:class:`MegatronConfig`) and of the forward-only ones
-(:class:`FrozenMegatronConfig`). The other sections are in :mod:`megatron_rl.config.schema`."""
+(:class:`FrozenMegatronConfig`). The rollout sections are in :mod:`megatron_rl.config.rollout_sections`,
+the others in :mod:`megatron_rl.config.schema`."""
 
 from __future__ import annotations
 

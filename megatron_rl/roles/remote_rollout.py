@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from megatron_rl.config.schema import AgentFunctionConfig, MultiTurnConfig, OpenAIServerConfig
+from megatron_rl.config.rollout_sections import AgentFunctionConfig, MultiTurnConfig, OpenAIServerConfig
 from megatron_rl.model_args import DTYPES, ModelArgs
 from megatron_rl.parallel import ParallelState
 from megatron_rl.roles.bridge import Bridge, Layout, row_routes

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from megatron_rl.errors import LaunchError
 from megatron_rl.model_args import DTYPES, run_dtype
 from megatron_rl.rollout.base import Generation, RolloutEngine, RolloutOOMError, SamplingParams, sample_seed
 
@@ -26,6 +27,7 @@ __all__ = [
     "RolloutEngine",
     "RolloutOOMError",
     "SamplingParams",
+    "check_engine_device",
     "create_engine",
     "engine_dtype",
     "sample_seed",
@@ -38,6 +40,23 @@ def engine_dtype(name: str | None, ps: ParallelState) -> torch.dtype:
     if name is None:
         raise ValueError("actor_rollout_ref.rollout.dtype is unresolved: config.validate sets it")
     return DTYPES[run_dtype(name, ps.device)]
+
+
+ENGINE_KEY = "actor_rollout_ref.rollout.name"
+
+
+def check_engine_device(name: str, no_gpu: str | None, shown: str | None = None) -> None:
+    """SGLang runs on a GPU only; the one place that says so. ``no_gpu``: why there is none (e.g.
+    "trainer.device=cpu"; None: there is one); ``shown``: the key and value as the user wrote them
+    (default: as ``name``). The pre-flight asks from the config before anything starts;
+    :func:`create_engine` from the rank's device, for the scripts and tests that build an engine
+    without the pre-flight."""
+    if name == "sglang" and no_gpu is not None:
+        raise LaunchError(
+            f"{shown or f'{ENGINE_KEY}={name}'} needs a GPU, and {no_gpu}: on CPU set {ENGINE_KEY}=hf "
+            "(the transformers engine).",
+            same_on_all_ranks=True,
+        )
 
 
 def create_engine(
@@ -62,6 +81,7 @@ def create_engine(
 
         return HFEngine(args, ps, dtype=engine_dtype(cfg.dtype, ps), seed=seed)
     if cfg.name == "sglang":
+        check_engine_device(cfg.name, None if ps.device.type == "cuda" else f"this rank runs on {ps.device}")
         from megatron_rl.rollout.sglang_engine import SGLangEngine
 
         extra = {"enable_return_routed_experts": True} if routed_experts else {}

@@ -99,14 +99,10 @@ class SGLangEngine:
         lora: EngineLora | None = None,
         **engine_kwargs,
     ) -> None:
-        """``cuda_graph_max_bs``: see :func:`engine_arguments`; ``lora``: the actor's adapters come
+        """Built by :func:`megatron_rl.rollout.create_engine`, which checks that ``ps`` is on a GPU.
+        ``cuda_graph_max_bs``: see :func:`engine_arguments`; ``lora``: the actor's adapters come
         unmerged (config.lora.engine_lora_of); ``engine_kwargs`` override its dict."""
         self.cuda_graph_max_bs = cuda_graph_max_bs
-        if ps.device.type != "cuda":
-            raise RuntimeError(
-                "actor_rollout_ref.rollout.name=sglang needs a GPU; "
-                "use actor_rollout_ref.rollout.name=hf on CPU"
-            )
         self.cfg, self.args, self.ps, self.seed = cfg, args, ps, seed
         self.model_path = model_path
         self.dtype = DTYPES[cfg.dtype]

@@ -304,6 +304,18 @@ class MetricsLogger:
         self._jsonl.writelines(kept)
         self._jsonl.flush()
 
+    def replay(self, step: int, row: dict[str, float] | None) -> None:
+        """After a resume at ``step`` (and :meth:`begin`): the step's metrics ``row``, kept in its
+        checkpoint, to the sinks but the console if metrics.jsonl lacks it (the run died after
+        publishing the checkpoint, before writing the row)."""
+        path = self.jsonl_path
+        if row is None or not (self.enabled and "jsonl" in self.sinks and os.path.isfile(path)):
+            return
+        with open(path) as f:
+            if any(json.loads(line).get("step") == step for line in f if line.strip()):
+                return
+        self.log(step, row, echo=lambda _line: None)
+
     def log(self, step: int, metrics: dict[str, float], echo=print, last: bool = False) -> None:
         if not self.enabled:
             return

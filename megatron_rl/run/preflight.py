@@ -127,11 +127,13 @@ def check_logger_packages(sinks: list[str]) -> None:
 
 
 def _check_rollout_engine(cfg: Any, typed: Mapping[str, Any], device: bool) -> None:
-    """SGLang needs a GPU and its package; the message names the value as the user wrote it."""
+    """SGLang needs a GPU (rollout.check_engine_device) and its package; the message names the value as
+    the user wrote it."""
     import importlib.util
 
-    key = "actor_rollout_ref.rollout.name"
-    name = cfg.actor_rollout_ref.rollout.name
+    from megatron_rl.rollout import ENGINE_KEY, check_engine_device
+
+    key, name = ENGINE_KEY, cfg.actor_rollout_ref.rollout.name
     if name != "sglang":
         return
     said = typed.get(key, name)
@@ -143,10 +145,7 @@ def _check_rollout_engine(cfg: Any, typed: Mapping[str, Any], device: bool) -> N
         on_cpu = not torch.cuda.is_available()
     if on_cpu:
         where = "trainer.device=cpu" if cfg.trainer.device == "cpu" else "this machine has no GPU"
-        raise LaunchError(
-            f"{shown} needs a GPU, and {where}: on CPU set {key}=hf (the transformers engine).",
-            same_on_all_ranks=True,
-        )
+        check_engine_device(name, where, shown)
     if device and importlib.util.find_spec("sglang") is None:
         raise LaunchError(
             f"{shown} needs the sglang package, which is not installed: pip install -e '.[sglang]' "

@@ -1,6 +1,7 @@
 """The registry of everything a checkpoint holds: each piece of state is registered once, by name, with
-where it goes on disk; ``save`` and ``load`` walk the registry (run/checkpoint.CheckpointManager does
-the writing, publishing and file layout).
+where it goes on disk; ``save`` and ``load`` walk the registry (``resume``: ``load`` of the checkpoint
+trainer.resume_mode names; run/checkpoint.CheckpointManager does the writing, publishing and file
+layout).
 
     registry.register("sampler", sampler)                 trainer_state.json["sampler"] (rank 0 writes,
                                                           every rank reads; JSON values)
@@ -22,13 +23,19 @@ mismatch such as other training data stops the run before any weights are read).
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from megatron_rl.errors import CheckpointError
 from megatron_rl.run.ckpt_files import verify_digests
+
+if TYPE_CHECKING:
+    from megatron_rl.config import TrainerConfig
+
+log = logging.getLogger(__name__)
 
 TRAINER: Literal["trainer"] = "trainer"
 SHARED: Literal["shared"] = "shared"
@@ -141,6 +148,37 @@ class StateRegistry:
             shared or None,
             before_publish=before_publish if files else None,
         )
+
+    def resume(self, ckpt, t: TrainerConfig, rank: int) -> tuple[int, dict[str, float] | None]:
+        """Restore the checkpoint trainer.resume_mode names: ``auto`` the tracker's (an unusable tracker
+        stops the run in one line, never a silent step 0), ``resume_path`` trainer.resume_from_path,
+        ``disable`` none. Returns (the step to continue after, 0 for none; the resumed step's metrics
+        row, for ``MetricsLogger.replay``, or None). ``ckpt`` is told the path, so that pruning never
+        deletes it."""
+        if t.resume_mode == "disable":
+            earlier = ckpt.latest()  # a fresh run in a used directory: say what becomes of the old
+            if earlier is not None and rank == 0:
+                log.info(
+                    "trainer.resume_mode=disable: training from step 0 in %s, which holds an earlier run "
+                    "(newest %s); its metrics and config are set aside (metrics.1.jsonl, config.1.yaml, "
+                    "...), its checkpoints count with this run's for trainer.max_ckpt_to_keep (oldest "
+                    "saved first pruned). "
+                    "trainer.resume_mode=auto would resume it.",
+                    t.default_local_dir,
+                    os.path.basename(earlier),
+                )
+            return 0, None
+        path = t.resume_from_path if t.resume_mode == "resume_path" else ckpt.resume_path()
+        if path is None:
+            return 0, None
+        state = self.load(ckpt, path)
+        # The row is replayed only into the run directory that wrote the checkpoint (its metrics file
+        # may lack it); a run resumed from another directory's checkpoint starts its record after it.
+        own = os.path.dirname(os.path.abspath(path)) == os.path.abspath(t.default_local_dir)
+        ckpt.resumed_from = path
+        if rank == 0:
+            log.info("resumed from %s at step %d", path, state["global_step"])
+        return state["global_step"], state.get("metrics_row") if own else None
 
     def load(self, ckpt, path: str) -> dict[str, Any]:
         """Restore every registered piece from checkpoint ``path``; returns its trainer_state.json (with

@@ -17,7 +17,7 @@ import torch
 from megatron_rl.batch import RolloutBatch
 from megatron_rl.config import ConfigError, load_config
 from megatron_rl.config.checks import validate
-from megatron_rl.config.schema import MultiTurnConfig
+from megatron_rl.config.rollout_sections import MultiTurnConfig
 from megatron_rl.errors import LaunchError, NonFiniteRewardError
 from megatron_rl.reward import scoring
 from megatron_rl.reward.model import ModelReward

@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from megatron_rl.config.schema import MultiTurnConfig
+from megatron_rl.config.rollout_sections import MultiTurnConfig
 from megatron_rl.data import PromptItem
 from megatron_rl.demo import tools_task
 from megatron_rl.model_args import model_args_from_hf_config

@@ -129,6 +129,24 @@ def test_jsonl_sink(tmp_path):
     assert steps("metrics.2.jsonl") == [1]
 
 
+def test_a_resumed_run_replays_its_checkpoint_row_once(tmp_path, capsys):
+    """The row a checkpoint keeps is written after a resume when metrics.jsonl lacks it (the run died
+    between publishing the checkpoint and writing the row), never twice, never to the console."""
+
+    def resumed(row: dict[str, float] | None) -> list[dict]:
+        lg = MetricsLogger(["jsonl", "console"], str(tmp_path), "p", "e", {}, enabled=True)
+        lg.begin(2)
+        lg.replay(2, row)
+        lg.close()
+        return [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "a": 1.0}) + "\n")
+    assert resumed({"a": 2.0}) == [{"step": 1, "a": 1.0}, {"step": 2, "a": 2.0}]
+    assert resumed({"a": 9.0}) == [{"step": 1, "a": 1.0}, {"step": 2, "a": 2.0}]  # already there
+    assert resumed(None)[-1] == {"step": 2, "a": 2.0}
+    assert capsys.readouterr().out == ""
+
+
 def test_console_prints_a_line_per_step_and_the_block_every_n(capsys, tmp_path):
     lg = MetricsLogger(["console"], str(tmp_path), "p", "e", {}, enabled=True, block_freq=2)
     m = {"critic/score/mean": 0.5, "actor/pg_loss": 0.25, "timing_s/step": 1.5}

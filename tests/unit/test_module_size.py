@@ -11,11 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 LIMIT = 500
 LIMITS = {"megatron_rl/trainer.py": 300}
-OVER = {
-    "megatron_rl/config/schema.py": 571,
-    "megatron_rl/optim.py": 517,
-    "megatron_rl/trainer.py": 325,
-}
+OVER: dict[str, int] = {}
 """Modules over their limit and the size they may not exceed."""
 
 ESCAPE = re.compile(r"#\s*fmt:\s*(skip|off)\b")

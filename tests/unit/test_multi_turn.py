@@ -14,7 +14,7 @@ import torch
 
 from megatron_rl.batch import RolloutBatch
 from megatron_rl.config import ConfigError
-from megatron_rl.config.schema import MultiTurnConfig
+from megatron_rl.config.rollout_sections import MultiTurnConfig
 from megatron_rl.data import PromptItem
 from megatron_rl.demo import tools_task
 from megatron_rl.rollout.agent.agent_loop import AgentLoop, EpisodeStats, TurnEncoder, truncate_text
@@ -71,7 +71,7 @@ def test_parse_llama3_json_calls_answers_and_malformed_ones():
 
 
 def test_the_loop_runs_llama3_json_calls():
-    from megatron_rl.config.schema import MultiTurnConfig
+    from megatron_rl.config.rollout_sections import MultiTurnConfig
 
     tok = tools_task.build_tools_tokenizer()  # its own: a call token is added to it
     llama_call = '{"name": "lookup", "parameters": {}}'
@@ -101,7 +101,7 @@ def test_the_loop_runs_llama3_json_calls():
 
 
 def test_a_turn_cap_ends_the_turn_not_the_episode(tok):
-    from megatron_rl.config.schema import MultiTurnConfig
+    from megatron_rl.config.rollout_sections import MultiTurnConfig
 
     word = tok.convert_tokens_to_ids("7")
     for cap, want_len, want_finish in ((None, 8, "length"), (3, 3, "stop")):

@@ -19,7 +19,7 @@ import urllib.request
 import pytest
 import torch
 
-from megatron_rl.config.schema import OpenAIServerConfig
+from megatron_rl.config.rollout_sections import OpenAIServerConfig
 from megatron_rl.data import PromptItem
 from megatron_rl.demo import tools_task
 from megatron_rl.rollout.agent.agent_function import run_agent_episodes

@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import pytest
 
-from megatron_rl.config.schema import OpenAIServerConfig
+from megatron_rl.config.rollout_sections import OpenAIServerConfig
 from megatron_rl.rollout.agent.agent_function import run_agent_episodes
 from megatron_rl.rollout.agent.openai_request import EndpointLimits
 from megatron_rl.rollout.agent.openai_server import OpenAIServer

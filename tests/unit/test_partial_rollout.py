@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_rl.config.schema import MultiTurnConfig
+from megatron_rl.config.rollout_sections import MultiTurnConfig
 from megatron_rl.demo import tools_task
 from megatron_rl.roles.rollout.partial import PromptWindow, batch_of, share_of, window_state
 from megatron_rl.rollout.agent.agent_loop import AgentLoop

@@ -165,7 +165,7 @@ def test_checkpoint_round_trip_continues_identically(ps, hf_dir, tmp_path, dtype
 
 
 def test_low_precision_params_train_through_fp32_masters(ps, hf_dir):
-    from megatron_rl.optim import _main_to_model_pairs
+    from megatron_rl.rounding import main_to_model_pairs
 
     m, _ = tiny(ps, hf_dir, torch.bfloat16)
     opt = build(m, ps, lr=1e-3, weight_decay=0.0, stochastic_rounding=False)  # the copy checked below
@@ -175,7 +175,7 @@ def test_low_precision_params_train_through_fp32_masters(ps, hf_dir):
     loss_of(opt.ddp, IDS).backward()
     assert all(p.main_grad.dtype == torch.float32 and p.main_grad.abs().sum() > 0 for p in m.parameters())
     (sub,) = opt._sub_optimizers
-    pairs = _main_to_model_pairs(sub)  # (fp32 main, the bf16 parameter memory it is written to)
+    pairs = main_to_model_pairs(sub)  # (fp32 main, the bf16 parameter memory it is written to)
     assert sum(view.numel() for _, view in pairs) == sum(p.numel() for p in m.parameters())
     start = [mst.detach().clone() for mst, _ in pairs]
     opt.step()
@@ -187,17 +187,17 @@ def test_low_precision_params_train_through_fp32_masters(ps, hf_dir):
 
 
 def test_stochastic_rounding_is_unbiased_and_stays_on_neighbours():
-    from megatron_rl.optim import _stochastic_round
+    from megatron_rl.rounding import stochastic_round
 
     lo = torch.tensor(0.02).bfloat16().float()  # a bf16 value; its upper neighbour is one ulp away
     ulp = torch.nextafter(lo.bfloat16(), torch.tensor(1.0).bfloat16()).float() - lo
     x = torch.full((200_000,), (lo + 0.3 * ulp).item())  # 30% of the way up
     gen = torch.Generator().manual_seed(0)
-    r = _stochastic_round(x, torch.bfloat16, gen).float()
+    r = stochastic_round(x, torch.bfloat16, gen).float()
     assert set(r.unique().tolist()) == {lo.item(), (lo + ulp).item()}
     assert r.mean().item() == pytest.approx(x[0].item(), abs=2e-3 * ulp.item())  # mean ~ x: unbiased
     assert (r == lo + ulp).float().mean().item() == pytest.approx(0.3, abs=0.01)
-    neg = _stochastic_round(-x, torch.bfloat16, torch.Generator().manual_seed(0)).float()
+    neg = stochastic_round(-x, torch.bfloat16, torch.Generator().manual_seed(0)).float()
     assert torch.equal(neg, -r)  # sign-magnitude: the same for negative values
     # Negative control: rounding to nearest always gives the lower neighbour, i.e. a biased 0.3 ulp.
     assert torch.equal(x.bfloat16().float(), torch.full_like(x, lo.item()))
@@ -208,12 +208,12 @@ def test_small_bf16_updates_reach_the_model_only_with_stochastic_rounding(ps, hf
     """lr 1e-5 is below half a bf16 ulp for most of the O(1) weights. Oracle: the fp32 main weights'
     own movement. Rounded to nearest, the bf16 parameters deliver a small part of it; rounded
     stochastically, all of it on average."""
-    from megatron_rl.optim import _main_to_model_pairs
+    from megatron_rl.rounding import main_to_model_pairs
 
     m, _ = tiny(ps, hf_dir, torch.bfloat16)
     opt = build(m, ps, lr=1e-5, weight_decay=0.0, stochastic_rounding=stochastic)
     (sub,) = opt._sub_optimizers
-    pairs = _main_to_model_pairs(sub)
+    pairs = main_to_model_pairs(sub)
     mains0 = torch.cat([main.detach().flatten().clone() for main, _ in pairs])
     params0 = torch.cat([p.detach().float().flatten() for _, p in pairs])
     _train(m, opt, 3, seed=4)

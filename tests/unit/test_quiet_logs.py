@@ -13,7 +13,7 @@ import textwrap
 import types
 from pathlib import Path
 
-from megatron_rl.config.schema import RolloutConfig
+from megatron_rl.config.rollout_sections import RolloutConfig
 from megatron_rl.rollout.sglang_start import (
     ServerArgsToDebug,
     engine_arguments,

@@ -74,6 +74,24 @@ def test_bad_bucket_size_and_engine_name_are_explained():
         create_engine(RolloutConfig(name="hf", dtype="fp8"), "", None, None, 0)
 
 
+def test_sglang_on_cpu_is_refused_naming_the_key_and_the_fix():
+    """Scripts build engines without the pre-flight: create_engine asks the same check the pre-flight
+    does, before SGLang is imported."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from megatron_rl.errors import LaunchError
+
+    cpu = SimpleNamespace(device=torch.device("cpu"))
+    with pytest.raises(LaunchError) as e:
+        create_engine(RolloutConfig(name="sglang", dtype="float32"), "", None, cpu, 0)
+    assert str(e.value) == (
+        "actor_rollout_ref.rollout.name=sglang needs a GPU, and this rank runs on cpu: on CPU set "
+        "actor_rollout_ref.rollout.name=hf (the transformers engine)."
+    )
+
+
 def test_an_mla_layers_a_projections_share_a_bucket():
     """SGLang fuses a DeepSeek-V3 layer's q_a_proj and kv_a_proj_with_mqa within one load call: even
     with one-tensor buckets the two travel together (and everything else still one by one)."""

@@ -31,7 +31,7 @@ def start_engine(cfg: Config, ps: ParallelState, model_args):
     from megatron_rl.rollout import create_engine
     from megatron_rl.run.memory_plan import cuda_graph_max_bs
 
-    rollout = cfg.actor_rollout_ref.rollout  # SGLang without a GPU: the pre-flight (and the engine) say so
+    rollout = cfg.actor_rollout_ref.rollout  # SGLang without a GPU: rollout.check_engine_device
     t0 = time.perf_counter()
     # SGLang captures decode graphs up to the rows one engine decodes at once (its prompts x n)
     graph_bs = cuda_graph_max_bs(cfg, ps.world_size // rollout.tensor_model_parallel_size)

@@ -27,14 +27,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from megatron_rl.config.schema import OpenAIServerConfig
+from megatron_rl.config.rollout_sections import OpenAIServerConfig
 from megatron_rl.errors import LaunchError
 from megatron_rl.rollout.agent.openai_server import OpenAIServer, Session
 from megatron_rl.rollout.agent.tool_pool import ToolPool
 from megatron_rl.rollout.base import Generation, SamplingParams
 
 if TYPE_CHECKING:
-    from megatron_rl.config.schema import MultiTurnConfig
+    from megatron_rl.config.rollout_sections import MultiTurnConfig
 
 
 class AgentFunctionError(LaunchError):

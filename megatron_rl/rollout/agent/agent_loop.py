@@ -59,7 +59,7 @@ from megatron_rl.rollout.base import Generation, Origins, SamplingParams, gloo_t
 from megatron_rl.rollout.episode_engine import TURN_ROW_STRIDE, Suspended, run_hosted, turn_server
 
 if TYPE_CHECKING:
-    from megatron_rl.config.schema import MultiTurnConfig
+    from megatron_rl.config.rollout_sections import MultiTurnConfig
     from megatron_rl.parallel import ParallelState
 
 # the names tests and harnesses import from here

@@ -31,7 +31,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from megatron_rl.config.schema import OpenAIServerConfig
+from megatron_rl.config.rollout_sections import OpenAIServerConfig
 from megatron_rl.rollout.agent.openai_request import HTTPError, parse_body
 
 log = logging.getLogger("megatron_rl.rollout.agent.openai_server")  # one logger for the whole endpoint

@@ -60,7 +60,7 @@ from typing import Any, Literal, TypeVar
 
 import torch.distributed as dist
 
-from megatron_rl.config.schema import OpenAIServerConfig
+from megatron_rl.config.rollout_sections import OpenAIServerConfig
 from megatron_rl.rollout.agent.episode import TurnEncoder
 from megatron_rl.rollout.agent.openai_http import (
     SESSION_PATH,
