@@ -40,6 +40,9 @@ def test_partial_rollouts_resume_with_episodes_in_flight(demo, tmp_path, torchru
     # episodes did carry over (trained one version late), never beyond the bound
     assert max(r["rollout/staleness/max"] for r in a) == 1
     assert sum(r["rollout/staleness/mean"] for r in a[1:]) > 0
+    # per token (each by its own version): within the bound, and some tokens were one version late
+    assert all(0 <= r["rollout/staleness/token_mean"] <= r["rollout/staleness/max"] for r in a)
+    assert sum(r["rollout/staleness/token_mean"] for r in a[1:]) > 0
     # the checkpoint keeps the window: every rank's prompts in flight and drawn, none twice
     shared = torch.load(os.path.join(split, "global_step_2", SHARED_FILE), weights_only=False)
     window = shared["partial_rollouts"]

@@ -85,17 +85,31 @@ class RequestQueue:
             return batch.to(ps.device)
 
     def staleness_metrics(self, batch: RolloutBatch) -> dict[str, float]:
-        """rollout/staleness/{mean,max}: policy versions between the weights that sampled each sequence and
-        the actor it trains (the role's trained version); 0 in the synchronous loop."""
+        """rollout/staleness/{mean,max}: policy versions between the weights that sampled each sequence (its
+        oldest model token) and the actor it trains (the role's trained version); 0 in the synchronous
+        loop. rollout/staleness/token_mean: the same over the model's tokens, each by its own version
+        (partial rollouts: a carried episode's later turns are fresher than its first)."""
         ps = self.ps
         lag = torch.tensor([float(self.trained - m.policy_version) for m in batch.meta], dtype=torch.float64)
-        t = torch.stack([lag.sum(), torch.tensor(float(lag.numel()), dtype=torch.float64)]).to(ps.device)
+        tok_sum, tok_n = 0.0, 0.0
+        mask = batch.response_mask.detach().cpu()
+        for i, m in enumerate(batch.meta):
+            row = mask[i]
+            if m.token_versions is None:  # every token of the row sampled by its policy_version
+                k = float(row.sum())
+                tok_sum, tok_n = tok_sum + k * (self.trained - m.policy_version), tok_n + k
+            else:
+                for v, keep in zip(m.token_versions, row.tolist(), strict=False):
+                    tok_sum, tok_n = tok_sum + keep * (self.trained - v), tok_n + keep
+        sums = [lag.sum().item(), float(lag.numel()), tok_sum, tok_n]
+        t = torch.tensor(sums, dtype=torch.float64, device=ps.device)
         top = lag.max().reshape(1).to(ps.device)
         dist.all_reduce(t, group=ps.dp_group)
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=ps.dp_group)
         return {
             "rollout/staleness/mean": (t[0] / t[1].clamp(min=1)).item(),
             "rollout/staleness/max": top.item(),
+            "rollout/staleness/token_mean": (t[2] / t[3].clamp(min=1)).item(),
         }
 
     def register_state(self, registry: StateRegistry) -> None:
