@@ -177,6 +177,7 @@ class OpenAIServer:
         self._turns: Any = None
         self._opened = 0
         self._inflight: set[_Request] = set()  # handed to the turn server, not yet answered
+        self._serving = threading.Event()  # set while the turn server runs
         self.stats: TurnStats | None = None
         """What the last :meth:`serve` cost the engine (rollout.episode_engine.TurnStats)."""
         self._stop = threading.Event()
@@ -217,6 +218,8 @@ class OpenAIServer:
             e = threading.Thread(target=self._serve_until_stopped, name="openai-engine", daemon=True)
             e.start()
             self._threads.append(e)
+            if not self._serving.wait(60):  # requests before the turn server runs would get 503
+                raise RuntimeError("the endpoint's engine thread did not start serving within 60 s")
         return self
 
     def serve(self, main: Coroutine[Any, Any, _T]) -> _T:
@@ -227,9 +230,11 @@ class OpenAIServer:
         async def serving() -> _T:
             with self._lock:
                 self._loop, self._turns = asyncio.get_running_loop(), turns
+            self._serving.set()
             try:
                 return await main
             finally:
+                self._serving.clear()
                 with self._lock:
                     self._loop = self._turns = None
                     left, self._inflight = self._inflight, set()
