@@ -64,6 +64,7 @@ def test_agent_function_episodes_train(demo, tmp_path, torchrun):
         "actor_rollout_ref.rollout.multi_turn.tool_reward_weight": 1.0,
         "actor_rollout_ref.rollout.multi_turn.agent_function.path": str(agent),
         "actor_rollout_ref.rollout.calculate_log_probs": "true",
+        "actor_rollout_ref.rollout.n": 4,  # the demo's 8 samples would double the sizes
         "trainer.default_local_dir": out,
         "trainer.total_training_steps": 2,
         "trainer.test_freq": 2,

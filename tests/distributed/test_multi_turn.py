@@ -27,6 +27,7 @@ def run_demo(demo, out: str, torchrun, nproc: int = 2, **extra) -> list[dict]:
         "critic.ppo_micro_batch_size_per_gpu": 16,
         "actor_rollout_ref.rollout.multi_turn.tool_config_path": demo["tool_config"],
         "actor_rollout_ref.rollout.calculate_log_probs": "true",
+        "actor_rollout_ref.rollout.n": 4,  # the demo's 8 samples would double the sizes
         "trainer.default_local_dir": out,
         "trainer.total_training_steps": 2,
         "trainer.test_freq": 2,

@@ -1,11 +1,15 @@
 """The colocated rollout (the hybrid engine): every training rank holds an engine that takes the GPU only
 while it generates (``*.megatron.*_offload`` park the training state meanwhile); weights are synced
-right before generating, so step k always samples with the weights after step k-1 (staleness 0).
+right before generating, so step k samples with the weights after step k-1 (staleness 0; partial
+rollouts carry episodes across steps, within rollout.max_staleness).
 
     generate(request)   park -> engine memory back -> sync the weights if stale -> the generator
                         (roles.rollout.generators: the engine, or multi-turn episodes) -> engine memory
                         released -> the training state reloaded; a dead engine restarted in place
                         (roles.rollout.supervisor)
+    batch(step, ...)    with rollout.partial_rollout: the same cycle around one step of the episodes
+                        kept in flight (roles.rollout.partial's window of prompts; the batch is the
+                        groups that ended first)
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from megatron_rl.roles.rollout.role import Request, RolloutData
 from megatron_rl.roles.rollout.supervisor import EngineSupervisor
 from megatron_rl.rollout import Generation, SamplingParams, engine_dtype
 from megatron_rl.rollout.base import EngineFailure
+from megatron_rl.rollout.reshard import WeightSyncError
 from megatron_rl.run.memory_plan import OffloadPlan
 from megatron_rl.run.metrics import Timer
 from megatron_rl.run.state import SHARED, StateRegistry
@@ -116,7 +121,11 @@ class ColocatedRollout(RequestQueue):
         def produce(engine: Any) -> Any:
             return run_window(loop, engine, new, quota, params, self.trained, self.rollout.max_staleness)
 
-        taken = self._hybrid(request, produce, timer)
+        try:
+            taken = self._hybrid(request, produce, timer)
+        except WeightSyncError as e:  # the weights synced for this step's rollout: name the step
+            e.args = (f"step {step}: {e}",)
+            raise
         self.generator.record(request, [t[2] for t in taken])
         window.trained([t[0] for t in taken])
         with timer("batch"):
