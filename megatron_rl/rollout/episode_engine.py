@@ -24,6 +24,8 @@ and data rows to the rank that hosts the group's engine (transformers: every DP 
 which runs all their episodes and sends each leader its generations; leaders broadcast them to their
 TP/PP peers. One gather, one scatter and one broadcast per rollout, whatever the number of turns; a
 failure on the host is raised on every rank it serves (rollout.agent.episode.raise_failure).
+:func:`hosted` is that routing for any payload (partial rollouts send their window's new prompts and
+get their step's groups back: rollout.agent.partial).
 """
 
 from __future__ import annotations
