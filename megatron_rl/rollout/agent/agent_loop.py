@@ -218,7 +218,7 @@ class AgentLoop:
             server.run(main())
         self.last_run = {
             **vars(server.stats),
-            "episode_s": [e.span[1] - e.span[0] for e in episodes if e.finish is not None],
+            "episode_s": [e.run_s for e in episodes if e.finish is not None],
         }
 
     def generation(self, e: Episode, params: SamplingParams, abandoned: int) -> Generation:
@@ -251,8 +251,7 @@ class AgentLoop:
         (rollout.agent.partial): its tokens are stamped ``version``; it returns unended when the server
         suspends its next turn (``server.stop``), and ``ended(e)`` is called at its end."""
         budget = params.max_new_tokens
-        if not e.span[0]:
-            e.span = (time.monotonic(), 0.0)
+        start = time.monotonic()
         step = params.step if e.seed_step is None else e.seed_step
         try:
             while e.finish is None:
@@ -264,6 +263,7 @@ class AgentLoop:
                 try:
                     g = await server.turn(e.prompt + e.tokens, p1, (dp, row + turn * TURN_ROW_STRIDE))
                 except Suspended:  # the run stops (partial rollouts): this episode goes on in a later one
+                    e.run_s += time.monotonic() - start
                     return
                 self._model_turn(e, g, budget, params.return_logprobs)
                 if e.finish is None:
@@ -274,7 +274,7 @@ class AgentLoop:
         if ended is not None:
             ended(e)
         await self._final_rewards(e)
-        e.span = (e.span[0], time.monotonic())
+        e.run_s += time.monotonic() - start
 
     def _model_turn(self, e: Episode, g: Generation, budget: int, logprobs: bool) -> None:
         cfg = self.cfg

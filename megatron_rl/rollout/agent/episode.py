@@ -112,8 +112,9 @@ class Episode:
     """(dp_rank, row) of its response row (prompt i, sample j -> row i*n + j): with the turn, its seeds."""
     seed_step: int | None = None
     """The step whose seeds its turns use (partial rollouts: the step it started); None: the run's."""
-    span: tuple[float, float] = (0.0, 0.0)
-    """time.monotonic() at its first turn's submission and at its end."""
+    run_s: float = 0.0
+    """Seconds from its first turn's submission to its end (with its tools' final rewards), summed over
+    the runs it took part in (partial rollouts: not the steps' training between them)."""
 
 
 def clean_row(d: Any) -> Any:
