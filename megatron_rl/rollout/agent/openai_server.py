@@ -77,7 +77,7 @@ from megatron_rl.rollout.agent.openai_request import (
     rendered,
 )
 from megatron_rl.rollout.base import EngineDied, EngineFailure, Generation, SamplingParams
-from megatron_rl.rollout.episode_engine import TURN_ROW_STRIDE, TurnStats, turn_server
+from megatron_rl.rollout.episode_engine import TURN_ROW_STRIDE, turn_server
 
 log = logging.getLogger(__name__)
 
@@ -178,8 +178,6 @@ class OpenAIServer:
         self._opened = 0
         self._inflight: set[_Request] = set()  # handed to the turn server, not yet answered
         self._serving = threading.Event()  # set while the turn server runs
-        self.stats: TurnStats | None = None
-        """What the last :meth:`serve` cost the engine (rollout.episode_engine.TurnStats)."""
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.failure: BaseException | None = None
@@ -243,10 +241,7 @@ class OpenAIServer:
                         r.error = (503, "the endpoint's engine stopped serving")
                         r.done.set()
 
-        try:
-            return turns.run(serving())
-        finally:
-            self.stats = turns.stats
+        return turns.run(serving())
 
     def _serve_until_stopped(self) -> None:
         async def until_stopped() -> None:
