@@ -90,19 +90,15 @@ class RequestQueue:
         loop. rollout/staleness/token_mean: the same over the model's tokens, each by its own version
         (partial rollouts: a carried episode's later turns are fresher than its first)."""
         ps = self.ps
-        lag = torch.tensor([float(self.trained - m.policy_version) for m in batch.meta], dtype=torch.float64)
-        tok_sum, tok_n = 0.0, 0.0
-        mask = batch.response_mask.detach().cpu()
+        lag = self.trained - torch.tensor([float(m.policy_version) for m in batch.meta], dtype=torch.float64)
+        mask = batch.response_mask.detach().to("cpu", torch.float64)  # [B, T]
+        tok_lag = lag[:, None].expand_as(mask).clone()  # [B, T]: each token by its row's version
         for i, m in enumerate(batch.meta):
-            row = mask[i]
-            if m.token_versions is None:  # every token of the row sampled by its policy_version
-                k = float(row.sum())
-                tok_sum, tok_n = tok_sum + k * (self.trained - m.policy_version), tok_n + k
-            else:
-                for v, keep in zip(m.token_versions, row.tolist(), strict=False):
-                    tok_sum, tok_n = tok_sum + keep * (self.trained - v), tok_n + keep
-        sums = [lag.sum().item(), float(lag.numel()), tok_sum, tok_n]
-        t = torch.tensor(sums, dtype=torch.float64, device=ps.device)
+            if m.token_versions:  # partial rollouts: each token by the version that sampled it
+                v = torch.tensor(m.token_versions[: mask.shape[1]], dtype=torch.float64)
+                tok_lag[i, : v.numel()] = self.trained - v
+        count = torch.tensor(float(lag.numel()), dtype=torch.float64)
+        t = torch.stack([lag.sum(), count, (tok_lag * mask).sum(), mask.sum()]).to(ps.device)
         top = lag.max().reshape(1).to(ps.device)
         dist.all_reduce(t, group=ps.dp_group)
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=ps.dp_group)
