@@ -9,7 +9,7 @@ import difflib
 import json
 import os
 
-from megatron_rl.config.batch_sizes import check_batch_sizes
+from megatron_rl.config.batch_sizes import check_batch_sizes, samples_per_draw
 from megatron_rl.config.errors import ConfigError
 from megatron_rl.config.layout import (
     _read_model_dims,
@@ -287,7 +287,7 @@ def _check_partial_rollout(cfg: Config, dp: int, separate_rollout: bool) -> None
         )
     elif cfg.algorithm.filter_groups.enable:
         why = "DAPO's refills draw prompts of their own: set algorithm.filter_groups.enable=false"
-    elif cfg.data.train_batch_size % dp:
+    elif samples_per_draw(cfg, dp) != rollout.n:  # a prompt's samples would span ranks
         why = (
             f"each rank keeps whole prompts in flight: data.train_batch_size={cfg.data.train_batch_size} "
             f"must be a multiple of the {dp} data-parallel ranks"

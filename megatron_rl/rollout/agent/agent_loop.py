@@ -172,8 +172,7 @@ class AgentLoop:
         """On the host: every episode of ``prompts`` to its end (module docstring)."""
         episodes = self._episodes_of(prompts, items, origins, params.n)
         self.serve(engine, episodes, params)
-        assert self._pool is not None  # serve made it
-        abandoned = self._pool.abandoned
+        abandoned = self.abandoned_tool_calls
         out = [self.generation(e, params, abandoned) for e in episodes]
         n = params.n
         return [out[i * n : (i + 1) * n] for i in range(len(prompts))]
@@ -183,7 +182,7 @@ class AgentLoop:
         engine,
         episodes: list[Episode],
         params: SamplingParams,
-        version: int = 0,
+        version: int | None = None,
         stop: Callable[[], bool] | None = None,
         ended: Callable[[Episode, int], None] | None = None,
     ) -> None:
@@ -236,7 +235,7 @@ class AgentLoop:
         }
         lps = list(e.logprobs) if params.return_logprobs else None
         return Generation(
-            list(e.tokens), lps, e.finish or "stop", list(e.mask), info, versions=list(e.versions)
+            list(e.tokens), lps, e.finish or "stop", list(e.mask), info, versions=list(e.versions) or None
         )
 
     async def episode(
@@ -244,11 +243,12 @@ class AgentLoop:
         server,
         e: Episode,
         params: SamplingParams,
-        version: int = 0,
+        version: int | None = None,
         ended: Callable[[Episode], None] | None = None,
     ) -> None:
         """One episode, turn after turn, to its end; then its tools' rewards. Partial rollouts
-        (rollout.agent.partial): its tokens are stamped ``version``; it returns unended when the server
+        (rollout.agent.partial): its tokens are stamped ``version`` (None: not stamped, the rollout role
+        records one version for the batch); it returns unended when the server
         suspends its next turn (``server.stop``), and ``ended(e)`` is called at its end."""
         budget = params.max_new_tokens
         start = time.monotonic()
@@ -268,7 +268,8 @@ class AgentLoop:
                 self._model_turn(e, g, budget, params.return_logprobs)
                 if e.finish is None:
                     self._apply(e, await self._environment(e), budget)
-                e.versions += [version] * (len(e.tokens) - len(e.versions))
+                if version is not None:
+                    e.versions += [version] * (len(e.tokens) - len(e.versions))
         finally:
             server.leave()
         if ended is not None:
