@@ -87,6 +87,13 @@ class ColocatedRollout(RequestQueue):
         """Restarts over the run (rollout/engine_restarts)."""
         return self.supervisor.restarts
 
+    @property
+    def agent_loop(self) -> Any:
+        """The built-in agent loop, which partial rollouts run (config.checks)."""
+        loop = getattr(self.generator, "runner", None)
+        assert loop is not None, "partial rollouts run the built-in agent loop"
+        return loop
+
     def _engine_replaced(self) -> None:
         self.weights_stale = True  # the weights stream into the new engine on the next attempt
 
@@ -109,8 +116,7 @@ class ColocatedRollout(RequestQueue):
             return super().batch(step, prompt_indices, timer, validate)
         from megatron_rl.rollout.agent.partial import run_window
 
-        window, loop = self.window, getattr(self.generator, "runner", None)
-        assert loop is not None  # partial rollouts run the built-in agent loop (config.checks)
+        window, loop = self.window, self.agent_loop
         with timer("data"):
             window.fill(prompt_indices)
             new = window.to_send(self.data.train)
@@ -231,8 +237,8 @@ class _WindowState:
         from megatron_rl.rollout.agent.partial import release
 
         role = self.role
-        window, loop = role.window, getattr(role.generator, "runner", None)
-        assert window is not None and loop is not None  # registered with partial rollouts only
+        window, loop = role.window, role.agent_loop
+        assert window is not None  # registered with partial rollouts only
         loop.window.clear(lambda e: release(loop, e))
         window.resend_all()
         parts: list = [None] * role.ps.dp_size
