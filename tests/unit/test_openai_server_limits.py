@@ -108,6 +108,8 @@ def test_a_slow_or_silent_client_is_cut_off_at_the_read_timeout(setup, capfd):
             assert trickle(sock, head + body), "the trickling client was never cut off"
             reply = read_all(sock)
         assert reply.startswith(b"HTTP/1.1 408 ") and b"read_timeout_s=0.5" in reply
+        # the handler frees its slot after the close the client has just read: wait for it
+        wait_for(lambda: srv.http.open_connections == 0, "the trickling client frees its slot")
         with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock:
             assert read_all(sock) == b""  # idle: closed without a reply
         wait_for(lambda: srv.http.open_connections == 0, "the cut-off connections free their slot")
