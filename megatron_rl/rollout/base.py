@@ -351,6 +351,11 @@ class EngineFailure(RuntimeError):
         super().__init__(cause)
         self.rank, self.cause = rank, cause
 
+    @classmethod
+    def of(cls, died: EngineDied) -> EngineFailure:
+        """What the ranks served by this rank's engine raise when it died (``died``, seen here)."""
+        return cls(dist.get_rank() if dist.is_initialized() else 0, f"{type(died).__name__}: {died}")
+
 
 @dataclass
 class _Failed:
@@ -379,8 +384,8 @@ def _generate_for_group(
         except RolloutOOMError:
             raise
         except EngineDied as e:
-            failed = _Failed(dist.get_rank() if dist.is_initialized() else 0, f"{type(e).__name__}: {e}")
-            return [failed] * len(contributions)
+            failure = EngineFailure.of(e)
+            return [_Failed(failure.rank, failure.cause)] * len(contributions)
     if len(out) != len(flat):
         raise RuntimeError(f"engine returned {len(out)} results for {len(flat)} prompts")
     return split_back(contributions, out)

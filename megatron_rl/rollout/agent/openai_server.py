@@ -58,8 +58,6 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeVar
 
-import torch.distributed as dist
-
 from megatron_rl.config.rollout_sections import OpenAIServerConfig
 from megatron_rl.rollout.agent.episode import TurnEncoder
 from megatron_rl.rollout.agent.openai_http import (
@@ -309,8 +307,7 @@ class OpenAIServer:
             try:
                 g = await self._turns.turn(req.prompt, params, req.origin)
             except EngineDied as exc:  # the engine's worker is gone: what the rollout restarts on
-                rank = dist.get_rank() if dist.is_initialized() else 0
-                self._engine_failed(EngineFailure(rank, f"{type(exc).__name__}: {exc}"), [req])
+                self._engine_failed(EngineFailure.of(exc), [req])
                 return
             except Exception as exc:  # the engine is done: this request and every later one are refused
                 self._engine_failed(exc, [req])
