@@ -139,7 +139,7 @@ def serve_rollout(cfg, placement) -> None:
 
     arr = cfg.actor_rollout_ref  # SGLang without a GPU: rollout.check_engine_device
     ps = init_parallel(
-        arr.rollout.tensor_model_parallel_size,
+        arr.rollout.engine_ranks,  # megatron's TP groups are the engines' groups
         1,
         seed=arr.actor.megatron.seed,
         device=cfg.trainer.device,
@@ -153,8 +153,8 @@ def serve_rollout(cfg, placement) -> None:
     )
     try:
         with PreemptionWatch():
-            tp, minutes = arr.rollout.tensor_model_parallel_size, cfg.trainer.dist_timeout_minutes
-            RolloutServer(engine, args, ps, placement, tp, minutes).serve()
+            ranks, minutes = arr.rollout.engine_ranks, cfg.trainer.dist_timeout_minutes
+            RolloutServer(engine, args, ps, placement, ranks, minutes).serve()
     finally:
         engine.shutdown()
 

@@ -158,7 +158,7 @@ RULES: tuple[Rule, ...] = (
     _ignored("*.reward_kwargs.max_resp_len", "the overlong penalty counts from data.max_response_length"),
     _ignored(
         "actor_rollout_ref.rollout.moe_tensor_parallel_size",
-        "the engine's layout is actor_rollout_ref.rollout.tensor_model_parallel_size",
+        "SGLang derives it: tensor_model_parallel_size x data_parallel_size / expert_parallel_size",
     ),
     _alias("reward.custom_reward_function.*", "custom_reward_function.*"),
     _refused(
@@ -229,12 +229,6 @@ RULES: tuple[Rule, ...] = (
     _refused("*.ppo_micro_batch_size", "use ppo_micro_batch_size_per_gpu", None),
     _refused("*.log_prob_micro_batch_size", "use log_prob_micro_batch_size_per_gpu", None),
     _refused("reward_model.micro_batch_size", "use reward_model.micro_batch_size_per_gpu", None),
-    _refused("actor_rollout_ref.rollout.data_parallel_size", "one engine per rollout TP group", 1),
-    _refused(
-        "actor_rollout_ref.rollout.expert_parallel_size",
-        "the engine runs tensor parallelism only (its experts are split over its TP ranks)",
-        1,
-    ),
     _refused("actor_rollout_ref.rollout.pipeline_model_parallel_size", "the engine runs TP only", 1),
     _refused("actor_rollout_ref.rollout.quantization", "the engine holds the weights unquantized", None),
     _refused("actor_rollout_ref.rollout.skip_rollout", "every step generates", False),

@@ -12,11 +12,14 @@ import os
 from megatron_rl.config.batch_sizes import check_batch_sizes, samples_per_draw
 from megatron_rl.config.errors import ConfigError
 from megatron_rl.config.layout import (
+    ENGINE_RANKS,
     _read_model_dims,
+    check_engine_layout,
     check_expert_layout,
     check_interleaving,
     check_layout_against_model,
     check_router_replay,
+    engine_ranks_text,
     parallel_sizes,
     uneven_stages,
     virtual_stages,
@@ -180,20 +183,17 @@ def validate(cfg: Config, world_size: int, model_dims: dict[str, int] | None = N
         )
     check_expert_layout(cfg, world_size)
     check_router_replay(cfg, placement.separate_rollout)
-    if rollout.multi_turn.enable and placement.separate_rollout and rollout.tensor_model_parallel_size > 1:
+    if rollout.multi_turn.enable and placement.separate_rollout and rollout.engine_ranks > 1:
         raise ConfigError(
             "actor_rollout_ref.rollout.multi_turn.enable=true on rollout ranks of their own "
-            "(trainer.placement.rollout) runs with actor_rollout_ref.rollout.tensor_model_parallel_size=1 "
-            "only: set it to 1, or colocate the rollout."
+            "(trainer.placement.rollout) runs with an engine on one rank only "
+            "(actor_rollout_ref.rollout.tensor_model_parallel_size=1, data_parallel_size=1): set them to 1, "
+            "or colocate the rollout."
         )
     _check_agent_function(cfg, tp * pp, placement.separate_rollout)
     dp = world_size // (tp * pp)
     rtp = rollout.tensor_model_parallel_size
-    if rtp < 1 or rollout_ranks % rtp:
-        raise ConfigError(
-            f"actor_rollout_ref.rollout.tensor_model_parallel_size={rtp} does not divide the "
-            f"{rollout_ranks} rollout ranks."
-        )
+    check_engine_layout(rollout, rollout_ranks)
 
     check_batch_sizes(cfg, dp, tp, pp, placement)
     _check_partial_rollout(cfg, dp, placement.separate_rollout)
@@ -252,15 +252,15 @@ def validate(cfg: Config, world_size: int, model_dims: dict[str, int] | None = N
         am = arr.actor.megatron
         check_layout_against_model(model_dims, tp, pp, rtp, *uneven_stages(am), vpp=virtual_stages(am))
     if not placement.separate_rollout and rollout.name == "sglang":  # hf: a model on each DP leader only
-        idle = placement.idle_colocated_engines(tp, pp, rtp)
+        idle = placement.idle_colocated_engines(tp, pp, rollout.engine_ranks)
         if idle:
             sizes = [r for r in range(1, world_size + 1) if not world_size % r]
             fits = [r for r in sizes if not placement.idle_colocated_engines(tp, pp, r)]
             raise ConfigError(
-                f"actor_rollout_ref.rollout.tensor_model_parallel_size={rtp} leaves the colocated engines on "
-                f"ranks {idle} without prompts (each is fed by the first rank of an actor TP group of the "
-                f"first pipeline stage; actor_rollout_ref.actor.megatron.tensor/pipeline_model_parallel_size"
-                f"={tp}/{pp}): set actor_rollout_ref.rollout.tensor_model_parallel_size to one of {fits}."
+                f"{engine_ranks_text(rollout)} leaves the colocated engines on ranks {idle} without "
+                "prompts (each is fed by the first rank of an actor TP group of the first pipeline stage; "
+                f"actor_rollout_ref.actor.megatron.tensor/pipeline_model_parallel_size={tp}/{pp}): make "
+                f"{ENGINE_RANKS} one of {fits}."
             )
 
 
@@ -342,12 +342,12 @@ def _check_agent_function(cfg: Config, actor_mp: int, separate_rollout: bool) ->
                 f"actor_rollout_ref.rollout.multi_turn.{key} is set together with {_AGENT}.path: the agent "
                 "function runs its own tools and users; unset one of them."
             )
-    if separate_rollout or actor_mp > 1 or rollout.tensor_model_parallel_size > 1:
+    if separate_rollout or actor_mp > 1 or rollout.engine_ranks > 1:
         raise ConfigError(
             f"{_AGENT}.path needs an engine that answers on one rank (trainer.placement.rollout unset, "
             "actor_rollout_ref.actor.megatron.tensor/pipeline_model_parallel_size = 1 and "
-            "actor_rollout_ref.rollout.tensor_model_parallel_size = 1): the endpoint calls generate on "
-            "its own schedule, which other ranks do not mirror."
+            "actor_rollout_ref.rollout.tensor_model_parallel_size = data_parallel_size = 1): the endpoint "
+            "calls generate on its own schedule, which other ranks do not mirror."
         )
     host = mt.endpoint.host
     try:

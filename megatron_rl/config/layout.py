@@ -38,6 +38,18 @@ def _read_model_dims(path: str) -> dict[str, int] | None:
 
 
 TP_KEY = "actor_rollout_ref.actor.megatron.tensor_model_parallel_size"
+ENGINE_RANKS = "actor_rollout_ref.rollout.tensor_model_parallel_size x data_parallel_size"
+
+
+def engine_ranks_text(rollout) -> str:
+    """The keys that size an engine, with their values: for the messages that name them."""
+    return (
+        f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size} x "
+        f"data_parallel_size={rollout.data_parallel_size}"
+    )
+
+
+ROLLOUT_EP_KEY = "actor_rollout_ref.rollout.expert_parallel_size"
 PP_KEY = "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size"
 
 
@@ -117,15 +129,43 @@ def check_expert_layout(cfg, world_size: int) -> None:
         )
 
 
-def check_expert_count(cfg, num_experts: int, path: str) -> None:
-    """EP divides the experts of the MoE model at ``path`` (``num_experts``; 0: dense): the pre-flight
-    and the dry run read the model's config for it (models.builder checks again on the model it
-    builds)."""
+def check_expert_count(cfg, num_experts: int, path: str, engine: bool = False) -> None:
+    """EP divides the experts of the MoE model at ``path`` (``num_experts``; 0: dense), the rollout
+    engine's EP too for the model the engine runs (``engine``): the pre-flight and the dry run read the
+    model's config for it (models.builder checks again on the model it builds)."""
     ep, _ = expert_layout(cfg.actor_rollout_ref.actor.megatron)
-    if num_experts and num_experts % ep:
-        divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
+    rollout = cfg.actor_rollout_ref.rollout
+    sizes = [(EP_KEY, ep)]
+    if engine and rollout.name == "sglang":
+        sizes.append((ROLLOUT_EP_KEY, rollout.expert_parallel_size))
+    for key, size in sizes:
+        if key == ROLLOUT_EP_KEY and size > 1 and not num_experts:
+            raise ConfigError(
+                f"{key}={size} splits routed experts, and {path} is a dense model: set it to 1."
+            )
+        if num_experts and num_experts % size:
+            divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
+            raise ConfigError(
+                f"{key}={size} does not divide the {num_experts} experts of {path}: choose one of {divisors}."
+            )
+
+
+def check_engine_layout(rollout, rollout_ranks: int) -> None:
+    """One SGLang engine spans ``rollout.engine_ranks`` ranks (tensor x data parallel), which divide the
+    ``rollout_ranks``; its expert parallelism divides them (SGLang cuts each expert over the
+    engine_ranks / expert_parallel_size ranks left). The transformers engine holds whole models."""
+    r = rollout.engine_ranks
+    if rollout_ranks % r:
         raise ConfigError(
-            f"{EP_KEY}={ep} does not divide the {num_experts} experts of {path}: choose one of {divisors}."
+            f"{engine_ranks_text(rollout)}: the {r} ranks one engine spans do not divide the "
+            f"{rollout_ranks} rollout ranks."
+        )
+    ep = rollout.expert_parallel_size
+    if rollout.name == "sglang" and r % ep:
+        divisors = [d for d in range(1, r + 1) if r % d == 0]
+        raise ConfigError(
+            f"{ROLLOUT_EP_KEY}={ep} does not divide the engine's {r} ranks ({ENGINE_RANKS}): "
+            f"choose one of {divisors}."
         )
 
 

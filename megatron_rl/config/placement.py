@@ -65,27 +65,29 @@ class Placement:
         """The ranks of ``rank``'s torch.distributed world: the actor's, the critic's or the rollout's."""
         return {"actor": self.actor, "critic": self.critic, "rollout": self.rollout}[self.role_of(rank)]
 
-    def rollout_engines(self, rollout_tp: int) -> int:
-        """Engines of a separate rollout (one per rollout-TP group of its ranks): the count the training
-        side slices requests by and the rollout world's data-parallel size."""
-        if rollout_tp < 1 or len(self.rollout) % rollout_tp:
+    def rollout_engines(self, engine_ranks: int) -> int:
+        """Engines of a separate rollout (one per ``engine_ranks`` of its ranks: rollout.engine_ranks):
+        the count the training side slices requests by and the rollout world's data-parallel size."""
+        if engine_ranks < 1 or len(self.rollout) % engine_ranks:
             raise ConfigError(
-                f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout_tp} does not divide the "
-                f"{len(self.rollout)} rollout ranks of trainer.placement.rollout={list(self.rollout)}."
+                f"actor_rollout_ref.rollout.tensor_model_parallel_size x data_parallel_size = {engine_ranks} "
+                f"does not divide the {len(self.rollout)} rollout ranks of "
+                f"trainer.placement.rollout={list(self.rollout)}."
             )
-        return len(self.rollout) // rollout_tp
+        return len(self.rollout) // engine_ranks
 
-    def idle_colocated_engines(self, tp: int, pp: int, rollout_tp: int) -> list[int]:
+    def idle_colocated_engines(self, tp: int, pp: int, engine_ranks: int) -> list[int]:
         """Ranks of the first pipeline stage hosting a colocated SGLang engine that never gets a prompt.
-        The actor's ranks are cut into engine groups of ``rollout_tp`` consecutive ranks, each engine on
-        its group's first rank; prompts reach an engine only from the DP leaders in its group
+        The actor's ranks are cut into engine groups of ``engine_ranks`` consecutive ranks, each engine
+        on its group's first rank; prompts reach an engine only from the DP leaders in its group
         (tensor- and pipeline-rank 0 of each replica: in megatron's tp-cp-ep-dp-pp order, every
         ``tp``-th of the first world/pp ranks). A group without a leader idles. With PP > 1 the groups
-        of the later stages idle whatever ``rollout_tp`` (short of one engine over stages): not counted."""
+        of the later stages idle whatever ``engine_ranks`` (short of one engine over stages): not
+        counted."""
         stage = len(self.actor) // pp  # ranks of the first pipeline stage
         leaders = set(range(0, stage, tp))  # positions in the actor's ranks
-        groups = range(0, stage, rollout_tp)
-        return [self.actor[g] for g in groups if not leaders & set(range(g, g + rollout_tp))]
+        groups = range(0, stage, engine_ranks)
+        return [self.actor[g] for g in groups if not leaders & set(range(g, g + engine_ranks))]
 
     def describe(self) -> str:
         return f"actor {list(self.actor)}, critic {list(self.critic)}, rollout {list(self.rollout)}"
@@ -182,12 +184,7 @@ def _check_with_config(cfg: Config, pl: Placement) -> None:
         )
     if not pl.separate_rollout:
         return
-    rtp = rollout.tensor_model_parallel_size
-    if len(pl.rollout) % rtp:
-        raise ConfigError(
-            f"actor_rollout_ref.rollout.tensor_model_parallel_size={rtp} does not divide the "
-            f"{len(pl.rollout)} rollout ranks of trainer.placement.rollout={list(pl.rollout)}."
-        )
+    pl.rollout_engines(rollout.engine_ranks)  # the engines divide the rollout ranks
     if cfg.algorithm.filter_groups.enable:
         raise ConfigError(
             "algorithm.filter_groups.enable=true regenerates prompts inside a step, which runs only with the "

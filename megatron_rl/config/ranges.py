@@ -68,6 +68,8 @@ RANGES: dict[str, str] = {
     "actor_rollout_ref.rollout.top_p": "(0,1]",
     "actor_rollout_ref.rollout.top_k": ">=-1",
     "actor_rollout_ref.rollout.tensor_model_parallel_size": ">=1",
+    "actor_rollout_ref.rollout.data_parallel_size": ">=1",
+    "actor_rollout_ref.rollout.expert_parallel_size": ">=1",
     "actor_rollout_ref.rollout.gpu_memory_utilization": "(0,1]",
     "actor_rollout_ref.rollout.max_num_batched_tokens": ">=1",
     "actor_rollout_ref.rollout.update_weights_bucket_megabytes": ">=1",

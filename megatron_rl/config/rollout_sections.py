@@ -120,7 +120,17 @@ class RolloutConfig:
     """Engine weight dtype: float32 | bfloat16 | float16; None = the actor's megatron.params_dtype
     (an fp16 policy samples from fp16 weights: the smallest training-inference mismatch)."""
     tensor_model_parallel_size: int = 1
-    """Tensor-parallel size of the rollout engine (may differ from training TP)."""
+    """Tensor-parallel size of the rollout engine's attention (may differ from training TP)."""
+    data_parallel_size: int = 1
+    """Attention data-parallel groups inside one SGLang engine (SGLang's DP attention): the engine spans
+    tensor_model_parallel_size x data_parallel_size ranks (:attr:`engine_ranks`, verl's rule), its
+    attention runs in data_parallel_size groups of tensor_model_parallel_size ranks, its experts, dense
+    MLPs and LM head over all of them. The transformers engine holds whole models and ignores it."""
+    expert_parallel_size: int = 1
+    """Ranks of one SGLang engine its routed experts are split over (SGLang's ep_size): each holds
+    num_experts / expert_parallel_size of them, cut over engine_ranks / expert_parallel_size ranks by
+    expert tensor parallelism (verl's lines set it to tensor x data parallel size). MoE models only;
+    the transformers engine ignores it."""
     gpu_memory_utilization: float = 0.5
     """Fraction of GPU memory for the engine's weights and KV cache (SGLang mem_fraction_static)."""
     max_num_batched_tokens: int = 8192
@@ -163,3 +173,16 @@ class RolloutConfig:
     """Sampling parameters of validation."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Multi-turn and tool-calling rollouts (verl's actor_rollout_ref.rollout.multi_turn)."""
+
+    @property
+    def engine_ranks(self) -> int:
+        """Ranks (GPUs) one SGLang engine spans: tensor_model_parallel_size x data_parallel_size."""
+        return self.tensor_model_parallel_size * self.data_parallel_size
+
+    @property
+    def engine_layout(self) -> str:
+        """The engine's layout for a log line: "TP=2", or "TP=2 x DP=2, EP=4"."""
+        text = f"TP={self.tensor_model_parallel_size}"
+        if self.data_parallel_size > 1:
+            text += f" x DP={self.data_parallel_size}"
+        return text + (f", EP={self.expert_parallel_size}" if self.expert_parallel_size > 1 else "")

@@ -96,10 +96,11 @@ def episode_row(item) -> dict:
 class RolloutClient:
     """The training ranks' side: post weights and generation requests, take the generations."""
 
-    def __init__(self, ps: ParallelState, placement, rollout_tp: int, timeout_minutes: float) -> None:
-        """``placement``: the job's config.placement.Placement; ``rollout_tp``: the engines' TP size."""
+    def __init__(self, ps: ParallelState, placement, engine_ranks: int, timeout_minutes: float) -> None:
+        """``placement``: the job's config.placement.Placement; ``engine_ranks``: the ranks one engine
+        spans (rollout.engine_ranks)."""
         self.ps, self.box = ps, job_mailbox(ps, "rollout/", MESSAGE_TYPES)
-        self.rollout_ranks, self.engines = len(placement.rollout), placement.rollout_engines(rollout_tp)
+        self.rollout_ranks, self.engines = len(placement.rollout), placement.rollout_engines(engine_ranks)
         self.timeout = datetime.timedelta(minutes=timeout_minutes)
         self.posted = 0  # requests posted (the leader's count: only it posts)
         self.engine_seconds: dict[str, float] = {}
@@ -209,18 +210,19 @@ class RolloutClient:
 
 
 class RolloutServer:
-    """The rollout ranks' side: one engine per rollout-TP group, serving requests until "stop"."""
+    """The rollout ranks' side: one engine per group of rollout.engine_ranks ranks, serving requests
+    until "stop"."""
 
     def __init__(
-        self, engine, args: ModelArgs, ps: ParallelState, placement, rollout_tp: int, timeout_minutes: float
+        self, engine, args: ModelArgs, ps: ParallelState, placement, engine_ranks: int, timeout_minutes: float
     ):
-        """``ps``: the rollout ranks' world (rollout TP x engines); ``placement``: the job's Placement."""
+        """``ps``: the rollout ranks' world (engine_ranks x engines); ``placement``: the job's Placement."""
         self.engine, self.args, self.ps = engine, args, ps
-        engines = placement.rollout_engines(rollout_tp)
+        engines = placement.rollout_engines(engine_ranks)
         if ps.dp_size != engines:  # the training side slices every request into `engines` parts
             raise RuntimeError(
                 f"the rollout world has {ps.dp_size} engines but the placement gives {engines} "
-                f"(trainer.placement.rollout={list(placement.rollout)}, TP={rollout_tp})"
+                f"(trainer.placement.rollout={list(placement.rollout)}, {engine_ranks} ranks an engine)"
             )
         self.box = job_mailbox(ps, "rollout/", MESSAGE_TYPES)
         rollout_ranks = list(placement.rollout)

@@ -1,9 +1,13 @@
-"""SGLang rollout engine (GPU): an in-process ``sglang.Engine`` per rollout tensor-parallel group.
+"""SGLang rollout engine (GPU): an in-process ``sglang.Engine`` per rollout group.
 
-Layout. The world is cut into rollout groups of R = ``actor_rollout_ref.rollout.tensor_model_parallel_size``
-consecutive ranks (R may differ from the training TP). The first rank of each group creates an
-``sglang.Engine(tp_size=R, base_gpu_id=<its local GPU>)``, whose R scheduler processes run on the
-GPUs of the group's ranks, next to the trainer. Groups therefore have to sit inside one node.
+Layout. The world is cut into rollout groups of R = RolloutConfig.engine_ranks consecutive ranks
+(``actor_rollout_ref.rollout.tensor_model_parallel_size`` x ``data_parallel_size``; R may differ from
+the training TP). The first rank of each group creates an ``sglang.Engine(tp_size=R, base_gpu_id=<its
+local GPU>)``, whose R scheduler processes run on the GPUs of the group's ranks, next to the trainer;
+group rank g is the engine's TP rank g. Groups therefore have to sit inside one node. With
+``data_parallel_size`` D > 1 the engine runs SGLang's DP attention (attention in D groups of R / D
+ranks, the rest over all R); with ``expert_parallel_size`` EP > 1 engine rank g holds the contiguous
+block of experts of its EP rank g // (R / EP), each cut over R / EP ranks (sglang_loader).
 
 Start-up (:func:`start_sglang`): the trainer's NCCL communicators exist before the engine starts
 (init_parallel binds the device; we also run one collective on each megatron group we use; on the H200,
@@ -73,7 +77,7 @@ from megatron_rl.rollout.checksums import CHECKSUM_SIZE
 
 if TYPE_CHECKING:
     from megatron_rl.config.lora import EngineLora
-from megatron_rl.rollout.sglang_loader import LOADER, READ_BACK, bucket_header
+from megatron_rl.rollout.sglang_loader import LOADER, READ_BACK, bucket_header, engine_expert_block
 from megatron_rl.rollout.sglang_outputs import routed_experts, to_generation
 from megatron_rl.rollout.sglang_start import child_pids, engine_arguments, start_sglang
 
@@ -106,16 +110,20 @@ class SGLangEngine:
         self.cfg, self.args, self.ps, self.seed = cfg, args, ps, seed
         self.model_path = model_path
         self.dtype = DTYPES[cfg.dtype]
-        r = cfg.tensor_model_parallel_size
+        r = cfg.engine_ranks
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count()))
         if ps.world_size % r or (local_world % r and ps.world_size > local_world):
             raise ValueError(
-                f"actor_rollout_ref.rollout.tensor_model_parallel_size={r} must divide the world size "
-                f"{ps.world_size} and the GPUs per node {local_world} (a rollout group lives in one node)"
+                f"actor_rollout_ref.rollout.tensor_model_parallel_size x data_parallel_size = {r} must "
+                f"divide the world size {ps.world_size} and the GPUs per node {local_world} (an engine "
+                "lives in one node)"
             )
         self.group_size = r
-        self.group_rank = ps.rank % r
+        self.group_rank = ps.rank % r  # the engine's TP rank on this rank's GPU
         self.leader = ps.rank - self.group_rank
+        ep = cfg.expert_parallel_size
+        self.experts = engine_expert_block(self.group_rank, r, ep, args.num_experts) if ep > 1 else None
+        """The routed experts this rank's engine worker holds (None: all the model has)."""
         # Trainer communicators first: one collective on every group we use creates them eagerly.
         for g in (ps.tp_group, ps.pp_group, ps.dp_group, ps.mp_group):
             dist.all_reduce(torch.zeros(1, device=ps.device), group=g)
@@ -230,7 +238,7 @@ class SGLangEngine:
             torch.cuda.current_stream().synchronize()  # the SGLang worker reads it from another process
             if getattr(bucket, "stacks", None):  # routed experts: sglang_loader copies them in whole
                 load_format = LOADER
-                payload = MultiprocessingSerializer.serialize([(bucket_header(bucket), flat)])
+                payload = MultiprocessingSerializer.serialize([(bucket_header(bucket, self.experts), flat)])
             else:
                 meta, off = [], 0
                 for name, t in bucket:

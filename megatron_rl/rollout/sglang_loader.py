@@ -5,19 +5,23 @@ each bucket goes to ``update_weights_from_tensor`` with ``load_format=LOADER`` a
 the bucket's flat buffer (shared through a CUDA IPC handle), whose name is the JSON header
 :func:`bucket_header` writes: the offset and shape of every tensor, with a layer's routed experts as
 stacked runs (:class:`~megatron_rl.rollout.reshard.ExpertStack`) rather than one entry per expert.
+With the engine's expert parallelism (rollout.expert_parallel_size) each engine rank's header names
+only the routed experts that rank holds (:func:`engine_expert_block`), so its worker reads no other.
 
 :func:`load_bucket` copies a stacked run into ``FusedMoE.w13_weight`` / ``w2_weight`` (the slice of
-this engine rank's expert TP shard) with one copy per projection, when :func:`fused_experts` finds the
-layout it writes: unquantized, gated, not transposed, padded or pre-sharded, gate before up, no expert
-parallelism or fused shared experts, shapes as expected. Anything else (and every other tensor) goes
-through the model's own ``load_weights`` under the per-expert checkpoint names, as before: the
+this engine rank's expert TP shard, at this rank's block of experts) with one copy per projection,
+when :func:`fused_experts` finds the layout it writes: unquantized, gated, not transposed, padded or
+pre-sharded, gate before up, no fused shared experts, shapes as expected. Anything else (and every
+other tensor) goes through the model's own ``load_weights`` under the per-expert checkpoint names: the
 per-expert loader is the fallback the check selects, and both write the same bytes.
 
 :func:`read_back` is the engine's half of the sync check (rollout.checksums): for every streamed
 tensor it finds where this engine rank holds its piece (a fused ``qkv_proj`` / ``gate_up_proj`` slice,
 a vocabulary or tensor-parallel shard, a fused expert slice, or a replicated copy counted on rank 0
 only) and writes that piece's share of the tensor's checksum into a buffer the trainer shares with it;
-the shares of an engine group add up to the checksum of the whole tensor as the engine holds it.
+the shares of an engine group add up to the checksum of the whole tensor as the engine holds it. A
+piece held by several ranks counts once: on the first attention group under DP attention, on its EP
+rank for an expert.
 """
 
 from __future__ import annotations
@@ -39,9 +43,27 @@ logger = logging.getLogger(__name__)
 _reported: set[str] = set()  # the path each projection took, logged once per process
 
 
-def bucket_header(bucket) -> str:
+def engine_expert_block(engine_rank: int, engine_ranks: int, ep: int, num_experts: int) -> range:
+    """The routed experts SGLang's engine rank ``engine_rank`` (of ``engine_ranks``) holds at expert
+    parallelism ``ep``: a contiguous block of num_experts / ep, its EP rank's (engine_rank // (R / ep));
+    the R / ep ranks of an EP rank cut each of them by expert TP (moe_tp_rank = engine_rank % (R / ep)).
+    SGLang's trivial expert placement, the one it starts with when no redundant experts are asked for."""
+    if ep < 1 or engine_ranks % ep or num_experts % ep:
+        raise ValueError(
+            f"expert parallelism {ep} must divide the {engine_ranks} ranks and {num_experts} experts"
+        )
+    per, ep_rank = num_experts // ep, engine_rank // (engine_ranks // ep)
+    return range(ep_rank * per, (ep_rank + 1) * per)
+
+
+_ROUTED = re.compile(r"\.experts\.(\d+)\.")  # mlp.experts.{e}. / block_sparse_moe.experts.{e}.
+
+
+def bucket_header(bucket, experts: range | None = None) -> str:
     """JSON: ``tensors`` [[name, shape, offset]] for the tensors outside expert stacks, ``stacks``
-    [[layer, proj, first, shape, offset, names]]; offsets in elements of ``bucket.flat``."""
+    [[layer, proj, first, shape, offset, names]]; offsets in elements of ``bucket.flat``. ``experts``:
+    the routed experts the receiving engine rank holds (:func:`engine_expert_block`; None: all); the
+    others are left out, stacks cut to the block."""
     flat = bucket.flat
     base, size = flat.data_ptr(), flat.element_size()
 
@@ -54,12 +76,32 @@ def bucket_header(bucket) -> str:
     def entry(n: str, t: torch.Tensor) -> list:  # a float32 tensor in a narrower buffer says so
         return [n, list(t.shape), offset(t)] + ([str(t.dtype)] if t.dtype != flat.dtype else [])
 
+    def held(n: str) -> bool:
+        m = _ROUTED.search(n)
+        return experts is None or m is None or int(m[1]) in experts
+
+    def stack_entry(st, v: torch.Tensor) -> list | None:
+        n = st.shape[0]
+        block = range(st.first, st.first + n) if experts is None else experts
+        lo, hi = max(st.first, block.start), min(st.first + n, block.stop)
+        if lo >= hi:
+            return None
+        per = len(st.names) // n  # checkpoint names per expert: gate and up (w13), or down (w2)
+        skip = lo - st.first
+        return [
+            st.layer,
+            st.proj,
+            lo,
+            [hi - lo, *st.shape[1:]],
+            offset(v[skip:]),
+            list(st.names[skip * per : (hi - st.first) * per]),
+        ]
+
+    kept = [stack_entry(st, v) for st, v in stacks]
     return json.dumps(
         {
-            "tensors": [entry(n, t) for n, t in bucket if n not in covered],
-            "stacks": [
-                [st.layer, st.proj, st.first, list(st.shape), offset(v), list(st.names)] for st, v in stacks
-            ],
+            "tensors": [entry(n, t) for n, t in bucket if n not in covered and held(n)],
+            "stacks": [s for s in kept if s is not None],
         }
     )
 
@@ -129,8 +171,9 @@ def fused_experts(model: Any, layer: int, proj: str, first: int, stack: torch.Te
     w2: torch.Tensor = experts.w2_weight
     tp = getattr(experts, "moe_tp_size", 0)
     n, rows, cols = stack.shape
-    e_total = w13.shape[0]
-    if tp < 1 or first + n > e_total or w2.shape[0] != e_total or stack.dtype != w13.dtype:
+    e_local = w13.shape[0]  # this rank's block of experts (all of them without expert parallelism)
+    lo = _block_start(experts)
+    if tp < 1 or first < lo or first + n > lo + e_local or w2.shape[0] != e_local or stack.dtype != w13.dtype:
         return None
     hidden, ffn = (cols, rows // 2) if proj == "w13" else (rows, cols)
     if (
@@ -145,7 +188,7 @@ def fused_experts(model: Any, layer: int, proj: str, first: int, stack: torch.Te
 def _plain_experts(experts: Any) -> bool:
     """A FusedMoE whose weights are [experts, gate + up rows of this rank's slice, hidden] and
     [experts, hidden, this rank's slice]: unquantized, gated, gate first, no transposed, padded or
-    pre-sharded layout, no expert parallelism or fused shared experts."""
+    pre-sharded layout, no fused shared experts; with expert parallelism, its EP rank's block."""
     w13, w2 = getattr(experts, "w13_weight", None), getattr(experts, "w2_weight", None)
     method = getattr(experts, "quant_method", None)
     runner = getattr(experts, "moe_runner_config", None)
@@ -159,15 +202,23 @@ def _plain_experts(experts: Any) -> bool:
         and not getattr(experts, "use_padded_loading", False)
         and not getattr(experts, "use_presharded_weights", False)
         and getattr(experts, "num_fused_shared_experts", 0) == 0
-        and getattr(experts, "moe_ep_size", None) == 1
+        and isinstance(getattr(experts, "moe_ep_size", None), int)
+        and isinstance(getattr(experts, "moe_ep_rank", None), int)
     )
+
+
+def _block_start(experts: Any) -> int:
+    """The first global expert of this rank's block: EP rank x experts per rank (engine_expert_block)."""
+    return experts.moe_ep_rank * experts.w13_weight.shape[0]
 
 
 @torch.no_grad()
 def copy_stack(experts: Any, proj: str, first: int, stack: torch.Tensor) -> None:
     """Experts [first, first + n) of ``stack`` into this rank's expert-TP slice of the fused weights:
-    w13[e] = [gate_e rows of the slice; up_e rows of the slice], w2[e] = down_e columns of the slice."""
+    w13[e] = [gate_e rows of the slice; up_e rows of the slice], w2[e] = down_e columns of the slice
+    (e local to this rank's block)."""
     n = stack.shape[0]
+    first -= _block_start(experts)
     tp, r = experts.moe_tp_size, experts.moe_tp_rank
     if proj == "w13":
         f = stack.shape[1] // 2
@@ -241,6 +292,11 @@ def engine_share(model: Any, params: dict, name: str, shape: list[int], rank: in
     module = _module_of(model, target)
     data = param.data
     kind = type(module).__name__
+    shard_ranks = getattr(module, "tp_size", None)
+    if isinstance(shard_ranks, int) and 0 < shard_ranks <= rank:
+        # Sharded over fewer ranks than the engine's (DP attention: attention and embeddings over each
+        # group of rollout TP ranks, groups being consecutive blocks): the first group counts its copy
+        return torch.zeros(CHECKSUM_SIZE, dtype=torch.float64, device=data.device)
     if fused in ("q_proj", "k_proj", "v_proj") and hasattr(module, "num_kv_head_replicas"):
         q, kv = module.q_proj_shard_size, module.kv_proj_shard_size
         off, size = {"q_proj": (0, q), "k_proj": (q, kv), "v_proj": (q + kv, module.v_proj_shard_size)}[fused]
@@ -264,8 +320,6 @@ def engine_share(model: Any, params: dict, name: str, shape: list[int], rank: in
         return None
     if hasattr(module, "shard_indices"):  # a vocabulary-parallel embedding or LM head (padded rows last)
         si = module.shard_indices
-        if getattr(module, "tp_size", 1) == 1 and rank:
-            return torch.zeros(CHECKSUM_SIZE, dtype=torch.float64, device=data.device)
         n = si.org_vocab_end_index - si.org_vocab_start_index
         return box_checksum(data[:n], cols, row0=si.org_vocab_start_index)
     if kind == "RowParallelLinear" and name.endswith(".weight"):
@@ -288,15 +342,19 @@ def _module_of(model: Any, param_name: str) -> Any:
 
 
 def _expert_share(model: Any, layer: int, expert: int, proj: str, cols: int) -> torch.Tensor | None:
-    """Expert ``expert``'s gate/up rows (w13) or down columns (w2) of this rank's expert-TP slice."""
-    from megatron_rl.rollout.checksums import box_checksum
+    """Expert ``expert``'s gate/up rows (w13) or down columns (w2) of this rank's expert-TP slice; zero
+    for an expert of another EP rank's block."""
+    from megatron_rl.rollout.checksums import CHECKSUM_SIZE, box_checksum
 
     try:
         experts = model.model.layers[layer].mlp.experts
     except (AttributeError, IndexError, TypeError):
         return None
-    if not _plain_experts(experts) or expert >= experts.w13_weight.shape[0]:
+    if not _plain_experts(experts):
         return None
+    expert -= _block_start(experts)
+    if not 0 <= expert < experts.w13_weight.shape[0]:  # held by another EP rank
+        return torch.zeros(CHECKSUM_SIZE, dtype=torch.float64, device=experts.w13_weight.device)
     r = experts.moe_tp_rank
     if proj == "down_proj":
         w = experts.w2_weight.data[expert]  # [hidden, ffn / tp]

@@ -22,9 +22,11 @@ def engine_arguments(
     cfg, model_path: str, tp_size: int, base_gpu_id: int, seed: int, cuda_graph_max_bs: int | None = None
 ) -> dict:
     """``sglang.Engine`` keyword arguments for a rollout config (``actor_rollout_ref.rollout.*``): the
-    trainer's engine and bench/rollout.py's standalone one start from the same dict.
-    ``cuda_graph_max_bs``: the largest decode batch to capture (run.memory_plan.cuda_graph_max_bs: the
-    rows the engine decodes at once); None: 256."""
+    trainer's engine and bench/rollout.py's standalone one start from the same dict. ``tp_size``: the
+    ranks the engine spans (rollout.engine_ranks: with rollout.data_parallel_size D > 1 SGLang's TP is
+    over all of them, its attention in D groups, "DP attention"). ``cuda_graph_max_bs``: the largest
+    decode batch to capture (run.memory_plan.cuda_graph_max_bs: the rows the engine decodes at once);
+    None: 256."""
     kwargs = dict(
         model_path=model_path,
         load_format="dummy",  # weights come from the reshard stream
@@ -45,6 +47,10 @@ def engine_arguments(
         # MoE buckets: experts copied into the fused weights; the sync check's read-back (sglang_loader)
         custom_weight_loader=[LOADER, READ_BACK],
     )
+    if cfg.data_parallel_size > 1:  # one engine of tp_size ranks, attention in DP groups within it
+        kwargs.update(dp_size=cfg.data_parallel_size, enable_dp_attention=True)
+    if cfg.expert_parallel_size > 1:  # each rank a contiguous block of experts (sglang_loader)
+        kwargs["ep_size"] = cfg.expert_parallel_size
     if cfg.enable_cuda_graph:
         # Larger decode batches run without graphs; each captured size costs start-up time.
         kwargs["cuda_graph_max_bs_decode"] = cuda_graph_max_bs or 256
@@ -124,10 +130,17 @@ def engine_summary(model: str, kwargs: dict) -> str:
         "off" if kwargs.get("disable_cuda_graph") else f"up to batch {kwargs.get('cuda_graph_max_bs_decode')}"
     )
     return (
-        f"SGLang engine: model {model}, TP={kwargs.get('tp_size', 1)}, dtype={kwargs.get('dtype')}, "
+        f"SGLang engine: model {model}, TP={kwargs.get('tp_size', 1)}{_dp_ep(kwargs)}, "
+        f"dtype={kwargs.get('dtype')}, "
         f"mem_fraction_static={kwargs.get('mem_fraction_static')}, CUDA graphs {graphs}, "
         f"attention_backend={kwargs.get('attention_backend')}"
     )
+
+
+def _dp_ep(kwargs: dict) -> str:
+    """ ", DP attention=2, EP=4" for the summary line; "" at 1 and 1."""
+    dp, ep = kwargs.get("dp_size", 1), kwargs.get("ep_size", 1)
+    return (f", DP attention={dp}" if dp > 1 else "") + (f", EP={ep}" if ep > 1 else "")
 
 
 def progress_bars_thread_locked() -> None:

@@ -303,7 +303,8 @@ def sglang_capture_grid(bs: int) -> int:
 def cuda_graph_max_bs(cfg: Config, engines: int, cap: int = CUDA_GRAPH_MAX_BS_CAP) -> int:
     """The largest decode batch to capture for an engine of ``engines`` (each samples its share of
     data.train_batch_size prompts x rollout.n; validation batches too when data.val_batch_size is set),
-    on SGLang's grid and at most ``cap``."""
+    on SGLang's grid and at most ``cap``. With rollout.data_parallel_size > 1 each attention group of an
+    engine decodes its share and captures its own graphs: count the groups (ranks / rollout TP)."""
     if engines < 1:
         raise ValueError(f"cuda_graph_max_bs: engines={engines} must be >= 1")
     rollout = cfg.actor_rollout_ref.rollout

@@ -188,7 +188,7 @@ def _check_models(cfg: Any) -> None:
         except (FileNotFoundError, ValueError):
             continue  # the model paths check says why
         args = load_model_args_any(path)
-        check_expert_count(cfg, args.num_experts, path)
+        check_expert_count(cfg, args.num_experts, path, engine=key == "actor_rollout_ref.model.path")
         check_pipeline_split(cfg, args.num_layers, key)
         _check_context(cfg, args.max_position_embeddings, key, path)
         if key == "actor_rollout_ref.model.path":

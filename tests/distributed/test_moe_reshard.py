@@ -84,6 +84,12 @@ def test_moe_reshard_into_hf_engine(results, layout):
             assert a["swapped_diff"] > 100 * TOL, (
                 f"{where}: a stream with experts 0 and 1 swapped went unnoticed"
             )
+        routed = list(range(4))  # every arch here has 4 routed experts
+        per = len(routed) // nproc
+        for r in ranks:  # an SGLang engine over the world at EP = world: rank g holds experts of block g
+            got = r["archs"][arch]["engine_ep"]
+            assert got["experts"] == routed[r["rank"] * per : (r["rank"] + 1) * per], (arch, r["rank"], got)
+            assert got["diff"] == 0.0 and got["tensors"] > 0, (arch, r["rank"], got)
         for r in ranks:
             skip = r["archs"][arch]["skip"]
             msg = skip["message"]

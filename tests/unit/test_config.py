@@ -109,6 +109,19 @@ def test_bad_override_syntax():
             4,
             r"rollout\.tensor_model_parallel_size=3",
         ),
+        (
+            ["actor_rollout_ref.rollout.data_parallel_size=3"],
+            4,
+            r"tensor_model_parallel_size=1 x data_parallel_size=3: the 3 ranks one engine spans",
+        ),
+        (
+            [
+                "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+                "actor_rollout_ref.rollout.expert_parallel_size=4",
+            ],
+            4,
+            r"rollout\.expert_parallel_size=4 does not divide the engine's 2 ranks",
+        ),
         (["algorithm.adv_estimator=grpo"], 4, r"rollout\.n >= 2"),
         (["algorithm.adv_estimator=ppo2"], 4, r"algorithm\.adv_estimator='ppo2' is not one of"),
         (["data.truncation=sideways"], 4, r"data\.truncation"),

@@ -98,8 +98,8 @@ def test_colocated_layouts_that_feed_every_engine_validate(overrides):
 
 def test_idle_engines_are_counted_on_the_first_pipeline_stage():
     pl = resolve_placement(cfg_with(), 8)
-    assert pl.idle_colocated_engines(tp=2, pp=1, rollout_tp=1) == [1, 3, 5, 7]
-    assert pl.idle_colocated_engines(tp=4, pp=1, rollout_tp=2) == [2, 6]
-    assert pl.idle_colocated_engines(tp=2, pp=2, rollout_tp=1) == [1, 3]
-    assert pl.idle_colocated_engines(tp=2, pp=1, rollout_tp=2) == []
-    assert pl.idle_colocated_engines(tp=2, pp=1, rollout_tp=4) == []
+    assert pl.idle_colocated_engines(tp=2, pp=1, engine_ranks=1) == [1, 3, 5, 7]
+    assert pl.idle_colocated_engines(tp=4, pp=1, engine_ranks=2) == [2, 6]
+    assert pl.idle_colocated_engines(tp=2, pp=2, engine_ranks=1) == [1, 3]
+    assert pl.idle_colocated_engines(tp=2, pp=1, engine_ranks=2) == []
+    assert pl.idle_colocated_engines(tp=2, pp=1, engine_ranks=4) == []

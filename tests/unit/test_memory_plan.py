@@ -307,6 +307,30 @@ def test_cuda_graph_max_bs_follows_the_rollout_batch_per_engine(overrides, engin
     assert got in _sglang_grid(got), "the largest size asked for is itself captured"
 
 
+def test_engine_arguments_carry_the_engines_data_and_expert_parallelism():
+    """rollout.data_parallel_size: SGLang's DP attention inside one engine of TP x DP ranks;
+    rollout.expert_parallel_size: its ep_size; neither key is passed at 1 (SGLang's defaults)."""
+    from megatron_rl.config.layout import check_expert_count
+    from megatron_rl.rollout.sglang_start import engine_arguments, engine_summary
+
+    plain = cfg_with().actor_rollout_ref.rollout
+    kw = engine_arguments(plain, "/m", plain.engine_ranks, 0, 0)
+    assert kw["tp_size"] == 1 and not {"dp_size", "enable_dp_attention", "ep_size"} & set(kw)
+    keys = ("tensor_model_parallel_size=2", "data_parallel_size=2", "expert_parallel_size=4")
+    cfg = cfg_with(*(f"actor_rollout_ref.rollout.{k}" for k in keys))
+    rollout = cfg.actor_rollout_ref.rollout
+    kw = engine_arguments(rollout, "/m", rollout.engine_ranks, 0, 0)
+    assert (kw["tp_size"], kw["dp_size"], kw["enable_dp_attention"], kw["ep_size"]) == (4, 2, True, 4)
+    assert "TP=4, DP attention=2, EP=4," in engine_summary("m", kw)
+    assert rollout.engine_layout == "TP=2 x DP=2, EP=4"
+    check_expert_count(cfg, 8, "/moe", engine=True)
+    with pytest.raises(ConfigError, match=r"rollout\.expert_parallel_size=4 does not divide the 6 experts"):
+        check_expert_count(cfg, 6, "/moe", engine=True)
+    with pytest.raises(ConfigError, match=r"rollout\.expert_parallel_size=4 splits routed experts, and /d"):
+        check_expert_count(cfg, 0, "/d", engine=True)
+    check_expert_count(cfg, 0, "/critic")  # a dense critic beside an MoE actor: the engine runs the actor
+
+
 def test_engine_arguments_carry_the_graph_batch_and_respect_the_switch():
     from megatron_rl.rollout.sglang_start import engine_arguments
 

@@ -939,7 +939,10 @@ SCRIPTS = [
             "actor_rollout_ref.rollout.expert_parallel_size=2",
             UV_VLLM,
         ],
-        ["the engine runs tensor parallelism only"],  # its interleaved pipeline (VPP 2) resolves
+        # its rollout EP and interleaved pipeline resolve; its expert layout does not fit its 8 GPUs:
+        # EP 2 x expert TP 4 (None: megatron-core's default, the TP size) x PP 2 = 16 ranks, which
+        # megatron-core's initialize_model_parallel refuses too (test_..._with_expert_tp_1 below)
+        ["does not divide the 8 training ranks"],
         id="grpo_qwen3_30b",  # examples/grpo_trainer/run_qwen3_30b_a3b_megatron.sh
     ),
     pytest.param(
@@ -1079,6 +1082,14 @@ def test_verl_megatron_script(argv, refused):
         assert any(feature in line for feature in refused), line
     for feature in refused:  # each named feature is what stops it
         assert any(feature in line for line in problems), (feature, problems)
+
+
+def test_grpo_qwen3_30b_resolves_with_expert_tp_1():
+    """The line refused above for its expert layout resolves once its experts fit its 8 GPUs: the
+    rollout's expert parallelism, its interleaved pipeline and the rest are accepted as written."""
+    (line,) = [p.values[0] for p in SCRIPTS if p.id == "grpo_qwen3_30b"]
+    assert "actor_rollout_ref.rollout.expert_parallel_size=2" in line
+    assert _resolve([*line, "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1"]) == []
 
 
 def test_the_script_check_can_fail():

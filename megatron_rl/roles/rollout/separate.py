@@ -52,9 +52,7 @@ class SeparateRollout(RequestQueue):
         self.rollout, self.spec = rollout, spec
         self.ps, self.data, self.actor, self.draw = ps, data, actor, draw
         self.total_steps, self.staleness = total_steps, rollout.max_staleness
-        self.client = RolloutClient(
-            ps, placement, rollout.tensor_model_parallel_size, spec.dist_timeout_minutes
-        )
+        self.client = RolloutClient(ps, placement, rollout.engine_ranks, spec.dist_timeout_minutes)
         self.pushed = 0  # the weights the engines hold once they reach the next request
         self.trained = 0  # the actor's version
         self._val = 0

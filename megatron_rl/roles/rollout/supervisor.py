@@ -33,7 +33,7 @@ def start_engine(cfg: Config, ps: ParallelState, model_args):
 
     rollout = cfg.actor_rollout_ref.rollout  # SGLang without a GPU: rollout.check_engine_device
     t0 = time.perf_counter()
-    # SGLang captures decode graphs up to the rows one engine decodes at once (its prompts x n)
+    # SGLang captures decode graphs up to the rows one engine (or attention group) decodes at once
     graph_bs = cuda_graph_max_bs(cfg, ps.world_size // rollout.tensor_model_parallel_size)
     path = cfg.actor_rollout_ref.model.path
     r3 = cfg.actor_rollout_ref.actor.router_replay.mode == "R3"
@@ -45,7 +45,7 @@ def start_engine(cfg: Config, ps: ParallelState, model_args):
         sglang_graphs = rollout.enable_cuda_graph and rollout.name == "sglang"
         graphs = f"on, up to batch {graph_bs}" if sglang_graphs else "off"
         print(
-            f"megatron-rl: rollout engine {rollout.name} (TP={rollout.tensor_model_parallel_size}, "
+            f"megatron-rl: rollout engine {rollout.name} ({rollout.engine_layout}, "
             f"CUDA graphs {graphs}) started in {time.perf_counter() - t0:.1f} s",
             flush=True,
         )

@@ -6,7 +6,10 @@ Per architecture (every rank takes part; checks run where an engine lives, the D
   * tiny buckets (one expert tensor each) give the same weights bit for bit;
   * negative control: a stream that sends experts 0 and 1 of every MoE layer under each other's names
     makes the logits differ;
-  * a dropped bucket holding an expert of the last EP rank stops the sync with WeightSyncError naming it.
+  * a dropped bucket holding an expert of the last EP rank stops the sync with WeightSyncError naming it;
+  * an SGLang engine over the whole world at expert parallelism = world size (stand-in FusedMoE layers:
+    SGLang does not run on CPU): each rank's header names only its engine rank's block of experts, which
+    lands in its fused weights equal to the files.
 
 Every rank writes a record; rank 0 dumps the list to --out.
 """
@@ -26,7 +29,8 @@ from megatron_rl.models.builder import build_model, load_hf_weights, named_globa
 from megatron_rl.models.forward import gather_tp, run_pipeline
 from megatron_rl.parallel import destroy_parallel, init_parallel
 from megatron_rl.rollout import create_engine, reshard
-from megatron_rl.rollout.reshard import sync_weights
+from megatron_rl.rollout.reshard import iter_hf_buckets, sync_weights
+from megatron_rl.rollout.sglang_loader import bucket_header, engine_expert_block, load_bucket
 from megatron_rl.weights import tables
 from megatron_rl.weights.tables import ParamLayout, Piece
 
@@ -97,6 +101,37 @@ def check_skipped_expert_bucket(model, engine, ps, args) -> dict:
     }
 
 
+def engine_ep_block(model, ps, args, orig: dict[str, torch.Tensor]) -> dict:
+    """This rank as engine rank ps.rank of one SGLang engine over the world at expert parallelism =
+    world size: the experts its worker received (fused, or per expert under their names) and their
+    largest difference from the files."""
+    from tests.unit.test_sglang_loader import fake_model
+
+    block = engine_expert_block(ps.rank, ps.world_size, ps.world_size, args.num_experts)
+    fake = fake_model(args, 1, 0, ep=ps.world_size, ep_rank=ps.rank)
+    for bucket in iter_hf_buckets(model, ps, 1 << 20, torch.float32):
+        load_bucket(fake, [(bucket_header(bucket, block), bucket.flat)])
+    routed = re.compile(r"layers\.(\d+)\..*\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+    got = {n: t for n, t in fake.loaded.items() if routed.search(n)}  # the per-expert path
+    for name in orig:  # the fused path: [gate; up] rows and down of each expert of the block
+        m = routed.search(name)
+        if m is None or name in got or int(m[2]) not in block:
+            continue
+        ex = fake.model.layers[int(m[1])].mlp.experts
+        f, local = ex.w13_weight.shape[1] // 2, int(m[2]) - block.start
+        if m[3] in ("gate_proj", "w1"):
+            got[name] = ex.w13_weight[local, :f]
+        elif m[3] in ("up_proj", "w3"):
+            got[name] = ex.w13_weight[local, f:]
+        else:
+            got[name] = ex.w2_weight[local]
+    return {
+        "experts": sorted({int(routed.search(n)[2]) for n in got}),
+        "diff": max((t - orig[n]).abs().max().item() for n, t in got.items()),
+        "tensors": len(got),
+    }
+
+
 def check_arch(path: str, ps) -> dict:
     args = load_model_args(path)
     model = build_model(args, ps)
@@ -128,6 +163,9 @@ def check_arch(path: str, ps) -> dict:
         rec["names_match_files"] = sorted(mine) == sorted(orig)
         rec["weights_vs_files"] = max((mine[k] - v).abs().max().item() for k, v in orig.items() if k in mine)
         rec["expert_tensors"] = sum(".experts." in k for k in orig)
+    from safetensors.torch import load_file
+
+    rec["engine_ep"] = engine_ep_block(model, ps, args, load_file(os.path.join(path, "model.safetensors")))
     zero_engine(engine)
     stats = sync_weights(model, ps, engine, bucket_megabytes=SMALL / 2**20, dtype=torch.float32)
     rec["buckets_small"] = stats["buckets"]
