@@ -346,8 +346,8 @@ def _check_agent_function(cfg: Config, actor_mp: int, separate_rollout: bool) ->
         raise ConfigError(
             f"{_AGENT}.path needs an engine that answers on one rank (trainer.placement.rollout unset, "
             "actor_rollout_ref.actor.megatron.tensor/pipeline_model_parallel_size = 1 and "
-            "actor_rollout_ref.rollout.tensor_model_parallel_size = data_parallel_size = 1): the endpoint "
-            "calls generate on its own schedule, which other ranks do not mirror."
+            "actor_rollout_ref.rollout.tensor_model_parallel_size = 1 and data_parallel_size = 1): the "
+            "endpoint calls generate on its own schedule, which other ranks do not mirror."
         )
     host = mt.endpoint.host
     try:

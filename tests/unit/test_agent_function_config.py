@@ -74,6 +74,7 @@ def test_needs_multi_turn_enable(harness):
         ("actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2", 2),
         ("actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2", 2),
         ("actor_rollout_ref.rollout.tensor_model_parallel_size=2", 2),
+        ("actor_rollout_ref.rollout.data_parallel_size=2", 2),
     ],
 )
 def test_engines_of_more_than_one_rank_are_refused(harness, override, world):

@@ -689,7 +689,9 @@ def test_episodes_on_rollout_ranks_of_their_own_need_a_one_rank_engine():
     ]
     validate(load_config(None, [*base, "trainer.placement.rollout=[1]"]), world_size=2, model_dims=dims)
     two = [*base, "trainer.placement.rollout=[1,2]", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]
-    with pytest.raises(ConfigError, match=r"rollout\.tensor_model_parallel_size=1 only: set it to 1"):
+    with pytest.raises(
+        ConfigError, match=r"rollout\.tensor_model_parallel_size=1, data_parallel_size=1\): set"
+    ):
         validate(load_config(None, two), world_size=3, model_dims=dims)
 
 

@@ -82,7 +82,7 @@ def test_batch_sizes_are_checked_against_the_actor_ranks_only():
         (["actor_rollout_ref.rollout.max_staleness=1"], r"max_staleness=1 .*trainer\.placement\.rollout"),
         (
             ["trainer.placement.rollout=[3]", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"],
-            r"tensor_model_parallel_size=2 does not divide the 1 rollout ranks",
+            r"tensor_model_parallel_size x data_parallel_size = 2 does not divide the 1 rollout ranks",
         ),
         (
             ["trainer.placement.rollout=[3]", "algorithm.filter_groups.enable=true"],
