@@ -324,15 +324,6 @@ def check_interleaving(cfg, dp: int, pp: int, vpp: int) -> None:
             f"actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size={vpp} needs "
             "pipeline_model_parallel_size > 1: set it to 1 (or None), or raise pipeline_model_parallel_size."
         )
-    for key, lora in (
-        ("actor_rollout_ref", cfg.actor_rollout_ref.model.lora),
-        ("critic", cfg.critic.model.lora),
-    ):
-        if lora.rank:
-            raise ConfigError(
-                f"{key}.model.lora.rank={lora.rank} with *.megatron.virtual_pipeline_model_parallel_size="
-                f"{vpp}: LoRA adapters are not built on model chunks; set one of them to 1 (LoRA: 0)."
-            )
     n = cfg.actor_rollout_ref.rollout.n
     updates = [("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor, dp)]
     placed = cfg.trainer.placement

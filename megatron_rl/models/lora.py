@@ -39,6 +39,7 @@ from torch import nn
 from megatron_rl import seeds
 from megatron_rl.config.errors import ConfigError
 from megatron_rl.config.lora import LINEARS, LoraConfig, lora_targets
+from megatron_rl.models.chunks import chunks_of, last_chunk
 from megatron_rl.parallel import ParallelState
 
 SUFFIX = "_lora"
@@ -243,18 +244,20 @@ def add_adapters(model: Any, spec: LoraConfig, ps: ParallelState, key: str, base
     for p in model.parameters():
         p.requires_grad_(False)
     if model.role == "critic" and ps.is_last_stage:
-        for p in model.output_layer.parameters():
+        for p in last_chunk(model).output_layer.parameters():
             p.requires_grad_(True)
     linears = (ColumnParallelLinear, RowParallelLinear, DuplicatedLinear)
     added, found = 0, set[str]()
-    for name, module in list(model.named_modules()):
+    # every model chunk of an interleaved pipeline: names (seeds, targets, files) are global
+    modules = [(chunk, name, m) for chunk in chunks_of(model) for name, m in list(chunk.named_modules())]
+    for chunk, name, module in modules:
         if isinstance(module, GroupedExperts):
-            n = _add_expert_adapters(model, name, module, spec, ps, key, targets, seed)
+            n = _add_expert_adapters(chunk, name, module, spec, ps, key, targets, seed)
             added += n
             found |= {"routed experts"} if n else set()
             continue
         leaf = name.rsplit(".", 1)[-1]
-        full = global_layer_name(name, model.layer_offset)
+        full = global_layer_name(name, chunk.layer_offset)
         if not isinstance(module, linears) or not _named(targets, leaf, full):
             continue
         if ".experts.local_experts." in name:
@@ -277,7 +280,7 @@ def add_adapters(model: Any, spec: LoraConfig, ps: ParallelState, key: str, base
             seed=seeds.derive(seeds.LORA_INIT, seed, key, full),
             gated=leaf == "linear_fc1",
         )
-        parent = model.get_submodule(name.rsplit(".", 1)[0])
+        parent = chunk.get_submodule(name.rsplit(".", 1)[0])
         parent.add_module(leaf + SUFFIX, adapter)
         module.register_forward_hook(_hook(adapter), with_kwargs=True)
         added += 1
@@ -305,7 +308,8 @@ def _named(names, leaf: str, full: str) -> bool:
 def _add_expert_adapters(
     model: Any, name: str, experts: Any, spec: LoraConfig, ps: ParallelState, key: str, targets, seed: int
 ) -> int:
-    """Adapters on one GroupedExperts' local experts (``name``: its module name); how many linears."""
+    """Adapters on one GroupedExperts' local experts (``name``: its module name in ``model``, a model
+    chunk); how many linears."""
     from megatron_rl.weights.tables import global_expert_name, global_layer_name
 
     wanted = tuple(t for t in ("linear_fc1", "linear_fc2") if t in targets)
@@ -335,10 +339,25 @@ def _add_expert_adapters(
 
 
 def adapters(model: Any) -> Iterator[tuple[str, LoRAAdapter]]:
-    """(the adapted linear's local name, its adapter) for every adapter of ``model``."""
-    for name, module in model.named_modules():
-        if isinstance(module, LoRAAdapter):
-            yield name[: -len(SUFFIX)], module
+    """(the adapted linear's global name, ``decoder.layers.{i}.self_attention.linear_qkv``, its adapter)
+    for every adapter of ``model`` (of each of its model chunks)."""
+    from megatron_rl.weights.tables import global_layer_name
+
+    for chunk in chunks_of(model):
+        for name, module in chunk.named_modules():
+            if isinstance(module, LoRAAdapter):
+                yield global_layer_name(name[: -len(SUFFIX)], chunk.layer_offset), module
+
+
+def expert_adapters(model: Any) -> Iterator[tuple[str, ExpertAdapters]]:
+    """(the global name of the experts, ``decoder.layers.{i}.mlp.experts``, their adapters) for every
+    grouped-experts module of ``model`` that has them."""
+    from megatron_rl.weights.tables import global_layer_name
+
+    for chunk in chunks_of(model):
+        for name, module in chunk.named_modules():
+            if isinstance(module, ExpertAdapters):
+                yield global_layer_name(name.removesuffix(".lora"), chunk.layer_offset), module
 
 
 def is_adapter_param(name: str) -> bool:
@@ -366,18 +385,14 @@ class MergedParams(Mapping):
     (:func:`adapters_disabled`) are left out: the base's weights as they are."""
 
     def __init__(self, model: Any, params: dict[str, torch.Tensor]) -> None:
-        from megatron_rl.weights.tables import global_expert_name, global_layer_name
+        from megatron_rl.weights.tables import global_expert_name
 
         self.params = params
         self.deltas: dict[str, Callable[[], torch.Tensor]] = {
-            global_layer_name(f"{name}.weight", model.layer_offset): a.delta
-            for name, a in adapters(model)
-            if a.enabled
+            f"{name}.weight": a.delta for name, a in adapters(model) if a.enabled
         }
-        for name, module in model.named_modules():
-            # {...}.mlp.experts.lora: each expert's fc1 / fc2
-            if isinstance(module, ExpertAdapters) and module.enabled:
-                experts = global_layer_name(name.removesuffix(".lora"), model.layer_offset)
+        for experts, module in expert_adapters(model):  # each expert's fc1 / fc2
+            if module.enabled:
                 for j in range(module.local_experts):
                     for which, on in ((1, module.fc1), (2, module.fc2)):
                         local = f"{experts}.local_experts.{j}.linear_fc{which}.weight"

@@ -90,7 +90,7 @@ def load_peft(model: Any, path: str, ps: ParallelState, key: str) -> None:
 def fill_from_peft(model: Any, tensors: dict[str, torch.Tensor], ps: ParallelState, where: str) -> None:
     """This rank's shard of every linear's adapter from PEFT's tensors (:func:`load_peft`); ``where``
     names the source in errors."""
-    from megatron_rl.weights.tables import global_layer_name, param_layouts
+    from megatron_rl.weights.tables import param_layouts
 
     layouts = {lay.name: lay for lay in param_layouts(model.args, ps.tp_size)}
 
@@ -101,7 +101,7 @@ def fill_from_peft(model: Any, tensors: dict[str, torch.Tensor], ps: ParallelSta
         return tensors[name]
 
     for name, a in adapters(model):
-        lay = layouts[global_layer_name(f"{name}.weight", model.layer_offset)]
+        lay = layouts[f"{name}.weight"]
         pieces = lay.pieces[ps.tp_rank]
         if lay.dim == 0:  # column: B's rows from each HF projection, one A shared by them
             b = torch.cat([get(pc.hf_name, "B")[pc.start : pc.stop] for pc in pieces])
@@ -130,13 +130,13 @@ def gather_peft(model: Any, ps: ParallelState) -> dict[str, torch.Tensor]:
     v; B of a row linear). In the adapters' dtype, on their device."""
     import torch.distributed as dist
 
-    from megatron_rl.weights.tables import global_layer_name, hf_shapes, param_layouts
+    from megatron_rl.weights.tables import hf_shapes, param_layouts
 
     layouts = {lay.name: lay for lay in param_layouts(model.args, ps.tp_size)}
     shapes = hf_shapes(model.args)  # HF [rows, cols] of each projection
     out: dict[str, torch.Tensor] = {}
     for name, a in adapters(model):
-        lay = layouts[global_layer_name(f"{name}.weight", model.layer_offset)]
+        lay = layouts[f"{name}.weight"]
         A, B = a.A.detach(), a.B.detach()
         if lay.dim is None:  # whole on every rank
             key = f"base_model.model.{lay.pieces[0][0].hf_name.removesuffix('.weight')}"

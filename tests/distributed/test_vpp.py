@@ -133,6 +133,14 @@ PPO = {  # name: (nproc, worker arguments)
     "pp1": (1, ["--micro", "8"]),
     "pp2_vpp2": (2, ["--pp", "2", "--vpp", "2", "--micro", "2", "--no-distributed-optimizer"]),
     "dyn_pp2_vpp2": (2, ["--pp", "2", "--vpp", "2", "--micro", "2", "--max-tokens", "24"]),
+    # LoRA adapters (actor and critic) on the model chunks against LoRA at PP=1; the PP=1 run's actor
+    # checkpoint (its adapters) loaded into model chunks
+    "lora_pp1": (1, ["--micro", "8", "--lora", "--save-actor"]),
+    "lora_pp2_vpp2": (
+        2,
+        ["--pp", "2", "--vpp", "2", "--micro", "2", "--no-distributed-optimizer", "--lora"]
+        + ["--load-actor", "{root}/lora_pp1"],
+    ),
 }
 
 
@@ -161,7 +169,9 @@ def ppo(tmp_path_factory) -> dict:
     for name, (nproc, argv) in PPO.items():
         (root / name).mkdir()
         launches.setdefault(nproc, []).append(
-            ["--models", *(f"{p}={a},{c}" for p, (a, c) in pairs.items()), *argv, "--device", "cpu"]
+            ["--models", *(f"{p}={a},{c}" for p, (a, c) in pairs.items())]
+            + [x.format(root=root) for x in argv]
+            + ["--device", "cpu"]
             + ["--out", str(root / name)]
         )
     for nproc, runs in launches.items():
@@ -173,8 +183,10 @@ def ppo(tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("pair", PAIRS)
-@pytest.mark.parametrize("layout", ["pp2_vpp2", "dyn_pp2_vpp2"])
+@pytest.mark.parametrize("layout", ["pp2_vpp2", "dyn_pp2_vpp2", "lora_pp2_vpp2"])
 def test_a_ppo_update_at_pp2_vpp2_matches_pp1(ppo, layout, pair):
+    """The update at PP2 x VPP2 equals PP=1's; with LoRA, LoRA's at PP=1 (the merged weights W + s B A,
+    adapters on every model chunk; a MoE actor's routed experts too)."""
     from tests.distributed.test_ppo_layouts import (
         LAYOUT_TOL,
         WEIGHT_ELEM_TOL,
@@ -182,7 +194,8 @@ def test_a_ppo_update_at_pp2_vpp2_matches_pp1(ppo, layout, pair):
         assert_metrics_match,
     )
 
-    ref, r = ppo["pp1"][pair]["result"], ppo[layout][pair]["result"]
+    base = "lora_pp1" if layout.startswith("lora_") else "pp1"
+    ref, r = ppo[base][pair]["result"], ppo[layout][pair]["result"]
     for key in ("logp", "entropy", "values"):
         diff = (torch.tensor(r[key]) - torch.tensor(ref[key])).abs().max().item()
         assert diff < LAYOUT_TOL, f"{key} at {layout}: max diff {diff:.2e}"
@@ -192,18 +205,36 @@ def test_a_ppo_update_at_pp2_vpp2_matches_pp1(ppo, layout, pair):
     assert_metrics_match(ref, r, layout)  # losses, clip fractions, KL, grad norms
     assert r["actor_steps"] == 4
     for role in ("actor", "critic"):
-        (want,) = [w[role] for w in ppo["pp1"][pair]["weights"].values()]
+        (want,) = [w[role] for w in ppo[base][pair]["weights"].values()]
         initial = ppo["initial"][pair][role]
         moved = max((want[n] - initial[n]).abs().max().item() for n in want if n in initial)
         assert moved > 5 * WEIGHT_ELEM_TOL, f"the update barely moved the {role}"
+        if base == "lora_pp1":  # the base frozen, the adapted linears moved
+            assert torch.equal(want["model.embed_tokens.weight"], initial["model.embed_tokens.weight"])
+            q = "model.layers.0.self_attn.q_proj.weight"
+            assert (want[q] - initial[q]).abs().max().item() > 5 * WEIGHT_ELEM_TOL
         seen = set()
         for stage in ppo[layout][pair]["weights"].values():
             for name, w in stage[role].items():
                 update = want[name] - initial[name] if name in initial else want[name]
-                assert ((w - want[name]).norm() / update.norm()).item() < WEIGHT_REL_NORM_TOL, name
+                if update.norm() > 0:  # LoRA: the frozen base's other weights stay where they were
+                    assert ((w - want[name]).norm() / update.norm()).item() < WEIGHT_REL_NORM_TOL, name
                 assert (w - want[name]).abs().max().item() < WEIGHT_ELEM_TOL, name
                 seen.add(name)
         assert seen == set(want), f"{role}: missing {sorted(set(want) - seen)}"
+
+
+@pytest.mark.parametrize("pair", PAIRS)
+def test_a_lora_checkpoint_of_pp1_loads_into_model_chunks_bit_exact(ppo, pair):
+    """The LoRA actor's checkpoint saved at PP=1 (adapters only) loaded at PP2 x VPP2 over the base:
+    every merged weight of every stage equals the PP=1 actor's bit for bit."""
+    (want,) = [w["actor"] for w in ppo["lora_pp1"][pair]["weights"].values()]
+    seen = set()
+    for stage in ppo["lora_pp2_vpp2"][pair]["weights"].values():
+        for name, w in stage["loaded"].items():
+            assert torch.equal(w, want[name]), name
+            seen.add(name)
+    assert seen == set(want)
 
 
 def test_token_budget_micro_batches_come_in_multiples_of_pp(ppo):

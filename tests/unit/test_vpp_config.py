@@ -73,10 +73,6 @@ def test_verls_key_is_read_and_shared_by_the_models():
             [f"{PP}=2", f"{VPP}=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16"],
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16 gives 1 micro-batch(es)",
         ),
-        (
-            [f"{PP}=2", f"{VPP}=2", "actor_rollout_ref.model.lora.rank=8"],
-            "LoRA adapters are not built on model chunks",
-        ),
     ],
 )
 def test_layouts_interleaving_cannot_run_are_one_line_naming_the_keys(overrides, needle):
@@ -85,6 +81,11 @@ def test_layouts_interleaving_cannot_run_are_one_line_naming_the_keys(overrides,
     with pytest.raises(ConfigError) as e:
         validate(cfg_with(*base, *overrides), 2, DIMS8)
     assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_lora_runs_on_model_chunks():
+    ok = ["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8", "critic.enable=false"]
+    validate(cfg_with(*ok, f"{PP}=2", f"{VPP}=2", "actor_rollout_ref.model.lora.rank=8"), 2, DIMS8)
 
 
 def test_dynamic_batching_is_not_held_to_the_fixed_count():

@@ -27,7 +27,7 @@ from megatron_rl.models.lora_files import load_peft
 from megatron_rl.parallel import destroy_parallel, init_parallel
 from megatron_rl.rollout.reshard import iter_hf_buckets
 from megatron_rl.weights.ckpt_write import save_torch_dist
-from megatron_rl.weights.tables import global_layer_name, hf_shapes, param_layouts
+from megatron_rl.weights.tables import hf_shapes, param_layouts
 from megatron_rl.weights.torch_dist import load_torch_dist
 
 LAYOUTS = {"tp1": (1, False), "tp2": (2, False), "tp2sp": (2, True)}
@@ -79,7 +79,7 @@ def peft_space(model, ps, which: str) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for name, a in adapters(model):
         A, B = (getattr(a.A, which), getattr(a.B, which))
-        lay = layouts[global_layer_name(f"{name}.weight", model.layer_offset)]
+        lay = layouts[f"{name}.weight"]  # adapters() names them globally
         off, seen = 0, set()
         for pc in lay.pieces[ps.tp_rank]:
             key = f"base_model.model.{pc.hf_name.removesuffix('.weight')}"

@@ -10,6 +10,13 @@ the same sets of sequences as at DP=1. Steps:
 2. update_actor and update_critic (2 epochs x 2 mini-batches: 4 optimizer steps each);
 3. direction check: a second, on-policy update with per-sequence advantages of +-1, then log-probs again.
 
+With --lora both models train LoRA adapters (rank 4, alpha 8, seeded by their global names: the same
+at every layout) on a frozen base, and the weights written are the merged ones (W + scale B A).
+
+--save-actor writes the updated actor's torch_dist checkpoint to --out/NAME/actor_ckpt; --load-actor RUN
+loads RUN/NAME/actor_ckpt (another layout's) into a fresh actor of this layout, whose weights go to the
+weights file as "loaded".
+
 With --max-tokens every pass forms its micro-batches by that token budget (use_dynamic_bsz) and every
 rank writes the processed tokens of each micro-batch of each pass to plan_pp{P}_tp{T}_dp{D}.json.
 
@@ -30,6 +37,7 @@ import torch.distributed as dist
 from megatron_rl.batch import RolloutBatch, SeqMeta
 from megatron_rl.config import ActorConfig, CriticConfig, MegatronConfig, OptimConfig
 from megatron_rl.config.load import fill_update_defaults
+from megatron_rl.config.lora import LoraConfig
 from megatron_rl.microbatches import MicroBatching, TokenStats
 from megatron_rl.model_args import DTYPES, load_model_args
 from megatron_rl.models.builder import (
@@ -40,11 +48,14 @@ from megatron_rl.models.builder import (
     stage_layouts,
 )
 from megatron_rl.models.chunks import last_chunk
+from megatron_rl.models.lora import add_adapters, merged_params
 from megatron_rl.optim import LRSchedule, ModelOptimizer
 from megatron_rl.parallel import destroy_parallel, init_parallel
 from megatron_rl.ppo import compute_log_probs, compute_values, update_actor, update_critic
+from megatron_rl.weights.ckpt_write import save_torch_dist
 from megatron_rl.weights.hf_io import scatter_shard
 from megatron_rl.weights.tables import hf_shapes
+from megatron_rl.weights.torch_dist import load_torch_dist
 
 N_PROMPTS, ROLLOUT_N, P, R = 8, 2, 6, 5
 MINI_PROMPTS = 4  # ppo_mini_batch_size: 2 mini-batches of 8 sequences
@@ -110,7 +121,7 @@ def gather_dp(x: torch.Tensor, ps) -> torch.Tensor:
 def hf_named_weights(model, ps, role: str) -> tuple[dict[str, torch.Tensor], float]:
     """This stage's parameters in HF names (on TP rank 0) and the largest |padded vocab row|."""
     args = model.args
-    params = named_global_params(model)
+    params = merged_params(model, named_global_params(model))  # LoRA: W + scale * B @ A
     shapes = hf_shapes(args)
     out: dict[str, torch.Tensor] = {}
     padded_max = 0.0
@@ -199,6 +210,9 @@ def main():
     ap.add_argument("--no-distributed-optimizer", action="store_true")
     ap.add_argument("--break-qk-norm-reduction", action="store_true", help="negative control")
     ap.add_argument("--max-tokens", type=int, default=None, help="token budget per micro-batch (dynamic)")
+    ap.add_argument("--lora", action="store_true", help="LoRA adapters (rank 4) on actor and critic")
+    ap.add_argument("--save-actor", action="store_true", help="the updated actor's checkpoint")
+    ap.add_argument("--load-actor", default=None, help="a run's --out: load its actor checkpoints")
     a = ap.parse_args()
     ps = init_parallel(a.tp, a.pp, seed=1, device=a.device)
     for spec in a.models:
@@ -215,7 +229,14 @@ def main():
 def run_pair(ps, a, actor_dir: str, critic_dir: str, out_dir: str) -> None:
     """Steps 1-3 of the module docstring for one actor/critic pair; results into ``out_dir``."""
     dtype = DTYPES[a.dtype]
-    options = TrainingOptions(sequence_parallel=not a.no_sequence_parallel, virtual_pipeline=a.vpp)
+    options = TrainingOptions(
+        sequence_parallel=not a.no_sequence_parallel, virtual_pipeline=a.vpp, lora=a.lora
+    )
+
+    def adapt(model, key: str, path: str) -> None:
+        if a.lora:
+            add_adapters(model, LoraConfig(rank=4, alpha=8.0), ps, key, path, seed=3)
+
     mcfg = MegatronConfig(use_distributed_optimizer=not a.no_distributed_optimizer)
     actor_args, critic_args = load_model_args(actor_dir), load_model_args(critic_dir)
     full, extra = global_batch(actor_args.vocab_size)
@@ -235,6 +256,7 @@ def run_pair(ps, a, actor_dir: str, critic_dir: str, out_dir: str) -> None:
     # ---- actor ----
     actor = build_model(actor_args, ps, "actor", dtype=dtype, options=options)
     load_hf_weights(actor, actor_dir, ps)
+    adapt(actor, "actor_rollout_ref.model.lora", actor_dir)
     if a.break_qk_norm_reduction:
         break_qk_norm_reduction(actor)
     lp, ent = compute_log_probs(
@@ -281,6 +303,15 @@ def run_pair(ps, a, actor_dir: str, critic_dir: str, out_dir: str) -> None:
     res["actor"] = update_actor(actor, opt, ps, batch, actor_cfg, ROLLOUT_N, TEMPERATURE, stats=tokens)
     res["actor_steps"] = opt.num_steps
     actor_w, padded_max = hf_named_weights(actor, ps, "actor")
+    if a.save_actor:
+        save_torch_dist(actor, ps, os.path.join(out_dir, "actor_ckpt"))
+    loaded_w = None
+    if a.load_actor:  # the base from its HF directory, the rest (LoRA: the adapters) from the checkpoint
+        fresh = build_model(actor_args, ps, "actor", dtype=dtype, options=options)
+        load_hf_weights(fresh, actor_dir, ps)
+        adapt(fresh, "actor_rollout_ref.model.lora", actor_dir)
+        load_torch_dist(fresh, ps, os.path.join(a.load_actor, os.path.basename(out_dir), "actor_ckpt"))
+        loaded_w, _ = hf_named_weights(fresh, ps, "actor")
 
     # ---- critic ----
     critic = build_model(critic_args, ps, "critic", dtype=dtype, options=options)
@@ -291,6 +322,7 @@ def run_pair(ps, a, actor_dir: str, critic_dir: str, out_dir: str) -> None:
         with torch.no_grad():
             last_chunk(critic).output_layer.weight.copy_(torch.randn(1, h, generator=g) / h**0.5)
             last_chunk(critic).output_layer.bias.copy_(torch.randn(1, generator=g))
+    adapt(critic, "critic.model.lora", critic_dir)
     values = compute_values(critic, ps, batch, forward_micro(LOGPROB_MICRO), stats=tokens)
     res["values"] = gather_dp(values, ps).tolist()
     batch.values = (values + ex["value_noise"]) * mask
@@ -360,6 +392,7 @@ def run_pair(ps, a, actor_dir: str, critic_dir: str, out_dir: str) -> None:
             {
                 "actor": actor_w,
                 "critic": critic_w,
+                "loaded": loaded_w,
                 "padded_max": padded_max,
                 "replica_diff": replica_diff,
             },
