@@ -125,12 +125,13 @@ class RolloutConfig:
     """Attention data-parallel groups inside one SGLang engine (SGLang's DP attention): the engine spans
     tensor_model_parallel_size x data_parallel_size ranks (:attr:`engine_ranks`, verl's rule), its
     attention runs in data_parallel_size groups of tensor_model_parallel_size ranks, its experts, dense
-    MLPs and LM head over all of them. The transformers engine holds whole models and ignores it."""
+    MLPs and LM head over all of them. The transformers engine holds a whole model on the first rank
+    of each such group (as with the rollout's TP)."""
     expert_parallel_size: int = 1
     """Ranks of one SGLang engine its routed experts are split over (SGLang's ep_size): each holds
     num_experts / expert_parallel_size of them, cut over engine_ranks / expert_parallel_size ranks by
-    expert tensor parallelism (verl's lines set it to tensor x data parallel size). MoE models only;
-    the transformers engine ignores it."""
+    expert tensor parallelism (verl asks for tensor x data parallel size; any divisor is accepted).
+    MoE models only; the transformers engine holds whole models."""
     gpu_memory_utilization: float = 0.5
     """Fraction of GPU memory for the engine's weights and KV cache (SGLang mem_fraction_static)."""
     max_num_batched_tokens: int = 8192
@@ -181,8 +182,8 @@ class RolloutConfig:
 
     @property
     def engine_layout(self) -> str:
-        """The engine's layout for a log line: "TP=2", or "TP=2 x DP=2, EP=4"."""
+        """The engine's layout for a log line: "TP=2", or "TP=2 x DP=2 (4 ranks), EP=4"."""
         text = f"TP={self.tensor_model_parallel_size}"
         if self.data_parallel_size > 1:
-            text += f" x DP={self.data_parallel_size}"
+            text += f" x DP={self.data_parallel_size} ({self.engine_ranks} ranks)"
         return text + (f", EP={self.expert_parallel_size}" if self.expert_parallel_size > 1 else "")

@@ -15,8 +15,8 @@ over the model-parallel group, so TP/PP peers always hold identical responses. W
 generator is the engine's business (:func:`collective_generate` does the routing):
 
 * HF engine: every DP leader runs its own transformers model (a rollout group of one rank).
-* SGLang engine: the first rank of each rollout-TP group hosts an ``sglang.Engine`` and generates
-  for the DP leaders inside its group.
+* SGLang engine: the first rank of each rollout group (rollout TP x rollout DP ranks) hosts an
+  ``sglang.Engine`` and generates for the DP leaders inside its group.
 
 ``update_weights`` is collective too: the bucket iterator drives the collectives of the reshard
 stream, so every engine, on every rank, must exhaust it (ranks that host no model just drop the

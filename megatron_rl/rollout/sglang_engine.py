@@ -122,6 +122,11 @@ class SGLangEngine:
         self.group_rank = ps.rank % r  # the engine's TP rank on this rank's GPU
         self.leader = ps.rank - self.group_rank
         ep = cfg.expert_parallel_size
+        if ep > 1 and (not args.num_experts or args.num_experts % ep):
+            raise ValueError(
+                f"actor_rollout_ref.rollout.expert_parallel_size={ep} must divide the model's routed experts "
+                f"({args.num_experts}; a dense model takes 1)"
+            )
         self.experts = engine_expert_block(self.group_rank, r, ep, args.num_experts) if ep > 1 else None
         """The routed experts this rank's engine worker holds (None: all the model has)."""
         # Trainer communicators first: one collective on every group we use creates them eagerly.

@@ -63,7 +63,7 @@ def bucket_header(bucket, experts: range | None = None) -> str:
     """JSON: ``tensors`` [[name, shape, offset]] for the tensors outside expert stacks, ``stacks``
     [[layer, proj, first, shape, offset, names]]; offsets in elements of ``bucket.flat``. ``experts``:
     the routed experts the receiving engine rank holds (:func:`engine_expert_block`; None: all); the
-    others are left out, stacks cut to the block."""
+    others are left out, stacks cut to the block, and ``block`` [start, stop] says which it is."""
     flat = bucket.flat
     base, size = flat.data_ptr(), flat.element_size()
 
@@ -102,6 +102,7 @@ def bucket_header(bucket, experts: range | None = None) -> str:
         {
             "tensors": [entry(n, t) for n, t in bucket if n not in covered and held(n)],
             "stacks": [s for s in kept if s is not None],
+            "block": None if experts is None else [experts.start, experts.stop],
         }
     )
 
@@ -121,9 +122,10 @@ def load_bucket(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> No
     ((header, flat),) = named_tensors
     h = json.loads(header)
     rest = [(t[0], _view(flat, t[2], t[1], *t[3:])) for t in h["tensors"]]
+    block = h.get("block")
     for layer, proj, first, shape, off, names in h["stacks"]:
         stack = _view(flat, off, shape)
-        experts = fused_experts(model, layer, proj, first, stack)
+        experts = fused_experts(model, layer, proj, first, stack, None if block is None else range(*block))
         _report(proj, experts is not None)
         if experts is None:
             rest += unstack(proj, stack, names)
@@ -159,8 +161,12 @@ def unstack(proj: str, stack: torch.Tensor, names: list[str]) -> list[tuple[str,
     return list(zip(names, parts, strict=True))
 
 
-def fused_experts(model: Any, layer: int, proj: str, first: int, stack: torch.Tensor) -> Any | None:
-    """The layer's FusedMoE if a stacked run can be copied into its weights as-is, else None."""
+def fused_experts(
+    model: Any, layer: int, proj: str, first: int, stack: torch.Tensor, block: range | None = None
+) -> Any | None:
+    """The layer's FusedMoE if a stacked run can be copied into its weights as-is, else None.
+    ``block``: the experts the trainer streamed for this rank (:func:`engine_expert_block`), which must
+    be the ones its weights hold (SGLang placed no redundant experts; None: every expert, EP 1)."""
     try:
         experts = model.model.layers[layer].mlp.experts
     except (AttributeError, IndexError, TypeError):
@@ -172,8 +178,17 @@ def fused_experts(model: Any, layer: int, proj: str, first: int, stack: torch.Te
     tp = getattr(experts, "moe_tp_size", 0)
     n, rows, cols = stack.shape
     e_local = w13.shape[0]  # this rank's block of experts (all of them without expert parallelism)
-    lo = _block_start(experts)
-    if tp < 1 or first < lo or first + n > lo + e_local or w2.shape[0] != e_local or stack.dtype != w13.dtype:
+    held = range(_block_start(experts), _block_start(experts) + e_local)
+    streamed = block if block is not None else (held if experts.moe_ep_size == 1 else None)
+    if streamed != held:  # a block of another rank, or weights laid out otherwise (redundant experts)
+        return None
+    if (
+        tp < 1
+        or first not in held
+        or first + n > held.stop
+        or w2.shape[0] != e_local
+        or stack.dtype != w13.dtype
+    ):
         return None
     hidden, ffn = (cols, rows // 2) if proj == "w13" else (rows, cols)
     if (

@@ -138,7 +138,7 @@ PPO = {  # name: (nproc, worker arguments)
     "lora_pp1": (1, ["--micro", "8", "--lora", "--save-actor"]),
     "lora_pp2_vpp2": (
         2,
-        ["--pp", "2", "--vpp", "2", "--micro", "2", "--no-distributed-optimizer", "--lora"]
+        ["--pp", "2", "--vpp", "2", "--micro", "2", "--lora", "--save-actor"]
         + ["--load-actor", "{root}/lora_pp1"],
     ),
 }
@@ -174,11 +174,12 @@ def ppo(tmp_path_factory) -> dict:
             + ["--device", "cpu"]
             + ["--out", str(root / name)]
         )
-    for nproc, runs in launches.items():
+    for nproc, runs in sorted(launches.items()):  # 1 process first: lora_pp2_vpp2 loads its checkpoint
         run_torchrun_runs("ppo_update", nproc, runs)
     out = {name: {p: read_pair(root / name / p) for p in pairs} for name in PPO}
     out["initial"] = {p: {"actor": _load_hf(a), "critic": _load_hf(c)} for p, (a, c) in pairs.items()}
     out["models"] = (actor, critic)
+    out["root"] = str(root)
     return out
 
 
@@ -235,6 +236,27 @@ def test_a_lora_checkpoint_of_pp1_loads_into_model_chunks_bit_exact(ppo, pair):
             assert torch.equal(w, want[name]), name
             seen.add(name)
     assert seen == set(want)
+
+
+def test_a_lora_checkpoint_of_model_chunks_exports_to_peft(ppo, tmp_path):
+    """ckpt_tools export-peft --merged of the dense LoRA actor saved at PP2 x VPP2 (adapters only, global
+    layer names): the HF model it writes holds the weights that run's model chunks held."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    ckpt = os.path.join(ppo["root"], "lora_pp2_vpp2", "dense", "actor_ckpt")
+    out = str(tmp_path / "merged")
+    cmd = [sys.executable, "-m", "ckpt_tools", "export-peft", "--ckpt", ckpt, "--out", out, "--merged"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    got = load_file(os.path.join(out, "model.safetensors"))
+    stages = [w["actor"] for w in ppo["lora_pp2_vpp2"]["dense"]["weights"].values()]
+    want = {n: t for stage in stages for n, t in stage.items()}
+    assert set(want) <= set(got)
+    for name, t in want.items():
+        assert (got[name].float() - t).abs().max().item() < 1e-5, name
 
 
 def test_token_budget_micro_batches_come_in_multiples_of_pp(ppo):

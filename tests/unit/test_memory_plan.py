@@ -322,7 +322,7 @@ def test_engine_arguments_carry_the_engines_data_and_expert_parallelism():
     kw = engine_arguments(rollout, "/m", rollout.engine_ranks, 0, 0)
     assert (kw["tp_size"], kw["dp_size"], kw["enable_dp_attention"], kw["ep_size"]) == (4, 2, True, 4)
     assert "TP=4, DP attention=2, EP=4," in engine_summary("m", kw)
-    assert rollout.engine_layout == "TP=2 x DP=2, EP=4"
+    assert rollout.engine_layout == "TP=2 x DP=2 (4 ranks), EP=4"
     check_expert_count(cfg, 8, "/moe", engine=True)
     with pytest.raises(ConfigError, match=r"rollout\.expert_parallel_size=4 does not divide the 6 experts"):
         check_expert_count(cfg, 6, "/moe", engine=True)

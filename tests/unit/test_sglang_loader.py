@@ -116,8 +116,9 @@ def test_the_engine_expert_blocks_are_sglangs_layout():
             engine_expert_block(0, *bad)
 
 
+@pytest.mark.parametrize("bucket_bytes", [40_000, 1 << 30])  # one expert a stack; all, cut at the blocks
 @pytest.mark.parametrize("engine_ranks,ep", [(4, 4), (4, 2), (2, 2)])
-def test_each_engine_rank_receives_and_holds_only_its_block_of_experts(args, engine_ranks, ep):
+def test_each_engine_rank_receives_and_holds_only_its_block_of_experts(args, engine_ranks, ep, bucket_bytes):
     """An engine of R ranks at expert parallelism ep: each rank's header names only its block of experts
     (nothing else reaches its worker), which lands in its fused weights at its local positions, cut by
     its expert-TP rank; over the ranks every expert's every slice is held exactly once. The stream is
@@ -128,7 +129,7 @@ def test_each_engine_rank_receives_and_holds_only_its_block_of_experts(args, eng
     for g in range(engine_ranks):
         block = engine_expert_block(g, engine_ranks, ep, args.num_experts)
         model = fake_model(args, moe_tp, g % moe_tp, ep=ep, ep_rank=g // moe_tp)
-        sent = stream(args, model, 40_000, block)
+        sent = stream(args, model, bucket_bytes, block)
         rows = slice((g % moe_tp) * s, (g % moe_tp + 1) * s)
         for i, layer in enumerate(model.model.layers):
             ex = layer.mlp.experts
@@ -157,6 +158,34 @@ def test_another_ranks_block_is_not_copied_in(args):
     per_expert = {n for n in model.loaded if ".mlp.experts." in n}
     assert per_expert and all(int(n.split(".")[5]) < args.num_experts // 2 for n in per_expert)
     assert all(torch.equal(model.loaded[n], sent[n]) for n in per_expert)
+
+
+@pytest.mark.parametrize("ep_rank", [0, 1])
+def test_a_cut_stack_goes_to_the_per_expert_loader_under_its_own_names(args, ep_rank):
+    """Weights the loader does not write itself (here: a transposed layout), at expert parallelism 2 with
+    every layer's experts in one stack: the rank's half of the stack reaches SGLang's per-expert loader
+    under exactly its experts' checkpoint names, with their values."""
+    model = fake_model(args, 1, 0, ep=2, ep_rank=ep_rank, use_triton_kernels=True)
+    block = engine_expert_block(ep_rank, 2, 2, args.num_experts)
+    sent = stream(args, model, 1 << 30, block)
+    routed = {n for n in sent if ".mlp.experts." in n}
+    mine = {n for n in routed if int(n.split(".")[5]) in block}
+    assert mine and mine != routed
+    assert {n for n in model.loaded if ".mlp.experts." in n} == mine
+    assert all(torch.equal(model.loaded[n], sent[n]) for n in mine)
+
+
+def test_weights_that_hold_another_block_are_not_written_directly(args):
+    """SGLang with redundant experts holds more slots than num_experts / ep: the streamed block is not
+    its layout, so the per-expert loader places the experts."""
+    model = fake_model(args, 1, 0, ep=2, ep_rank=0)
+    for layer in model.model.layers:  # one redundant slot
+        ex = layer.mlp.experts
+        ex.w13_weight = torch.nn.Parameter(torch.zeros(ex.w13_weight.shape[0] + 1, *ex.w13_weight.shape[1:]))
+        ex.w2_weight = torch.nn.Parameter(torch.zeros(ex.w2_weight.shape[0] + 1, *ex.w2_weight.shape[1:]))
+    stream(args, model, 1 << 30, engine_expert_block(0, 2, 2, args.num_experts))
+    assert not model.model.layers[0].mlp.experts.w13_weight.any()
+    assert any(".mlp.experts." in n for n in model.loaded)
 
 
 def test_the_expert_score_bias_travels_in_float32_in_a_bf16_bucket():
