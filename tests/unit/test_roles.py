@@ -87,7 +87,7 @@ def test_engine_count_has_one_home():
 
     p = Placement(5, actor=(0,), critic=(0,), rollout=(1, 2, 3, 4))
     assert p.rollout_engines(1) == 4 and p.rollout_engines(2) == 2
-    with pytest.raises(ConfigError, match="tensor_model_parallel_size=3"):
+    with pytest.raises(ConfigError, match="tensor_model_parallel_size x data_parallel_size = 3 does not"):
         p.rollout_engines(3)
 
 

@@ -84,8 +84,10 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
             assert not isinstance(value, list) or len(value) <= per_gen, key
         if ps.is_dp_leader:
             send_generations(bridge, gens, msg, dp, routes, training)
-            with open(os.path.join(out_dir, f"msg{dp}"), "wb") as f:
+            path = os.path.join(out_dir, f"msg{dp}")
+            with open(path + ".part", "wb") as f:  # whole or absent to the readers, which poll for it
                 f.write(payload)
+            os.replace(path + ".part", path)
         bridge.wait_sends()  # completes only once every send was received
     else:
         mine = []
