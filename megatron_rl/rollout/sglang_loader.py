@@ -19,9 +19,9 @@ per-expert loader is the fallback the check selects, and both write the same byt
 tensor it finds where this engine rank holds its piece (a fused ``qkv_proj`` / ``gate_up_proj`` slice,
 a vocabulary or tensor-parallel shard, a fused expert slice, or a replicated copy counted on rank 0
 only) and writes that piece's share of the tensor's checksum into a buffer the trainer shares with it;
-the shares of an engine group add up to the checksum of the whole tensor as the engine holds it. A
-piece held by several ranks counts once: on the first attention group under DP attention, on its EP
-rank for an expert.
+the shares of an engine group add up to the checksum of the whole tensor as the engine holds it. An
+expert counts on its EP rank; a shard that every attention group holds (DP attention) counts 1/D on
+each of the D groups, so that a wrong copy on any of them is seen.
 """
 
 from __future__ import annotations
@@ -270,25 +270,28 @@ def read_back(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None
     [n, CHECKSUM_SIZE + 1] float64 on this rank's GPU, shared with the trainer rank that sent it:
     row i gets this rank's share of tensor i's checksum and, in its last column, 1 if this rank knows
     where its piece of tensor i lives (0: not read back here)."""
-    from sglang.srt.distributed import get_tensor_model_parallel_rank
+    from sglang.srt.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
     from megatron_rl.rollout.checksums import CHECKSUM_SIZE
 
     ((header, out),) = named_tensors
     h = json.loads(header)
-    rank = get_tensor_model_parallel_rank()
+    rank, ranks = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
     params = dict(model.named_parameters())
     for i, (name, shape) in enumerate(zip(h["names"], h["shapes"], strict=True)):
-        share = engine_share(model, params, name, shape, rank)
+        share = engine_share(model, params, name, shape, rank, ranks)
         if share is not None:
             out[i, :CHECKSUM_SIZE] = share
             out[i, CHECKSUM_SIZE] = 1.0
     torch.cuda.synchronize()  # the trainer reads ``out`` once the request returns
 
 
-def engine_share(model: Any, params: dict, name: str, shape: list[int], rank: int) -> torch.Tensor | None:
-    """This engine rank's share of the checksum of checkpoint tensor ``name`` (``shape``) as the engine
-    holds it (rollout.checksums.box_checksum), or None where its layout is not one read here."""
+def engine_share(
+    model: Any, params: dict, name: str, shape: list[int], rank: int, ranks: int = 1
+) -> torch.Tensor | None:
+    """This engine rank's (``rank`` of ``ranks``) share of the checksum of checkpoint tensor ``name``
+    (``shape``) as the engine holds it (rollout.checksums.box_checksum), or None where its layout is not
+    one read here."""
     from megatron_rl.rollout.checksums import CHECKSUM_SIZE, box_checksum
 
     cols = shape[1] if len(shape) == 2 else 1
@@ -307,11 +310,34 @@ def engine_share(model: Any, params: dict, name: str, shape: list[int], rank: in
     module = _module_of(model, target)
     data = param.data
     kind = type(module).__name__
-    shard_ranks = getattr(module, "tp_size", None)
-    if isinstance(shard_ranks, int) and 0 < shard_ranks <= rank:
-        # Sharded over fewer ranks than the engine's (DP attention: attention and embeddings over each
-        # group of rollout TP ranks, groups being consecutive blocks): the first group counts its copy
-        return torch.zeros(CHECKSUM_SIZE, dtype=torch.float64, device=data.device)
+    # a layer sharded over fewer ranks than the engine's (DP attention: attention and embeddings over
+    # each group of rollout TP ranks) is held whole by each of ranks / tp_size groups: each counts 1/copies
+    group = getattr(module, "tp_size", None)
+    copies = ranks // group if isinstance(group, int) and 0 < group < ranks and not ranks % group else 1
+    share = _sharded_share(module, kind, fused, data, name, shape, cols)
+    if share is not None:
+        return share / copies
+    if fused in ("q_a_proj", "kv_a_proj_with_mqa") and len(shape) == 2 and data.shape[1] == cols:
+        if rank:  # replicated: rank 0 counts
+            return torch.zeros(CHECKSUM_SIZE, dtype=torch.float64, device=data.device)
+        off = 0 if fused == "q_a_proj" else data.shape[0] - shape[0]
+        return box_checksum(data.narrow(0, off, shape[0]), cols)
+    if fused:
+        return None
+    if list(data.shape) == list(shape):  # replicated on every rank (norms, routers, row-parallel biases)
+        if rank:
+            return torch.zeros(CHECKSUM_SIZE, dtype=torch.float64, device=data.device)
+        return box_checksum(data, cols)
+    return None
+
+
+def _sharded_share(
+    module: Any, kind: str, fused: str | None, data: torch.Tensor, name: str, shape: list[int], cols: int
+) -> torch.Tensor | None:
+    """The share of this rank's shard of a tensor-parallel layer (its place from the layer's own tp_rank
+    within the group it is sharded over), or None for a layer that is not one."""
+    from megatron_rl.rollout.checksums import CHECKSUM_SIZE, box_checksum
+
     if fused in ("q_proj", "k_proj", "v_proj") and hasattr(module, "num_kv_head_replicas"):
         q, kv = module.q_proj_shard_size, module.kv_proj_shard_size
         off, size = {"q_proj": (0, q), "k_proj": (q, kv), "v_proj": (q + kv, module.v_proj_shard_size)}[fused]
@@ -326,11 +352,6 @@ def engine_share(model: Any, params: dict, name: str, shape: list[int], rank: in
         size = module.output_sizes[0] // module.tp_size
         off = 0 if fused == "gate_proj" else size
         return box_checksum(data.narrow(0, off, size), cols, row0=module.tp_rank * size)
-    if fused in ("q_a_proj", "kv_a_proj_with_mqa") and len(shape) == 2 and data.shape[1] == cols:
-        if rank:  # replicated: rank 0 counts
-            return torch.zeros(CHECKSUM_SIZE, dtype=torch.float64, device=data.device)
-        off = 0 if fused == "q_a_proj" else data.shape[0] - shape[0]
-        return box_checksum(data.narrow(0, off, shape[0]), cols)
     if fused:
         return None
     if hasattr(module, "shard_indices"):  # a vocabulary-parallel embedding or LM head (padded rows last)
@@ -343,10 +364,6 @@ def engine_share(model: Any, params: dict, name: str, shape: list[int], rank: in
     if kind == "ColumnParallelLinear":
         per = data.shape[0]
         return box_checksum(data, cols, row0=module.tp_rank * per)
-    if list(data.shape) == list(shape):  # replicated on every rank (norms, routers, row-parallel biases)
-        if rank:
-            return torch.zeros(CHECKSUM_SIZE, dtype=torch.float64, device=data.device)
-        return box_checksum(data, cols)
     return None
 
 

@@ -286,8 +286,9 @@ def engine_rank_model(args, full: dict[str, torch.Tensor], engine_ranks: int, dp
 
 def test_read_back_counts_each_piece_once_under_dp_attention_and_expert_parallelism(args):
     """An engine of 4 ranks, DP attention 2 and expert parallelism 4: each rank's shares of o_proj (held
-    by both attention groups), kv_b_proj (over all 4) and every expert (on one EP rank each) add up to
-    the checksum of the whole tensor; a wrong value on one rank is seen."""
+    by both attention groups: each copy counts half), kv_b_proj (over all 4) and every expert (on one EP
+    rank each) add up to the checksum of the whole tensor; a wrong value on one rank is seen, in either
+    attention group's copy."""
     from megatron_rl.rollout.checksums import checksums_match, tensor_checksum
     from megatron_rl.rollout.sglang_loader import engine_share
 
@@ -308,7 +309,7 @@ def test_read_back_counts_each_piece_once_under_dp_attention_and_expert_parallel
         out = []
         for name, t in full.items():
             shares = [
-                engine_share(m, dict(m.named_parameters()), name, list(t.shape), g)
+                engine_share(m, dict(m.named_parameters()), name, list(t.shape), g, len(models))
                 for g, m in enumerate(models)
             ]
             assert all(s is not None for s in shares), name  # every rank places its piece (or none)
@@ -318,12 +319,19 @@ def test_read_back_counts_each_piece_once_under_dp_attention_and_expert_parallel
     want = torch.stack([tensor_checksum(t) for t in full.values()])
     numel = torch.tensor([t.numel() for t in full.values()])
     assert checksums_match(want, summed(ranks), numel).all()
-    ranks[1].model.layers[0].self_attn.o_proj.weight.data[0, 0] += 1.0  # a wrong value on rank 1
+    names = list(full)
+    for g in (1, 3):  # o_proj: in the first attention group's copy, then in the second's
+        o_proj = ranks[g].model.layers[0].self_attn.o_proj.weight.data
+        kept = o_proj.clone()
+        o_proj[0, 0] += 1.0
+        bad = ~checksums_match(want, summed(ranks), numel)
+        assert {names[i] for i in bad.nonzero()[:, 0].tolist()} == {
+            "model.layers.0.self_attn.o_proj.weight"
+        }, g
+        o_proj.copy_(kept)
     last = args.num_experts - 1  # on rank 3, the last of its block
     ranks[3].model.layers[0].mlp.experts.w2_weight.data[-1, 0, 0] += 1.0
     bad = ~checksums_match(want, summed(ranks), numel)
-    names = list(full)
     assert {names[i] for i in bad.nonzero()[:, 0].tolist()} == {
-        "model.layers.0.self_attn.o_proj.weight",
-        f"model.layers.0.mlp.experts.{last}.down_proj.weight",
+        f"model.layers.0.mlp.experts.{last}.down_proj.weight"
     }
