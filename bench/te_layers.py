@@ -2,6 +2,7 @@
 
     python bench/te_layers.py --out te_layers.json                  # Qwen2.5-1.5B's shape, bf16
     python bench/te_layers.py --batch 8 --seq 768 --steps 5 --out te_layers.json
+    python bench/te_layers.py --hide-te --profile --out hidden.json  # the local layers, TE not importable
 
 The trainer's actor (``build_model``, ``*.megatron.override_transformer_config.transformer_impl`` set
 to each implementation in turn) of the Qwen2.5-1.5B shape with random weights, on one GPU: the forward
@@ -10,6 +11,12 @@ token through the fused log-prob head on the response half, and its backward. Re
 forward + backward, tokens/s and MFU (6 x parameters x tokens, plus attention's 12 x layers x hidden x
 seq^2 / 2 per row, against the bf16 peak measured here with one large matmul) for each, and the
 speed-up. Needs a CUDA GPU and, for the TE run, Transformer Engine (launch/build_te.sh).
+
+``--hide-te`` makes Transformer Engine unimportable in this process (before megatron-core is imported,
+which imports it when it can), so that the local layers' pass can be timed with and without TE merely
+installed: run the script once with it and once without, in fresh processes. ``--profile`` adds a
+table of the pass's heaviest CUDA kernels; each run records the cuDNN that torch uses and the cuDNN
+libraries the process has loaded (TE loads its own on import).
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 
@@ -35,7 +43,7 @@ def peak_tflops() -> float:
     return 20 * 2 * 8192**3 / (time.perf_counter() - t) / 1e12
 
 
-def run(impl: str, args, ps, batch: int, seq: int, steps: int) -> dict:
+def run(impl: str, args, ps, batch: int, seq: int, steps: int, profile: bool = False) -> dict:
     from megatron_rl.models.builder import TrainingOptions, build_model
     from megatron_rl.models.forward import causal_padding_mask, output_positions
     from megatron_rl.models.logprobs import fused_log_probs_and_entropy
@@ -76,9 +84,28 @@ def run(impl: str, args, ps, batch: int, seq: int, steps: int) -> dict:
     n = sum(p.numel() for p in model.parameters())
     flops = 6 * n * batch * seq + 3 * 2 * args.num_layers * args.hidden_size * seq * seq * batch
     peak_mem = torch.cuda.max_memory_allocated() / 2**30
-    return dict(
+    out = dict(
         ms=ms, tokens_per_s=batch * seq / ms * 1e3, tflops=flops / ms / 1e9, params=n, peak_gib=peak_mem
     )
+    if profile:
+        out["kernels"] = kernel_table(step)
+    return out
+
+
+def kernel_table(step, top: int = 15) -> list[list]:
+    """[[CUDA kernel, total ms, calls]] of one pass, the heaviest ``top`` first (printed too)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    rows = [
+        [e.key, e.device_time_total / 1e3, e.count] for e in prof.key_averages() if e.device_time_total > 0
+    ]
+    rows.sort(key=lambda r: -r[1])
+    for name, total_ms, calls in rows[:top]:
+        print(f"  {total_ms:9.2f} ms  {calls:5d}x  {name[:100]}")
+    return rows[:top]
 
 
 def main() -> None:
@@ -87,7 +114,11 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=768)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--hide-te", action="store_true", help="Transformer Engine unimportable here")
+    ap.add_argument("--profile", action="store_true", help="a table of the pass's heaviest CUDA kernels")
     a = ap.parse_args()
+    if a.hide_te:  # None in sys.modules: "import transformer_engine" raises ImportError
+        sys.modules.update(dict.fromkeys(("transformer_engine", "transformer_engine_torch"), None))
 
     from transformers import Qwen2Config
 
@@ -105,8 +136,13 @@ def main() -> None:
     peak = peak_tflops()
     impls = [te_spec.LOCAL] + ([te_spec.TRANSFORMER_ENGINE] if te_spec.te_import_error() is None else [])
     res = {"peak_tflops": peak, "batch": a.batch, "seq": a.seq, "gpu": torch.cuda.get_device_name()}
+    res["te_importable"] = te_spec.te_import_error() is None
+    res["cudnn"] = torch.backends.cudnn.version()
+    with open("/proc/self/maps") as maps:  # the cuDNN libraries loaded, whoever loaded them
+        res["cudnn_libraries"] = sorted({ln.split()[-1] for ln in maps if "libcudnn" in ln})
+    print(f"TE importable: {res['te_importable']}; cuDNN {res['cudnn']} from {res['cudnn_libraries'][:2]}")
     for impl in impls:
-        r = run(impl, args, ps, a.batch, a.seq, a.steps)
+        r = run(impl, args, ps, a.batch, a.seq, a.steps, a.profile)
         torch.cuda.empty_cache()  # the model of this run is gone
         torch.cuda.reset_peak_memory_stats()
         r["mfu"] = r["tflops"] / peak
