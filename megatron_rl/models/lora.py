@@ -341,23 +341,25 @@ def _add_expert_adapters(
 def adapters(model: Any) -> Iterator[tuple[str, LoRAAdapter]]:
     """(the adapted linear's global name, ``decoder.layers.{i}.self_attention.linear_qkv``, its adapter)
     for every adapter of ``model`` (of each of its model chunks)."""
-    from megatron_rl.weights.tables import global_layer_name
-
-    for chunk in chunks_of(model):
-        for name, module in chunk.named_modules():
-            if isinstance(module, LoRAAdapter):
-                yield global_layer_name(name[: -len(SUFFIX)], chunk.layer_offset), module
+    for name, module in _global_modules(model, LoRAAdapter):
+        yield name.removesuffix(SUFFIX), module
 
 
 def expert_adapters(model: Any) -> Iterator[tuple[str, ExpertAdapters]]:
     """(the global name of the experts, ``decoder.layers.{i}.mlp.experts``, their adapters) for every
     grouped-experts module of ``model`` that has them."""
+    for name, module in _global_modules(model, ExpertAdapters):
+        yield name.removesuffix(".lora"), module
+
+
+def _global_modules(model: Any, kind: type) -> Iterator[tuple[str, Any]]:
+    """(global name, module) of every ``kind`` module in the model chunks of ``model``."""
     from megatron_rl.weights.tables import global_layer_name
 
     for chunk in chunks_of(model):
         for name, module in chunk.named_modules():
-            if isinstance(module, ExpertAdapters):
-                yield global_layer_name(name.removesuffix(".lora"), chunk.layer_offset), module
+            if isinstance(module, kind):
+                yield global_layer_name(name, chunk.layer_offset), module
 
 
 def is_adapter_param(name: str) -> bool:

@@ -178,7 +178,8 @@ def fused_experts(
     tp = getattr(experts, "moe_tp_size", 0)
     n, rows, cols = stack.shape
     e_local = w13.shape[0]  # this rank's block of experts (all of them without expert parallelism)
-    held = range(_block_start(experts), _block_start(experts) + e_local)
+    start = _block_start(experts)
+    held = range(start, start + e_local)
     streamed = block if block is not None else (held if experts.moe_ep_size == 1 else None)
     if streamed != held:  # a block of another rank, or weights laid out otherwise (redundant experts)
         return None
