@@ -8,6 +8,8 @@
         --out /tmp/bmoe   # the MoE path on CPU
     python bench/ppo_step.py --model qwen2.5-1.5b --response-len 1024 --response-spread 32 1024 \
         --compare-dynamic --out bench_out/dynamic   # padded vs token-budget micro-batches
+    python bench/ppo_step.py --model qwen2.5-1.5b --response-len 1024 --response-spread 32 1024 \
+        --compare-packed --out bench_out/packed   # token-budget micro-batches: padded rows vs packed
     python bench/ppo_step.py --model qwen2.5-1.5b --nproc 2 --compare-placement --out bench_out/placement
     python bench/ppo_step.py --model qwen2.5-1.5b --nproc 2 --compare-critic-placement --out bench_out/critic
 
@@ -34,8 +36,11 @@ With --response-spread LO HI each response's length is drawn uniformly from [LO,
 (bench/spread_train.py). With --compare-dynamic the two runs are instead both colocated: fixed-size
 micro-batches padded to the batch's longest sequence ("padded"), then use_dynamic_bsz with token budgets
 equal to the padded path's micro-batch sizes in tokens ("dynamic"), so that both hold the same peak
-activations; perf/padding_fraction is reported for each. With --compare-placement (2 GPUs) the runs are
-colocated on both GPUs, then actor + critic + reference on GPU 0 with the engine alone on GPU 1
+activations; perf/padding_fraction is reported for each; both run padded rows
+(``*.megatron.use_remove_padding=false``). With --compare-packed the "dynamic" run is followed by the
+same budgets with every micro-batch packed into one row ("packed", use_remove_padding=true, the
+default): the gain of packing beyond token-budget micro-batches. With --compare-placement (2 GPUs) the
+runs are colocated on both GPUs, then actor + critic + reference on GPU 0 with the engine alone on GPU 1
 (trainer.placement.rollout=[1]) at max_staleness 0 and 1; each reports the engines' busy time, both
 GPUs' idle shares and the step time over max(generation, training). With --compare-critic-placement
 (2 GPUs) the runs are colocated on both GPUs, then actor + reference + engine on GPU 0 with the critic
@@ -174,6 +179,12 @@ def dynamic_keys(a: argparse.Namespace) -> dict:
         "critic.ppo_max_token_len_per_gpu": micro,
         "critic.forward_max_token_len_per_gpu": micro,
     }
+
+
+def packing(on: bool) -> dict:
+    """``*.megatron.use_remove_padding`` of the trained models (the reference and reward models follow
+    the actor)."""
+    return {f"{m}.megatron.use_remove_padding": on for m in ("actor_rollout_ref.actor", "critic")}
 
 
 def run(
@@ -380,7 +391,16 @@ def main() -> None:
     )
     ap.add_argument(
         "--only",
-        choices=["colocated", "separate", "padded", "dynamic", "placed_s0", "placed_s1", "critic_placed"],
+        choices=[
+            "colocated",
+            "separate",
+            "padded",
+            "dynamic",
+            "packed",
+            "placed_s0",
+            "placed_s1",
+            "critic_placed",
+        ],
         help="run one of the two configurations",
     )
     ap.add_argument("--save", action="store_true", help="save a checkpoint after the last step")
@@ -394,6 +414,11 @@ def main() -> None:
     )
     ap.add_argument(
         "--compare-dynamic", action="store_true", help="colocated runs: padded, then use_dynamic_bsz"
+    )
+    ap.add_argument(
+        "--compare-packed",
+        action="store_true",
+        help="colocated runs with use_dynamic_bsz: padded rows, then packed (use_remove_padding)",
     )
     ap.add_argument(
         "--compare-placement",
@@ -428,6 +453,8 @@ def main() -> None:
         "placed_s0": {**placed, "actor_rollout_ref.rollout.max_staleness": 0},
         "placed_s1": {**placed, "actor_rollout_ref.rollout.max_staleness": 1},
         "critic_placed": {"trainer.placement.critic": f"[{a.nproc - 1}]"},
+        **{name: packing(False) for name in ("padded", "dynamic")},
+        "packed": packing(True),
     }
     if a.compare_placement:
         if a.nproc != 2 or a.tp != 1:
@@ -439,6 +466,8 @@ def main() -> None:
         runs = (("colocated", True, False), ("critic_placed", True, False))
     elif a.compare_dynamic:
         runs = (("padded", True, False), ("dynamic", True, True))
+    elif a.compare_packed:
+        runs = (("dynamic", True, True), ("packed", True, True))
     else:
         runs = (("colocated", True, False), ("separate", False, False))[: 1 if a.no_compare else 2]
     for name, colocate, dynamic in [r for r in runs if a.only in (None, r[0])]:
@@ -453,8 +482,11 @@ def main() -> None:
     key = "max_device_memory_used_gb"
     co, sep = (result.get(n, {}).get(key) for n in ("colocated", "separate"))
     result["peak_memory_ratio_colocated_vs_separate"] = co / sep if co and sep else None
-    padded, dyn = (result.get(n, {}).get("training_passes_s") for n in ("padded", "dynamic"))
+    padded, dyn, packed = (
+        result.get(n, {}).get("training_passes_s") for n in ("padded", "dynamic", "packed")
+    )
     result["training_passes_speedup_dynamic_vs_padded"] = padded / dyn if padded and dyn else None
+    result["training_passes_speedup_packed_vs_dynamic"] = dyn / packed if dyn and packed else None
     with open(os.path.join(a.out, "summary.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps(result, indent=1))

@@ -7,7 +7,7 @@ right padded to R.
 
 Fixed size (``use_dynamic_bsz=false``): ``size`` sequences each, in batch order, at the full width
 [size, P+R]. The last micro-batch is filled up with copies of row 0 (their outputs are dropped) because
-every micro-batch of a fixed pass has one shape.
+every micro-batch of a fixed pass of padded rows has one shape (packed passes leave it short).
 
 Token budget (``use_dynamic_bsz=true``): the sequences (prompt + response) are sorted longest first and
 cut into consecutive groups; a sequence joins the open group while ``rows x its longest sequence`` stays
@@ -21,10 +21,10 @@ the same amount (its prompt's left padding), and RoPE depends on position differ
 log-probs and values do not change (beyond float rounding). The loss normalisation does not depend
 on the split either (ppo.py divides by mini-batch counts).
 
-Packing several sequences into one row (attention restricted to each, RoPE restarting per sequence)
-would remove the remaining padding, but needs a variable-length attention kernel (Transformer Engine's
-THD layout). The attention here takes a dense [b, 1, s, s] mask, whose cost grows with the square of the
-packed row, so compacted length-sorted micro-batches are the cheaper way.
+Packed (``*.megatron.use_remove_padding``, models/packing.py): the forward runs each micro-batch as
+one row of its real tokens, so a micro-batch costs the sum of its lengths (rounded up to the TP multiple
+under sequence parallelism) instead of rows x its longest; the token budget counts that sum. The groups
+are cut, compacted and evened over DP as above.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class MicroBatching:
     size: int
     """Sequences per micro-batch (fixed-size path)."""
     max_tokens: int | None = None
-    """Token budget per micro-batch, padding included (dynamic path); None: the fixed-size path."""
+    """Token budget per micro-batch (dynamic path; padding included unless packed); None: fixed size."""
     key: str = "max_token_len_per_gpu"
     """The config key that sets ``max_tokens`` (named in errors)."""
 
@@ -72,8 +72,10 @@ class TokenStats:
     micro_batch_tokens: list[list[int]] = field(default_factory=list)
     """Per pass, the processed tokens of each micro-batch (padding included)."""
 
-    def add_pass(self, micro_batches: list[RolloutBatch], real: int, multiple: int) -> None:
-        sizes = [len(mb) * _round_up(mb.input_ids.shape[1], multiple) for mb in micro_batches]
+    def add_pass(
+        self, micro_batches: list[RolloutBatch], real: int, multiple: int, packed: bool = False
+    ) -> None:
+        sizes = [_cost(mb, multiple, packed) for mb in micro_batches]
         self.micro_batch_tokens.append(sizes)
         self.real += real
         self.processed += sum(sizes)
@@ -91,6 +93,13 @@ def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
 
+def _cost(mb: RolloutBatch, multiple: int, packed: bool) -> int:
+    """Tokens one micro-batch's forward processes: its real ones packed, else rows x its width."""
+    if packed:
+        return _round_up(int(mb.attention_mask.sum()), multiple)
+    return len(mb) * _round_up(mb.input_ids.shape[1], multiple)
+
+
 def _check_fits(tokens: int, max_tokens: int, key: str) -> None:
     """A sequence is never cut: one longer than the budget is an error naming the budget's key."""
     if tokens > max_tokens:
@@ -106,21 +115,30 @@ def sequence_lengths(batch: RolloutBatch) -> list[int]:
 
 
 def token_budget_groups(
-    lengths: list[int], max_tokens: int, multiple: int = 1, key: str = ""
+    lengths: list[int], max_tokens: int, multiple: int = 1, key: str = "", packed: bool = False
 ) -> list[list[int]]:
     """Row indices of each micro-batch: longest sequences first, each group within ``max_tokens`` as
-    rows x round_up(its longest sequence, ``multiple``). A sequence that alone exceeds the budget is
-    an error naming ``key``."""
+    rows x round_up(its longest sequence, ``multiple``), or (``packed``) as round_up(the sum of its
+    lengths, ``multiple``). A sequence that alone exceeds the budget is an error naming ``key``."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     if order:
         _check_fits(_round_up(lengths[order[0]], multiple), max_tokens, key)
     groups: list[list[int]] = []
+    used = 0  # packed: the open group's real tokens
     for i in order:
-        # the open group's width is its first (longest) sequence's
-        if groups and (len(groups[-1]) + 1) * _round_up(lengths[groups[-1][0]], multiple) <= max_tokens:
+        if packed:
+            fits = bool(groups) and _round_up(used + lengths[i], multiple) <= max_tokens
+        else:  # the open group's width is its first (longest) sequence's
+            fits = (
+                bool(groups)
+                and (len(groups[-1]) + 1) * _round_up(lengths[groups[-1][0]], multiple) <= max_tokens
+            )
+        if fits:
             groups[-1].append(i)
+            used += lengths[i]
         else:
             groups.append([i])
+            used = lengths[i]
     return groups
 
 
@@ -142,11 +160,18 @@ def split_to_count(groups: list[list[int]], count: int, lengths: list[int]) -> l
 
 
 def plan(
-    batch: RolloutBatch, mb: MicroBatching, multiple: int, dp_group=None, device=None, count_multiple: int = 1
+    batch: RolloutBatch,
+    mb: MicroBatching,
+    multiple: int,
+    dp_group=None,
+    device=None,
+    count_multiple: int = 1,
+    packed: bool = False,
 ) -> list[list[int]]:
     """Row indices of each micro-batch of ``batch`` under ``mb`` (see the module docstring). The fixed
     path's last group may be short (the caller fills it up). ``count_multiple``: the dynamic path
-    splits groups until their count is a multiple of it (interleaved pipelines: PP)."""
+    splits groups until their count is a multiple of it (interleaved pipelines: PP). ``packed``: the
+    budget counts each group's real tokens."""
     n = len(batch)
     if not mb.dynamic:
         if mb.size <= 0:
@@ -155,7 +180,8 @@ def plan(
     lengths = sequence_lengths(batch)
     longest = _round_up(max(lengths), multiple)
     # an over-budget sequence fails on every DP rank together (not one rank, with the others waiting)
-    groups = token_budget_groups(lengths, mb.max_tokens, multiple, mb.key) if longest <= mb.max_tokens else []
+    fits = longest <= mb.max_tokens
+    groups = token_budget_groups(lengths, mb.max_tokens, multiple, mb.key, packed) if fits else []
     count = len(groups)
     if dp_group is not None and dist.get_world_size(dp_group) > 1:
         counts = torch.tensor([len(groups), longest], device=device)
@@ -181,21 +207,22 @@ def micro_batches(
     device=None,
     stats: TokenStats | None = None,
     count_multiple: int = 1,
+    packed: bool = False,
 ) -> tuple[list[RolloutBatch], list[list[int]]]:
-    """The micro-batches of ``batch`` and the rows of ``batch`` each holds (fixed path: the filler rows
-    of the last micro-batch are not listed). ``multiple``: the sequence length the forward pads to (TP
-    under sequence parallelism); ``count_multiple``: see :func:`plan`. ``stats`` counts the tokens of
-    this pass."""
-    groups = plan(batch, mb, multiple, dp_group, device, count_multiple)
+    """The micro-batches of ``batch`` and the rows of ``batch`` each holds (fixed path of padded rows:
+    the filler rows of the last micro-batch are not listed; packed: it has none). ``multiple``: the
+    sequence length the forward pads to (TP under sequence parallelism); ``count_multiple`` and
+    ``packed``: see :func:`plan`. ``stats`` counts the tokens of this pass."""
+    groups = plan(batch, mb, multiple, dp_group, device, count_multiple, packed)
     if mb.dynamic:
         micro = [batch.select(g).compacted() for g in groups]
     else:
         micro = batch.split(mb.size)  # consecutive rows: views, no copy
         last = groups[-1]
-        if len(last) < mb.size:
+        if len(last) < mb.size and not packed:  # padded rows: one shape for every micro-batch
             micro[-1] = batch.select(last + [0] * (mb.size - len(last)))
     if stats is not None:
-        stats.add_pass(micro, int(batch.attention_mask.sum()), multiple)
+        stats.add_pass(micro, int(batch.attention_mask.sum()), multiple, packed)
     return micro, groups
 
 

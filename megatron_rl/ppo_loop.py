@@ -40,7 +40,13 @@ from megatron_rl.config import ActorConfig, ConfigError, CriticConfig
 from megatron_rl.config.specs import UpdateSpec
 from megatron_rl.microbatches import MicroBatching, TokenStats, micro_batches
 from megatron_rl.models.chunks import num_chunks
-from megatron_rl.models.forward import Positions, broadcast_from_last_stage, run_pipeline, sequence_multiple
+from megatron_rl.models.forward import (
+    Positions,
+    broadcast_from_last_stage,
+    packs,
+    run_pipeline,
+    sequence_multiple,
+)
 from megatron_rl.optim import ModelOptimizer
 from megatron_rl.parallel import ParallelState
 
@@ -54,7 +60,8 @@ def split(
     """``batch``'s micro-batches (and their rows) for ``model``'s forward (padded to TP under SP;
     interleaved pipelines: token-budget micro-batches made a multiple of PP in count)."""
     count = ps.pp_size if num_chunks(model) > 1 else 1
-    return micro_batches(batch, micro, sequence_multiple(model, ps), ps.dp_group, ps.device, stats, count)
+    multiple = sequence_multiple(model, ps)
+    return micro_batches(batch, micro, multiple, ps.dp_group, ps.device, stats, count, packs(model))
 
 
 @dataclass(frozen=True)

@@ -328,6 +328,12 @@ def _transformer_section() -> list[str]:
                 "kept: the layer spec, `transformer_engine` (the default where Transformer Engine imports) "
                 "or `local` (otherwise; MLA and LoRA models too)"
             )
+        elif key.startswith("fp8"):
+            here = (
+                "kept: FP8 training of the linear layers (megatron-core's `fp8`: `e4m3`, `hybrid`; "
+                "`fp8_recipe`: `delayed`, `tensorwise`, `mxfp8`, `blockwise`) on Transformer Engine's "
+                "layers; refused on the local ones"
+            )
         elif r.action == "transformer" and key.startswith("moe_"):
             here = "kept: read by the MoE layers' router (MoE models only)"
         elif r.action == "transformer":

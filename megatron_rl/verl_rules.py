@@ -87,8 +87,8 @@ UNEVEN_PP = (
 )
 NO_DISTILLATION = "distillation is not implemented"
 REMOVE_PADDING = (
-    "padding is removed without a flag: with use_dynamic_bsz each micro-batch is compacted (real tokens "
-    "first, cut to its longest sequence); sequences are not packed into one row"
+    "verl's FSDP models read this key; Megatron models pack their sequences by "
+    "*.megatron.use_remove_padding (on by default, as in verl)"
 )
 
 RULES: tuple[Rule, ...] = (
@@ -138,6 +138,8 @@ RULES: tuple[Rule, ...] = (
     _ignored("*.override_transformer_config.multi_latent_attention", MLA),
     Rule("*.megatron.override_transformer_config.recompute_modules", "transformer"),
     Rule("*.megatron.override_transformer_config.transformer_impl", "transformer"),
+    Rule("*.megatron.override_transformer_config.fp8", "transformer"),
+    Rule("*.megatron.override_transformer_config.fp8_recipe", "transformer"),
     Rule("*.megatron.override_transformer_config.moe_aux_loss_coeff", "transformer"),
     Rule("*.megatron.override_transformer_config.moe_z_loss_coeff", "transformer"),
     Rule("*.megatron.override_transformer_config.moe_router_dtype", "transformer"),
@@ -458,6 +460,12 @@ DEFAULT_DIFFERENCES: dict[str, DefaultDifference] = {
     },
     **{f"{m}.megatron.{k}": _D(v, RECOMPUTE) for m in (ACTOR, "critic") for k, v in RECOMPUTE_DEFAULTS},
     **{f"{m}.megatron.override_transformer_config": _D({}, OWN_MAP) for m in (REF, "reward_model")},
+    **{
+        f"{m}.megatron.use_remove_padding": _D(
+            None, "null: the section's use_sdpa_attention (true, as verl's; the local attention cannot pack)"
+        )
+        for m in (ACTOR, "critic")
+    },
     f"{ACTOR}.ppo_micro_batch_size_per_gpu": _D(4, MICRO_BATCH),
     f"{REF}.log_prob_micro_batch_size_per_gpu": _D(8, MICRO_BATCH),
     f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu": _D(8, MICRO_BATCH),

@@ -212,6 +212,14 @@ def validate(cfg: Config, world_size: int, model_dims: dict[str, int] | None = N
     if actor.clip_ratio_c <= 1.0:
         raise ConfigError(f"actor_rollout_ref.actor.clip_ratio_c={actor.clip_ratio_c} must be > 1.0.")
     _validate_algorithm_options(cfg)
+    for section in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic", "reward_model"):
+        m = get_key(cfg, section + ".megatron")
+        if m.use_remove_padding and not m.use_sdpa_attention:
+            raise ConfigError(
+                f"{section}.megatron.use_remove_padding=true packs sequences, which megatron's local "
+                f"dot-product attention ({section}.megatron.use_sdpa_attention=false) cannot run: set "
+                "use_sdpa_attention=true (the default) or use_remove_padding=false."
+            )
     trained = ("param_offload", "grad_offload", "optimizer_offload")
     for section, keys in (
         ("actor_rollout_ref.actor", trained),

@@ -253,6 +253,9 @@ def _fill_derived(cfg: Config) -> None:
         am.tensor_model_parallel_size = 1
     if am.pipeline_model_parallel_size is None:
         am.pipeline_model_parallel_size = 1
+    for own in (am, cfg.critic.megatron):  # verl's critic has its own default, not the actor's
+        if own.use_remove_padding is None:
+            own.use_remove_padding = own.use_sdpa_attention
     for m in (arr.ref.megatron, cfg.critic.megatron, cfg.reward_model.megatron):
         if m.tensor_model_parallel_size is None:
             m.tensor_model_parallel_size = am.tensor_model_parallel_size
@@ -260,6 +263,8 @@ def _fill_derived(cfg: Config) -> None:
             m.pipeline_model_parallel_size = am.pipeline_model_parallel_size
         if m.virtual_pipeline_model_parallel_size is None:
             m.virtual_pipeline_model_parallel_size = am.virtual_pipeline_model_parallel_size
+        if m.use_remove_padding is None:  # the critic's was filled above
+            m.use_remove_padding = am.use_remove_padding
     if not cfg.critic.model.path:
         cfg.critic.model.path = arr.model.path
     if cfg.critic.ppo_mini_batch_size is None:

@@ -100,6 +100,11 @@ class FrozenMegatronConfig:
     """Parameter dtype of the Megatron model: float32 | bfloat16 | float16 (float32 on CPU)."""
     use_sdpa_attention: bool = True
     """Use torch's scaled_dot_product_attention as the core attention (fused, same math)."""
+    use_remove_padding: bool | None = None
+    """Pack each micro-batch's sequences into one row (megatron's THD layout): no padding token reaches
+    attention, the MLP or the LM head, and the token budget of use_dynamic_bsz counts real tokens.
+    Needs use_sdpa_attention. None: the section's use_sdpa_attention for the actor and the critic
+    (packed whenever it can be), the actor's value for the reference and reward models."""
     param_offload: bool | str = "auto"
     """Hold this model's weights in host memory while the rollout engine generates (the actor's after
     the weight sync); they return to the GPU before the next training phase. true | false | auto (the

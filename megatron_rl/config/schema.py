@@ -85,8 +85,9 @@ class ActorConfig:
     """Micro-batches by a token budget (length-sorted, each cut to its longest sequence) instead of
     ppo_micro_batch_size_per_gpu sequences; the default of the ref, rollout, critic *use_dynamic_bsz."""
     ppo_max_token_len_per_gpu: int = 16384
-    """use_dynamic_bsz: most tokens (padding included) in one update micro-batch on one GPU; the
-    default of the ref and rollout log_prob_max_token_len_per_gpu."""
+    """use_dynamic_bsz: most tokens in one update micro-batch on one GPU (real ones when packed, see
+    megatron.use_remove_padding; padding included otherwise); the default of the ref and rollout
+    log_prob_max_token_len_per_gpu."""
     ppo_epochs: int = 1
     """Passes over the rollout batch per PPO step."""
     shuffle: bool = False
@@ -168,7 +169,8 @@ class CriticConfig:
     """Token-budget micro-batches for the values and the critic update; None means
     actor_rollout_ref.actor.use_dynamic_bsz."""
     ppo_max_token_len_per_gpu: int = 32768
-    """use_dynamic_bsz: most tokens (padding included) in one critic update micro-batch on one GPU."""
+    """use_dynamic_bsz: most tokens in one critic update micro-batch on one GPU (real ones when packed,
+    padding included otherwise)."""
     forward_max_token_len_per_gpu: int | None = None
     """use_dynamic_bsz: most tokens in one values forward; None means critic.ppo_max_token_len_per_gpu."""
     ppo_epochs: int | None = None

@@ -70,6 +70,9 @@ class TrainingOptions:
     picks the layer spec)."""
     lora: bool = False
     """LoRA adapters will be added (they run on the local layers only)."""
+    packed_sequences: bool = False
+    """Run every pass with each micro-batch's sequences packed into one row (THD, models/packing.py;
+    ``*.megatron.use_remove_padding``); needs the SDPA core attention."""
 
 
 def moe_config_kwargs(args: ModelArgs, ps: ParallelState, options: TrainingOptions) -> dict:
@@ -238,6 +241,7 @@ def build_model(
     local_only |= {"lora"} if options.lora else set()
     requested = dict(options.transformer_overrides).get("transformer_impl")
     impl, notice = te_spec.choose_impl(requested, local_only=local_only)
+    te_spec.check_fp8(dict(options.transformer_overrides).get("fp8"), impl, notice)
     if requested is not None or te_spec.te_import_error() is None:  # without TE: parallel.te_notice
         te_spec.announce(notice, ps.rank)
     config = transformer_config(args, ps, dtype, options, impl)
@@ -318,11 +322,13 @@ def build_model(
     model.args = args
     model.role = role
     model.transformer_impl = impl
+    model.packed_sequences = options.packed_sequences
     model.stage_layers = split  # decoder layers of each (virtual) pipeline stage
     model.expert_offset = ps.ep_rank * (args.num_experts // ps.ep_size) if args.is_moe else 0
     for chunk in chunks:
         chunk.args, chunk.role, chunk.expert_offset = args, role, model.expert_offset
         chunk.transformer_impl = impl
+        chunk.packed_sequences = options.packed_sequences
     mark_tensor_parallel(model, ps)
     return model.to(ps.device)
 

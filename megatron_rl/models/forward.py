@@ -63,7 +63,10 @@ Head = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 @contextlib.contextmanager
 def output_positions(
-    model: torch.nn.Module, positions: Callable[[], Positions] | None, head: Head | None = None
+    model: torch.nn.Module,
+    positions: Callable[[], Positions] | None,
+    head: Head | None = None,
+    packed: bool = False,
 ) -> Iterator[None]:
     """Only sequence positions ``positions()`` reach the output layer: the model returns [b, r, ...].
 
@@ -79,6 +82,9 @@ def output_positions(
     gathered) final hidden states [r, b, h] and the weight megatron would multiply them with (the
     output layer's, or the tied embedding's), and its [r, b, k] result is what the model returns
     (as [b, r, k]). ``head`` then owns the TP all-reduce of the hidden states' gradient.
+
+    ``packed``: the decoder output is one packed row [T, 1, h] (models/packing.py) and ``positions()``
+    gives packed positions [b, r]: the head reads [r, b, h], as in a padded pass.
     """
     layer = getattr(model, "output_layer", None)  # absent before the last pipeline stage
     if layer is None or (positions is None and head is None):
@@ -91,7 +97,13 @@ def output_positions(
             from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
             x = gather_from_sequence_parallel_region(x, False)
-        return x if positions is None else select_positions(x, positions(), seq_first=True)
+        if positions is None:
+            return x
+        where = positions()
+        if packed:  # [T, 1, h] at packed positions [b, r] -> [r, b, h]
+            assert isinstance(where, torch.Tensor)  # models/packing.Packed.positions
+            return x[:, 0][where.T.to(x.device)]
+        return select_positions(x, where, seq_first=True)
 
     def keep(module, args, kwargs):
         return (gather_and_slice(args[0]), *args[1:]), kwargs
@@ -114,9 +126,19 @@ def output_positions(
             del layer.forward
 
 
+def packs(model: torch.nn.Module) -> bool:
+    """Whether ``model`` runs its passes packed (``*.megatron.use_remove_padding``, models/packing.py)."""
+    inner = chunks_of(getattr(model, "module", model))[-1]
+    return bool(getattr(getattr(inner, "module", inner), "packed_sequences", False))
+
+
 def sequence_multiple(model: torch.nn.Module, ps: ParallelState) -> int:
-    """The multiple of TP each micro-batch's length is padded to: TP under sequence parallelism, else 1."""
-    return ps.tp_size if getattr(model, "module", model).config.sequence_parallel else 1
+    """The multiple each micro-batch's length is padded to: TP under sequence parallelism (else 1),
+    times 16 under FP8 training (models/te_spec.FP8_TOKENS: each rank's token count)."""
+    from megatron_rl.models.te_spec import FP8_TOKENS
+
+    config = getattr(model, "module", model).config
+    return (ps.tp_size if config.sequence_parallel else 1) * (FP8_TOKENS if config.fp8 else 1)
 
 
 @contextlib.contextmanager
@@ -181,6 +203,8 @@ def run_pipeline(
     positions too). With ``head(mb, hidden [r, b, h], weight)`` the LM head's matmul is replaced by
     it (:func:`output_positions`) and the last stage's output is its result as [b, r, k], e.g. the
     fused log-probs of :func:`megatron_rl.models.logprobs.fused_log_probs_and_entropy`.
+    A model built with packed sequences (:func:`packs`) runs each micro-batch as one packed row
+    (models/packing.py); its outputs have the shapes of the padded pass (without the SP padding).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -201,13 +225,35 @@ def run_pipeline(
     shapes = {tuple(mb.input_ids.shape) for mb in microbatches}
     b, s = microbatches[0].input_ids.shape
     current: list = [None, None]  # the micro-batch in the forward, and its response positions
+    packed = packs(model)
+    if packed:
+        from megatron_rl.models import packing
     moe = not forward_only and inner.config.num_moe_experts is not None
     if moe:
         _install_aux_loss_scale()
     replays = routing.replays_of(model)
 
+    def packed_step(mb, model):
+        """The packed forward of ``mb`` (models/packing.py); outputs at the padded pass's positions."""
+        p = packing.pack(mb.input_ids, mb.attention_mask, multiple)
+        if moe:
+            tokens = p.tokens // (ps.tp_size if inner.config.sequence_parallel else 1)
+            _AUX_SCALE[0] = 1.0 / (tokens * count * ps.dp_size)
+        if replays:
+            routed = getattr(mb, "routed_experts", None)
+            routed = None if routed is None else p.rows(routed, routing.NONE)
+            routing.set_targets(replays, routed, inner.config.sequence_parallel, ps.tp_rank, ps.tp_size)
+        current[0], current[1] = mb, p.positions(None if positions is None else positions(mb))
+        return model(p.ids, None, None, packed_seq_params=p.params)
+
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
+
+        def on_output(output, non_loss_data=False):
+            return loss_fn(mb, output)
+
+        if packed:
+            return packed_step(mb, model), on_output
         ids, keep = mb.input_ids, mb.attention_mask
         pad = -ids.shape[1] % multiple
         if pad:
@@ -224,10 +270,6 @@ def run_pipeline(
         if positions is not None:
             current[1] = positions(mb)
         out = model(ids, None, causal_padding_mask(keep))
-
-        def on_output(output, non_loss_data=False):
-            return loss_fn(mb, output)
-
         return out, on_output
 
     interleaved = len(chunks) > 1
@@ -235,10 +277,11 @@ def run_pipeline(
         cpu_bridge.device_mode(),
         output_positions(
             inner,
-            None if positions is None else lambda: current[1],
+            None if positions is None and not packed else lambda: current[1],
             None if head is None else lambda hidden, weight: head(current[0], hidden, weight),
+            packed,
         ),
-        _variable_shapes(inner.config, len(shapes) > 1),
+        _variable_shapes(inner.config, packed or len(shapes) > 1),
         routing.cleared(replays),
     ):
         out = get_forward_backward_func(*((ps.pp_size, len(chunks)) if interleaved else ()))(
@@ -247,8 +290,8 @@ def run_pipeline(
             data_iterator=[iter(microbatches) for _ in chunks] if interleaved else iter(microbatches),
             model=chunks,
             num_microbatches=len(microbatches),
-            seq_length=-(-s // multiple) * multiple,
-            micro_batch_size=b,
+            seq_length=-(-s // multiple) * multiple,  # packed: shapes travel with each activation
+            micro_batch_size=1 if packed else b,
             forward_only=forward_only,
             collect_non_loss_data=forward_only,
         )

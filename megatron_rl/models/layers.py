@@ -1,6 +1,7 @@
 """The project's own layers inside megatron-core's layer specs (models/builder.py puts them there):
-core attention through torch's fused kernels, torch's RMSNorm behind megatron's norm signature, and the
-critic's value head (the reward model's score head)."""
+core attention through torch's fused kernels (padded rows, or packed sequences: models/packing.py),
+torch's RMSNorm behind megatron's norm signature, and the critic's value head (the reward model's score
+head)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,19 @@ class SDPAttention(nn.Module):
         super().__init__()
         self.scale = softmax_scale
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, **_):
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+        **_,
+    ):
+        if packed_seq_params is not None:
+            return self._segments(query, key, value, packed_seq_params.bounds)
         # query [s, b, heads, d], key/value [s, b, kv_groups, d] -> [b, heads, s, d]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
         # megatron masks are True where attention is NOT allowed; SDPA's bool mask is the opposite.
@@ -33,6 +46,20 @@ class SDPAttention(nn.Module):
         )
         s, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+    def _segments(self, query, key, value, bounds: tuple[int, ...]) -> torch.Tensor:
+        """Packed sequences (models/packing.py): query [T, heads, d], key/value [T, kv_groups, d], each
+        segment ``bounds[i]:bounds[i + 1]`` causal on its own -> [T, heads * d_v]. One fused (flash)
+        call per segment: no mask, no attention across segments, no padding."""
+        outs = []
+        for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
+            q, k, v = (x[None, start:stop].transpose(1, 2) for x in (query, key, value))  # [1, heads, L, d]
+            o = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.scale, enable_gqa=q.shape[1] != k.shape[1]
+            )
+            outs.append(o[0].transpose(0, 1))  # [L, heads, d_v]
+        out = torch.cat(outs)
+        return out.reshape(out.shape[0], -1)
 
 
 class RMSNorm(nn.RMSNorm):

@@ -16,7 +16,8 @@ far more than rounding. Replaying the engine's choice removes that part of the m
       -> micro-batches               selected and compacted like input_ids
       -> run_pipeline's forward step: :func:`set_targets` gives each router of this pipeline stage its
                                      layer's ids in the router's token order, [s/TP * b, k] (s-major;
-                                     this TP rank's sequence chunk under sequence parallelism)
+                                     this TP rank's sequence chunk under sequence parallelism); packed
+                                     passes (models/packing.py) pack them as the tokens, [1, T, L, k]
       -> megatron's TopKRouter       calls ``router_replay.get_replay_topk`` (:class:`ReplayTopK`): the
                                      engine's ids where recorded, its own top-k elsewhere; the
                                      probabilities are the router's own scores at those ids, so the
@@ -162,7 +163,7 @@ class Recording:
     def __init__(self, replays: list[ReplayTopK], layers: int, top_k: int) -> None:
         self.replays, self.layers, self.top_k = replays, layers, top_k
         self.plan: tuple | None = None
-        """(batch, micro-batches, rows of the batch per micro-batch, padding multiple) of the pass."""
+        """(batch, micro-batches, rows of the batch per micro-batch, padding multiple, packed) of the pass."""
         self.ids: list[list[torch.Tensor]] = []
         """Per router (as ``replays``), its own top-k [tokens, k] per micro-batch, once the pass is done."""
 
@@ -171,7 +172,7 @@ class Recording:
         NONE on padding and dense layers; the same on every rank of the model (collective over TP under
         sequence parallelism and over PP)."""
         assert self.plan is not None, "routing recording: no forward pass ran"
-        batch, mbs, groups, multiple = self.plan
+        batch, mbs, groups, multiple, packed = self.plan
         n, width = batch.input_ids.shape
         device = batch.input_ids.device
         out = torch.full((n, width, self.layers, self.top_k), NONE, dtype=torch.int16, device=device)
@@ -192,6 +193,9 @@ class Recording:
                     parts = [torch.empty_like(ids) for _ in range(ps.tp_size)]
                     dist.all_gather(parts, ids.contiguous(), group=ps.tp_group)
                     ids = torch.cat(parts)
+                if packed:  # [T, k]: the listed rows' real tokens first, row after row (models/packing.py)
+                    out[rows_t[jj], cols[jj, cc], r.layer] = ids[: len(jj)].to(out.dtype)
+                    continue
                 ids = ids.view(-1, b, ids.shape[-1]).transpose(0, 1)[: len(rows), :s]  # [rows, s, k]
                 out[rows_t[jj], cols[jj, cc], r.layer] = ids[jj, cc].to(out.dtype)
         if ps.pp_size > 1:  # each layer filled on its own stage, NONE (the minimum) elsewhere
@@ -219,12 +223,15 @@ def recording(model: nn.Module, layers: int, top_k: int) -> Iterator[Recording]:
         inner.routing_recording = None
 
 
-def planned(model: nn.Module, batch, microbatches: list, groups: list[list[int]], multiple: int) -> None:
+def planned(
+    model: nn.Module, batch, microbatches: list, groups: list[list[int]], multiple: int, packed: bool = False
+) -> None:
     """A forward-only pass over ``batch`` is about to run these micro-batches (rows ``groups`` of it,
-    padded to ``multiple``): a :func:`recording` of ``model`` keeps the plan; otherwise nothing."""
+    padded to ``multiple``, or ``packed`` into one row each): a :func:`recording` of ``model`` keeps the
+    plan; otherwise nothing."""
     rec = getattr(_inner_chunks(model)[0], "routing_recording", None)
     if rec is not None:
-        rec.plan = (batch, microbatches, groups, multiple)
+        rec.plan = (batch, microbatches, groups, multiple, packed)
 
 
 def mismatch_fraction(replays: list[ReplayTopK], groups=(), device=None) -> float | None:

@@ -92,6 +92,22 @@ def choose_impl(requested: str | None, key: str = KEY, local_only: Container[str
     return resolve_transformer_impl(requested, key)
 
 
+FP8_KEY = "*.megatron.override_transformer_config.fp8"
+FP8_TOKENS = 16
+"""FP8 GEMMs take token counts in multiples of 16: every micro-batch's tokens per rank are padded to it."""
+
+
+def check_fp8(fp8: str | None, impl: str, notice: str) -> None:
+    """FP8 training (megatron-core's ``fp8`` under :data:`FP8_KEY`) runs through Transformer Engine's
+    layers: refused, naming the key and why, on the local ones (``notice`` says why they were chosen)."""
+    if fp8 and impl != TRANSFORMER_ENGINE:
+        raise ConfigError(
+            f"{FP8_KEY}={fp8!r} trains the linear layers in FP8 through Transformer Engine's layers, but "
+            f"this model runs on the local ones ({notice.split(': ', 1)[-1]}): install Transformer Engine "
+            f"on a Hopper or newer GPU (launch/build_te.sh, docs/gpu.md), or unset {FP8_KEY}"
+        )
+
+
 _ANNOUNCED: set[str] = set()
 
 

@@ -74,6 +74,7 @@ def _model(
             (k, v) for k, v in mcfg.override_transformer_config.items() if not k.startswith("moe_")
         ),
         lora=lora is not None and lora[1].rank > 0,  # adapters run on the local layers only
+        packed_sequences=bool(mcfg.use_remove_padding),
         **moe_options(mcfg),
     )
     m = build_model(args, ps, role=role, dtype=dtype, sdpa=mcfg.use_sdpa_attention, options=options)

@@ -6,6 +6,9 @@ Each token's recorded experts travel engine -> Generation -> RolloutBatch -> (co
 each router of the actor; a layout slip (token order, sequence-parallel chunk, compaction, left
 padding) would make the trainer's own routing disagree with the replayed one, which the router counts.
 A DeepSeek-V3 actor (sigmoid routing with the expert-score bias, grouped top-k) replays at EP2 too.
+The *_thd layouts run every pass packed (use_remove_padding, models/packing.py): the routing reaches
+the routers in packed token order (filler tokens of the TP multiple unrecorded) and R2's record maps back
+from it, with the same checks.
 """
 
 import pytest
@@ -35,6 +38,9 @@ LAYOUTS = {
     "tp2ep2_sp": (2, 2, 1, 4, "qwen3_moe"),
     "pp2": (1, 1, 2, 2, "qwen3_moe"),
     "dsv3_ep2": (1, 2, 1, 2, "deepseek_v3"),
+    "ep2_thd": (1, 2, 1, 2, "qwen3_moe"),
+    "tp2_sp_thd": (2, 1, 1, 2, "qwen3_moe"),
+    "dsv3_ep2_thd": (1, 2, 1, 2, "deepseek_v3"),
 }
 DENSE = {"qwen3_moe": [1], "deepseek_v3": [0]}
 
@@ -49,6 +55,7 @@ def results(hf_model, tmp_path_factory) -> dict[str, list[dict]]:
     for name, (tp, ep, pp, nproc, arch) in LAYOUTS.items():
         layout = ["--tp", str(tp), "--ep", str(ep), "--pp", str(pp)]
         layout += ["--vpp", "2"] if name.endswith("_vpp2") else []
+        layout += ["--packed"] if name.endswith("_thd") else []
         launches.setdefault(nproc, []).append(
             ["--model", hf_model[arch], *layout, "--out", str(root / f"{name}.json")]
         )

@@ -14,10 +14,9 @@ and its interleaved 1F1B schedule) on gloo, against independent oracles:
   bit-exact; the
   checkpoint saved at PP2 x VPP2 converts to the HF files bit for bit (ckpt_tools mcore-to-hf);
 - a full PPO update (actor and critic, 4 optimizer steps each; a tied dense actor and a Qwen3-MoE
-  one) at PP2 x VPP2 (plain
-  optimizer; and with token-budget micro-batches and the distributed optimizer) equals the unsharded
-  PP=1 run: forward passes, loss and grad-norm metrics, updated weights, within the tolerances of
-  test_ppo_layouts.py (fp32);
+  one) at PP2 x VPP2 (plain optimizer; and with token-budget micro-batches and the distributed
+  optimizer, padded or packed) equals the unsharded PP=1 run: forward passes, loss and grad-norm
+  metrics, updated weights, within the tolerances of test_ppo_layouts.py (fp32);
 - the trainer's checkpoint (weights + the distributed optimizer's sharded state) of PP2 x VPP2 model
   chunks resumes bit for bit."""
 
@@ -133,6 +132,8 @@ PPO = {  # name: (nproc, worker arguments)
     "pp1": (1, ["--micro", "8"]),
     "pp2_vpp2": (2, ["--pp", "2", "--vpp", "2", "--micro", "2", "--no-distributed-optimizer"]),
     "dyn_pp2_vpp2": (2, ["--pp", "2", "--vpp", "2", "--micro", "2", "--max-tokens", "24"]),
+    # packed sequences (use_remove_padding) with token-budget micro-batches on model chunks
+    "thd_pp2_vpp2": (2, ["--pp", "2", "--vpp", "2", "--micro", "2", "--max-tokens", "24", "--packed"]),
     # LoRA adapters (actor and critic) on the model chunks against LoRA at PP=1; the PP=1 run's actor
     # checkpoint (its adapters) loaded into model chunks
     "lora_pp1": (1, ["--micro", "8", "--lora", "--save-actor"]),
@@ -184,7 +185,7 @@ def ppo(tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("pair", PAIRS)
-@pytest.mark.parametrize("layout", ["pp2_vpp2", "dyn_pp2_vpp2", "lora_pp2_vpp2"])
+@pytest.mark.parametrize("layout", ["pp2_vpp2", "dyn_pp2_vpp2", "thd_pp2_vpp2", "lora_pp2_vpp2"])
 def test_a_ppo_update_at_pp2_vpp2_matches_pp1(ppo, layout, pair):
     """The update at PP2 x VPP2 equals PP=1's; with LoRA, LoRA's at PP=1 (the merged weights W + s B A,
     adapters on every model chunk; a MoE actor's routed experts too)."""
@@ -200,7 +201,7 @@ def test_a_ppo_update_at_pp2_vpp2_matches_pp1(ppo, layout, pair):
     for key in ("logp", "entropy", "values"):
         diff = (torch.tensor(r[key]) - torch.tensor(ref[key])).abs().max().item()
         assert diff < LAYOUT_TOL, f"{key} at {layout}: max diff {diff:.2e}"
-    if layout.startswith("dyn_"):  # the experts' load counts padding, which compacted rows drop
+    if layout.startswith(("dyn_", "thd_")):  # the experts' load counts padding, which these drop
         r = {**r, "actor": {k: v for k, v in r["actor"].items() if k != "actor/moe_load_imbalance"}}
         ref = {**ref, "actor": {k: v for k, v in ref["actor"].items() if k != "actor/moe_load_imbalance"}}
     assert_metrics_match(ref, r, layout)  # losses, clip fractions, KL, grad norms

@@ -5,6 +5,9 @@ left-padded row; an MoE model with both routers replaying the same experts, whic
 alike whatever the rounding); the reshard stream to the engine bit-identical; torch_dist checkpoints
 saved on one implementation load bit-exactly on the other, and read by ckpt_tools' reader. Negative
 control: one fused norm weight scaled on the TE side moves the logits far outside the tolerance.
+Packed passes (``*.megatron.use_remove_padding``) give the padded passes' log-probs on both (fp32, with
+a leaking packing as the negative control); FP8 training (``override_transformer_config.fp8``) runs a
+forward and backward close to bf16's.
 
 Needs CUDA and Transformer Engine (launch/build_te.sh, docs/gpu.md); skipped with the reason elsewhere.
 Runs without SGLang: ``pytest --noconftest tests/gpu/test_te_trainer.py``.
@@ -49,16 +52,18 @@ def dirs(tmp_path_factory):
     }
 
 
-def _build(path: str, ps, impl: str, role: str = "actor", load: bool = True):
+def _build(
+    path: str, ps, impl: str, role: str = "actor", load: bool = True, dtype=BF16, overrides: tuple = ()
+):
     from megatron_rl.model_args import load_model_args
     from megatron_rl.models.builder import TrainingOptions, build_model, load_hf_weights
 
     args = load_model_args(path)
     # the local MoE model runs megatron's SequentialMLP: one parameter (and gradient) per expert
     options = TrainingOptions(
-        transformer_overrides=(("transformer_impl", impl),), moe_grouped_gemm=impl == TE
+        transformer_overrides=(("transformer_impl", impl), *overrides), moe_grouped_gemm=impl == TE
     )
-    model = build_model(args, ps, role, dtype=BF16, options=options)
+    model = build_model(args, ps, role, dtype=dtype, options=options)
     assert model.transformer_impl == impl
     if load:
         load_hf_weights(model, path, ps)
@@ -175,3 +180,68 @@ def test_the_critic_builds_on_te(ps, dirs):
 
     values = critic(ids, None, causal_padding_mask(keep))
     assert values.shape == (2, 48, 1) and torch.isfinite(values).all()
+
+
+def _ragged_batch(vocab: int):
+    """8 sequences: left-padded prompts of 5..24 tokens, right-padded responses of 1..40 tokens."""
+    from megatron_rl.batch import RolloutBatch, SeqMeta
+
+    g = torch.Generator().manual_seed(5)
+    b, p, r = 8, 24, 40
+    p_len, r_len = torch.randint(5, p + 1, (b,), generator=g), torch.randint(1, r + 1, (b,), generator=g)
+    p_mask = torch.arange(p)[None] >= (p - p_len[:, None])
+    r_mask = torch.arange(r)[None] < r_len[:, None]
+    prompts = torch.where(p_mask, torch.randint(3, vocab, (b, p), generator=g), 0)
+    responses = torch.where(r_mask, torch.randint(3, vocab, (b, r), generator=g), 0)
+    meta = [SeqMeta(uid=str(i)) for i in range(b)]
+    return RolloutBatch.from_tokens(prompts, p_mask, responses, r_mask, meta).to("cuda")
+
+
+@pytest.mark.parametrize("impl", [LOCAL, TE])
+def test_packed_log_probs_equal_the_padded_ones(ps, dirs, impl, monkeypatch):
+    from megatron_rl.microbatches import MicroBatching
+    from megatron_rl.models import packing
+    from megatron_rl.ppo import compute_log_probs
+
+    model = _build(dirs["dense"], ps, impl, dtype=torch.float32)
+    batch = _ragged_batch(DIMS["vocab_size"])
+    keep = batch.response_mask.bool()
+
+    def log_probs(packed: bool, micro: MicroBatching) -> torch.Tensor:
+        model.packed_sequences = packed
+        with torch.no_grad():
+            return compute_log_probs(model, ps, batch, micro)[keep]
+
+    padded = log_probs(False, MicroBatching(3))
+    for micro in (MicroBatching(3), MicroBatching(1, max_tokens=128, key="k")):
+        diff = (log_probs(True, micro) - padded).abs().max().item()
+        print(f"{impl}: packed vs padded log-probs, max diff {diff:.2e}")
+        assert diff < 2e-3
+    # negative control: every micro-batch one segment (sequences attend to each other, RoPE runs on)
+    real = packing.pack
+
+    def leaking(*args, **kwargs):
+        p = real(*args, **kwargs)
+        p.params.bounds = (0, p.tokens)
+        cu = torch.tensor([0, p.tokens], dtype=torch.int32, device=p.ids.device)
+        p.params.cu_seqlens_q = p.params.cu_seqlens_kv = cu
+        p.params.max_seqlen_q = p.params.max_seqlen_kv = p.tokens
+        return p
+
+    monkeypatch.setattr(packing, "pack", leaking)
+    assert (log_probs(True, MicroBatching(3)) - padded).abs().max().item() > 0.1
+
+
+def test_fp8_training_runs_close_to_bf16(ps, dirs):
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs an Ada, Hopper or newer GPU")
+    bf16 = _build(dirs["dense"], ps, TE)
+    fp8 = _build(dirs["dense"], ps, TE, overrides=(("fp8", "hybrid"), ("fp8_recipe", "tensorwise")))
+    assert fp8.config.fp8 == "hybrid"
+    ids, keep = _batch(DIMS["vocab_size"])  # 48 tokens a row: a multiple of 16
+    want, want_grads = _pass(bf16, ids, keep)
+    got, grads = _pass(fp8, ids, keep)
+    err = _rel(got, want)
+    print(f"fp8: logits relative error vs bf16 {err:.2e}")
+    assert torch.isfinite(got).all() and all(torch.isfinite(g).all() for g in grads.values())
+    assert err < 0.1 and set(grads) == set(want_grads)

@@ -169,3 +169,34 @@ def test_a_moe_checkpoint_with_the_te_norm_names_loads_on_the_local_layers(ps, t
     want, got = named_global_params(saved), named_global_params(loaded)
     assert all(torch.equal(got[n], want[n]) for n in want)
     assert not torch.equal(got[own], torch.ones_like(got[own]))  # the norm came from the file
+
+
+FP8 = "actor_rollout_ref.actor.megatron.override_transformer_config.fp8"
+
+
+def test_fp8_keys_are_kept_for_megatron_cores_config():
+    mcfg = load_config(
+        None, ["+" + FP8 + "=hybrid", "+" + FP8 + "_recipe=tensorwise"]
+    ).actor_rollout_ref.actor
+    assert mcfg.megatron.override_transformer_config == {"fp8": "hybrid", "fp8_recipe": "tensorwise"}
+
+
+@needs_no_te
+def test_fp8_on_the_local_layers_is_refused_naming_the_key_and_why(ps, hf_dir):
+    with pytest.raises(ConfigError) as err:
+        _actor(ps, hf_dir, ["+" + FP8 + "=hybrid"])
+    msg = str(err.value)
+    assert "\n" not in msg and "override_transformer_config.fp8='hybrid'" in msg
+    assert "Transformer Engine does not import" in msg and "launch/build_te.sh" in msg
+
+
+@pytest.mark.parametrize(
+    "fp8, tp, sp, want", [(None, 2, True, 2), ("hybrid", 1, False, 16), ("e4m3", 2, True, 32)]
+)
+def test_fp8_pads_each_ranks_tokens_to_a_multiple_of_16(fp8, tp, sp, want):
+    from types import SimpleNamespace
+
+    from megatron_rl.models.forward import sequence_multiple
+
+    model = SimpleNamespace(config=SimpleNamespace(fp8=fp8, sequence_parallel=sp))
+    assert sequence_multiple(model, SimpleNamespace(tp_size=tp)) == want

@@ -181,6 +181,7 @@ def test_override_transformer_config_keys():
             prefix + "use_flash_attn=True",
             prefix + "sequence_parallel=False",
             "actor_rollout_ref.actor.megatron.use_remove_padding=True",
+            "actor_rollout_ref.model.use_remove_padding=True",
             "actor_rollout_ref.ref.megatron.forward_only=True",
         ],
         notices,
@@ -193,6 +194,7 @@ def test_override_transformer_config_keys():
         "moe_router_dtype": "fp32",
     }
     assert mp.recompute_granularity == "full" and mp.sequence_parallel is False
+    assert mp.use_remove_padding is True  # verl's Megatron key is this config's own
     why = {n.split(" ")[0].rsplit(".", 1)[-1]: n for n in notices}
     assert set(why) == {
         "moe_permute_fusion",
@@ -203,7 +205,7 @@ def test_override_transformer_config_keys():
     }
     assert "without TE permute fusion" in why["moe_permute_fusion"]
     assert "fused kernels" in why["apply_rope_fusion"] and "SDPA" in why["use_flash_attn"]
-    assert "compacted" in why["use_remove_padding"] and "forward only" in why["forward_only"]
+    assert "FSDP" in why["use_remove_padding"] and "forward only" in why["forward_only"]
     for bad, match in (
         (prefix + "context_parallel_size=2", "context parallelism is not implemented"),
         (prefix + "pipeline_model_parallel_layout=Et*3|t*3L", "a per-stage layout string"),

@@ -35,6 +35,7 @@ PROBES = {
     "actor_rollout_ref.actor.megatron.expert_model_parallel_size": "2",
     "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size": "2",
     "actor_rollout_ref.actor.megatron.override_transformer_config": "{moe_aux_loss_coeff: 0.01}",
+    "actor_rollout_ref.actor.megatron.use_remove_padding": "false",
     "actor_rollout_ref.model.path": "/probe/model",
     "critic.ppo_max_token_len_per_gpu": "4096",
 }

@@ -17,6 +17,8 @@ at every layout) on a frozen base, and the weights written are the merged ones (
 loads RUN/NAME/actor_ckpt (another layout's) into a fresh actor of this layout, whose weights go to the
 weights file as "loaded".
 
+With --packed every pass runs each micro-batch packed into one row (use_remove_padding).
+
 With --max-tokens every pass forms its micro-batches by that token budget (use_dynamic_bsz) and every
 rank writes the processed tokens of each micro-batch of each pass to plan_pp{P}_tp{T}_dp{D}.json.
 
@@ -211,6 +213,7 @@ def main():
     ap.add_argument("--break-qk-norm-reduction", action="store_true", help="negative control")
     ap.add_argument("--max-tokens", type=int, default=None, help="token budget per micro-batch (dynamic)")
     ap.add_argument("--lora", action="store_true", help="LoRA adapters (rank 4) on actor and critic")
+    ap.add_argument("--packed", action="store_true", help="every pass packed (use_remove_padding)")
     ap.add_argument("--save-actor", action="store_true", help="the updated actor's checkpoint")
     ap.add_argument("--load-actor", default=None, help="a run's --out: load its actor checkpoints")
     a = ap.parse_args()
@@ -230,7 +233,10 @@ def run_pair(ps, a, actor_dir: str, critic_dir: str, out_dir: str) -> None:
     """Steps 1-3 of the module docstring for one actor/critic pair; results into ``out_dir``."""
     dtype = DTYPES[a.dtype]
     options = TrainingOptions(
-        sequence_parallel=not a.no_sequence_parallel, virtual_pipeline=a.vpp, lora=a.lora
+        sequence_parallel=not a.no_sequence_parallel,
+        virtual_pipeline=a.vpp,
+        lora=a.lora,
+        packed_sequences=a.packed,
     )
 
     def adapt(model, key: str, path: str) -> None:
