@@ -137,7 +137,7 @@ def sequence_multiple(model: torch.nn.Module, ps: ParallelState) -> int:
     times 16 under FP8 training (models/te_spec.FP8_TOKENS: each rank's token count)."""
     from megatron_rl.models.te_spec import FP8_TOKENS
 
-    config = getattr(model, "module", model).config
+    config: Any = getattr(model, "module", model).config  # megatron-core's TransformerConfig
     return (ps.tp_size if config.sequence_parallel else 1) * (FP8_TOKENS if config.fp8 else 1)
 
 

@@ -5,6 +5,8 @@ head)."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -50,16 +52,47 @@ class SDPAttention(nn.Module):
     def _segments(self, query, key, value, bounds: tuple[int, ...]) -> torch.Tensor:
         """Packed sequences (models/packing.py): query [T, heads, d], key/value [T, kv_groups, d], each
         segment ``bounds[i]:bounds[i + 1]`` causal on its own -> [T, heads * d_v]. One fused (flash)
-        call per segment: no mask, no attention across segments, no padding."""
+        call per segment length: no mask, no attention across segments, no padding."""
+        groups, order = _length_groups(bounds)
         outs = []
-        for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
-            q, k, v = (x[None, start:stop].transpose(1, 2) for x in (query, key, value))  # [1, heads, L, d]
+        for length, starts in groups:
+            if len(starts) == 1:  # a view of the segment: [1, L, heads, d]
+                q, k, v = (x[None, starts[0] : starts[0] + length] for x in (query, key, value))
+            else:  # the segments of this length side by side: [n, L, heads, d]
+                index = _segment_index(starts, length, query.device)
+                q, k, v = (x[index].view(len(starts), length, *x.shape[1:]) for x in (query, key, value))
             o = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=self.scale, enable_gqa=q.shape[1] != k.shape[1]
-            )
-            outs.append(o[0].transpose(0, 1))  # [L, heads, d_v]
-        out = torch.cat(outs)
-        return out.reshape(out.shape[0], -1)
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                is_causal=True,
+                scale=self.scale,
+                enable_gqa=q.shape[2] != k.shape[2],
+            )  # [n, heads, L, d_v]
+            outs.append(o.transpose(1, 2).reshape(-1, o.shape[1] * o.shape[3]))
+        out = torch.cat(outs)  # [T, heads * d_v] in the groups' token order
+        return out if order is None else out[order.to(out.device)]
+
+
+@functools.lru_cache(maxsize=8)
+def _length_groups(
+    bounds: tuple[int, ...],
+) -> tuple[tuple[tuple[int, tuple[int, ...]], ...], torch.Tensor | None]:
+    """Packed segments grouped by length: ((L, segment starts), ...) in order of first appearance, and
+    the permutation that takes their concatenated tokens back to packed order (None: already in it).
+    Cached: every layer of a forward asks for the same bounds."""
+    by_length: dict[int, list[int]] = {}
+    for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
+        by_length.setdefault(stop - start, []).append(start)
+    groups = tuple((length, tuple(starts)) for length, starts in by_length.items())
+    tokens = torch.cat([_segment_index(starts, length, None) for length, starts in groups])
+    in_order = bool((tokens == torch.arange(len(tokens))).all())
+    return groups, None if in_order else tokens.argsort()
+
+
+def _segment_index(starts: tuple[int, ...], length: int, device) -> torch.Tensor:
+    """[n * L] token positions of the segments of ``length`` starting at ``starts``, segment by segment."""
+    return (torch.tensor(starts)[:, None] + torch.arange(length)[None]).flatten().to(device)
 
 
 class RMSNorm(nn.RMSNorm):

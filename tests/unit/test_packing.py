@@ -85,9 +85,13 @@ def _oracle(q, k, v, bounds, scale):
 
 
 @pytest.mark.parametrize("kv_heads,v_dim", [(2, 8), (4, 8), (2, 6)], ids=["gqa", "mha", "mla-value-width"])
-def test_segment_attention_matches_a_hand_computation(kv_heads, v_dim):
+@pytest.mark.parametrize(
+    "bounds",
+    [(0, 5, 6, 13, 16), (0, 3, 7, 10, 14, 15, 16)],
+    ids=["distinct-lengths", "repeated-lengths"],  # one call per segment; one per length (gathered)
+)
+def test_segment_attention_matches_a_hand_computation(kv_heads, v_dim, bounds):
     g = torch.Generator().manual_seed(0)
-    bounds = (0, 5, 6, 13, 16)
     q = torch.randn(16, 4, 8, generator=g) * 2  # O(1) scores: a leak across segments shows
     k = torch.randn(16, kv_heads, 8, generator=g) * 2
     v = torch.randn(16, kv_heads, v_dim, generator=g)
