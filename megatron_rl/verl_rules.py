@@ -73,7 +73,8 @@ ATTENTION = (
 )
 FROM_THE_MODEL = (
     "the TransformerConfig is built from the model's config.json and the parallel sizes; of "
-    "override_transformer_config, recompute_*, the MoE router losses and dtype and moe_grouped_gemm are used"
+    "override_transformer_config, recompute_*, transformer_impl, fp8, fp8_recipe, the MoE router losses and "
+    "dtype and moe_grouped_gemm are used"
 )
 MOE_KERNELS = (
     "the MoE layers run megatron's top-k router as the model's config.json sets it (softmax, or sigmoid "
