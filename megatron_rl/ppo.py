@@ -52,7 +52,6 @@ from megatron_rl.models import routing
 from megatron_rl.models.forward import (
     Positions,
     broadcast_from_last_stage,
-    packs,
     run_pipeline,
     select_positions,
     sequence_multiple,
@@ -122,7 +121,7 @@ def _forward_response(
     -> [rows, b, r]`` on the last stage (r: the micro-batch's response width); returns [rows, B, R]
     float32 on every rank, 0 past each sequence's last response token (whatever the micro-batching)."""
     mbs, groups = split(model, ps, batch, _micro(micro), stats)
-    routing.planned(model, batch, mbs, groups, sequence_multiple(model, ps), packs(model))  # R2 maps it back
+    routing.planned(model, batch, mbs, groups, sequence_multiple(model, ps))  # R2 maps its record back
     outs = run_pipeline(model, ps, mbs, per_micro_batch, forward_only=True, positions=positions, head=head)
     # the last stage's outputs (none elsewhere); the fixed path's filler rows are dropped
     parts = [(i, out[:, : len(i)]) for out, i in zip(outs, groups, strict=True)] if ps.is_last_stage else []

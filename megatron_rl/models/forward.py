@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from megatron_rl import cpu_bridge
 from megatron_rl.config.errors import ConfigError
 from megatron_rl.models import routing
-from megatron_rl.models.chunks import chunks_of
+from megatron_rl.models.chunks import chunks_of, last_chunk
+from megatron_rl.models.te_spec import FP8_TOKENS
 from megatron_rl.parallel import ParallelState
 
 
@@ -128,15 +129,13 @@ def output_positions(
 
 def packs(model: torch.nn.Module) -> bool:
     """Whether ``model`` runs its passes packed (``*.megatron.use_remove_padding``, models/packing.py)."""
-    inner = chunks_of(getattr(model, "module", model))[-1]
+    inner = last_chunk(getattr(model, "module", model))
     return bool(getattr(getattr(inner, "module", inner), "packed_sequences", False))
 
 
 def sequence_multiple(model: torch.nn.Module, ps: ParallelState) -> int:
     """The multiple each micro-batch's length is padded to: TP under sequence parallelism (else 1),
     times 16 under FP8 training (models/te_spec.FP8_TOKENS: each rank's token count)."""
-    from megatron_rl.models.te_spec import FP8_TOKENS
-
     config: Any = getattr(model, "module", model).config  # megatron-core's TransformerConfig
     return (ps.tp_size if config.sequence_parallel else 1) * (FP8_TOKENS if config.fp8 else 1)
 
@@ -233,44 +232,34 @@ def run_pipeline(
         _install_aux_loss_scale()
     replays = routing.replays_of(model)
 
-    def packed_step(mb, model):
-        """The packed forward of ``mb`` (models/packing.py); outputs at the padded pass's positions."""
-        p = packing.pack(mb.input_ids, mb.attention_mask, multiple)
-        if moe:
-            tokens = p.tokens // (ps.tp_size if inner.config.sequence_parallel else 1)
-            _AUX_SCALE[0] = 1.0 / (tokens * count * ps.dp_size)
-        if replays:
-            routed = getattr(mb, "routed_experts", None)
-            routed = None if routed is None else p.rows(routed, routing.NONE)
-            routing.set_targets(replays, routed, inner.config.sequence_parallel, ps.tp_rank, ps.tp_size)
-        current[0], current[1] = mb, p.positions(None if positions is None else positions(mb))
-        return model(p.ids, None, None, packed_seq_params=p.params)
-
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
+        # R3: the routers take the engine's experts for these tokens (models/routing.py)
+        routed = getattr(mb, "routed_experts", None) if replays else None
+        if packed:  # one row of the real tokens (models/packing.py); outputs at the padded positions
+            p = packing.pack(mb.input_ids, mb.attention_mask, multiple)
+            ids, where = p.ids, p.positions(None if positions is None else positions(mb))
+            routed = None if routed is None else p.rows(routed, routing.NONE)
+            kwargs: dict[str, Any] = {"attention_mask": None, "packed_seq_params": p.params}
+        else:
+            ids, keep = mb.input_ids, mb.attention_mask
+            pad = -ids.shape[1] % multiple
+            if pad:
+                ids, keep = F.pad(ids, (0, pad)), F.pad(keep, (0, pad))
+                routed = None if routed is None else F.pad(routed, (0, 0, 0, 0, 0, pad), value=routing.NONE)
+            where = None if positions is None else positions(mb)
+            kwargs = {"attention_mask": causal_padding_mask(keep)}
+        if moe:  # the tokens each router saw: [s/TP * b] under sequence parallelism, [s * b] otherwise
+            tokens = ids.numel() // (ps.tp_size if inner.config.sequence_parallel else 1)
+            _AUX_SCALE[0] = 1.0 / (tokens * count * ps.dp_size)
+        if replays:
+            routing.set_targets(replays, routed, inner.config.sequence_parallel, ps.tp_rank, ps.tp_size)
+        current[0], current[1] = mb, where
 
         def on_output(output, non_loss_data=False):
             return loss_fn(mb, output)
 
-        if packed:
-            return packed_step(mb, model), on_output
-        ids, keep = mb.input_ids, mb.attention_mask
-        pad = -ids.shape[1] % multiple
-        if pad:
-            ids, keep = F.pad(ids, (0, pad)), F.pad(keep, (0, pad))
-        if moe:  # the tokens each router saw: [s/TP * b] under sequence parallelism, [s * b] otherwise
-            tokens = ids.numel() // (ps.tp_size if inner.config.sequence_parallel else 1)
-            _AUX_SCALE[0] = 1.0 / (tokens * count * ps.dp_size)
-        if replays:  # R3: the routers take the engine's experts for these tokens (models/routing.py)
-            routed = getattr(mb, "routed_experts", None)
-            if routed is not None and pad:
-                routed = F.pad(routed, (0, 0, 0, 0, 0, pad), value=routing.NONE)
-            routing.set_targets(replays, routed, inner.config.sequence_parallel, ps.tp_rank, ps.tp_size)
-        current[0] = mb
-        if positions is not None:
-            current[1] = positions(mb)
-        out = model(ids, None, causal_padding_mask(keep))
-        return out, on_output
+        return model(ids, None, **kwargs), on_output
 
     interleaved = len(chunks) > 1
     with (

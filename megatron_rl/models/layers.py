@@ -55,12 +55,12 @@ class SDPAttention(nn.Module):
         call per segment length: no mask, no attention across segments, no padding."""
         groups, order = _length_groups(bounds)
         outs = []
-        for length, starts in groups:
+        for length, starts, index in groups:
             if len(starts) == 1:  # a view of the segment: [1, L, heads, d]
                 q, k, v = (x[None, starts[0] : starts[0] + length] for x in (query, key, value))
             else:  # the segments of this length side by side: [n, L, heads, d]
-                index = _segment_index(starts, length, query.device)
-                q, k, v = (x[index].view(len(starts), length, *x.shape[1:]) for x in (query, key, value))
+                at = index.to(query.device)
+                q, k, v = (x[at].view(len(starts), length, *x.shape[1:]) for x in (query, key, value))
             o = F.scaled_dot_product_attention(
                 q.transpose(1, 2),
                 k.transpose(1, 2),
@@ -77,22 +77,20 @@ class SDPAttention(nn.Module):
 @functools.lru_cache(maxsize=8)
 def _length_groups(
     bounds: tuple[int, ...],
-) -> tuple[tuple[tuple[int, tuple[int, ...]], ...], torch.Tensor | None]:
-    """Packed segments grouped by length: ((L, segment starts), ...) in order of first appearance, and
-    the permutation that takes their concatenated tokens back to packed order (None: already in it).
-    Cached: every layer of a forward asks for the same bounds."""
+) -> tuple[tuple[tuple[int, tuple[int, ...], torch.Tensor], ...], torch.Tensor | None]:
+    """Packed segments grouped by length: ((L, segment starts, their token positions [n * L]), ...) in
+    order of first appearance, and the permutation that takes the groups' concatenated tokens back to
+    packed order (None: already in it). Cached: every layer of a forward asks for the same bounds."""
     by_length: dict[int, list[int]] = {}
     for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
         by_length.setdefault(stop - start, []).append(start)
-    groups = tuple((length, tuple(starts)) for length, starts in by_length.items())
-    tokens = torch.cat([_segment_index(starts, length, None) for length, starts in groups])
+    groups = tuple(
+        (length, tuple(starts), (torch.tensor(starts)[:, None] + torch.arange(length)[None]).flatten())
+        for length, starts in by_length.items()
+    )
+    tokens = torch.cat([index for _, _, index in groups])
     in_order = bool((tokens == torch.arange(len(tokens))).all())
     return groups, None if in_order else tokens.argsort()
-
-
-def _segment_index(starts: tuple[int, ...], length: int, device) -> torch.Tensor:
-    """[n * L] token positions of the segments of ``length`` starting at ``starts``, segment by segment."""
-    return (torch.tensor(starts)[:, None] + torch.arange(length)[None]).flatten().to(device)
 
 
 class RMSNorm(nn.RMSNorm):

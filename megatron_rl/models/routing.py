@@ -223,15 +223,14 @@ def recording(model: nn.Module, layers: int, top_k: int) -> Iterator[Recording]:
         inner.routing_recording = None
 
 
-def planned(
-    model: nn.Module, batch, microbatches: list, groups: list[list[int]], multiple: int, packed: bool = False
-) -> None:
+def planned(model: nn.Module, batch, microbatches: list, groups: list[list[int]], multiple: int) -> None:
     """A forward-only pass over ``batch`` is about to run these micro-batches (rows ``groups`` of it,
-    padded to ``multiple``, or ``packed`` into one row each): a :func:`recording` of ``model`` keeps the
-    plan; otherwise nothing."""
-    rec = getattr(_inner_chunks(model)[0], "routing_recording", None)
+    padded to ``multiple``, or packed into one row each where ``model`` packs its passes): a
+    :func:`recording` of ``model`` keeps the plan; otherwise nothing."""
+    inner = _inner_chunks(model)[0]
+    rec = getattr(inner, "routing_recording", None)
     if rec is not None:
-        rec.plan = (batch, microbatches, groups, multiple, packed)
+        rec.plan = (batch, microbatches, groups, multiple, getattr(inner, "packed_sequences", False))
 
 
 def mismatch_fraction(replays: list[ReplayTopK], groups=(), device=None) -> float | None:
