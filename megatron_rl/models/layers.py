@@ -53,14 +53,13 @@ class SDPAttention(nn.Module):
         """Packed sequences (models/packing.py): query [T, heads, d], key/value [T, kv_groups, d], each
         segment ``bounds[i]:bounds[i + 1]`` causal on its own -> [T, heads * d_v]. One fused (flash)
         call per segment length: no mask, no attention across segments, no padding."""
-        groups, order = _length_groups(bounds)
+        groups, order = _length_groups(bounds, query.device)
         outs = []
         for length, starts, index in groups:
             if len(starts) == 1:  # a view of the segment: [1, L, heads, d]
                 q, k, v = (x[None, starts[0] : starts[0] + length] for x in (query, key, value))
             else:  # the segments of this length side by side: [n, L, heads, d]
-                at = index.to(query.device)
-                q, k, v = (x[at].view(len(starts), length, *x.shape[1:]) for x in (query, key, value))
+                q, k, v = (x[index].view(len(starts), length, *x.shape[1:]) for x in (query, key, value))
             o = F.scaled_dot_product_attention(
                 q.transpose(1, 2),
                 k.transpose(1, 2),
@@ -71,26 +70,31 @@ class SDPAttention(nn.Module):
             )  # [n, heads, L, d_v]
             outs.append(o.transpose(1, 2).reshape(-1, o.shape[1] * o.shape[3]))
         out = torch.cat(outs)  # [T, heads * d_v] in the groups' token order
-        return out if order is None else out[order.to(out.device)]
+        return out if order is None else out[order]
 
 
 @functools.lru_cache(maxsize=8)
 def _length_groups(
-    bounds: tuple[int, ...],
+    bounds: tuple[int, ...], device: torch.device
 ) -> tuple[tuple[tuple[int, tuple[int, ...], torch.Tensor], ...], torch.Tensor | None]:
     """Packed segments grouped by length: ((L, segment starts, their token positions [n * L]), ...) in
     order of first appearance, and the permutation that takes the groups' concatenated tokens back to
-    packed order (None: already in it). Cached: every layer of a forward asks for the same bounds."""
+    packed order (None: already in it), as index tensors on ``device``. Cached: every layer of a pass
+    asks for the same bounds, and a host-to-device copy per layer would stall the GPU's queue."""
     by_length: dict[int, list[int]] = {}
     for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
         by_length.setdefault(stop - start, []).append(start)
-    groups = tuple(
-        (length, tuple(starts), (torch.tensor(starts)[:, None] + torch.arange(length)[None]).flatten())
+    positions = [
+        (torch.tensor(starts)[:, None] + torch.arange(length)[None]).flatten()
         for length, starts in by_length.items()
-    )
-    tokens = torch.cat([index for _, _, index in groups])
+    ]
+    tokens = torch.cat(positions)
     in_order = bool((tokens == torch.arange(len(tokens))).all())
-    return groups, None if in_order else tokens.argsort()
+    groups = tuple(
+        (length, tuple(starts), index.to(device))
+        for (length, starts), index in zip(by_length.items(), positions, strict=True)
+    )
+    return groups, None if in_order else tokens.argsort().to(device)
 
 
 class RMSNorm(nn.RMSNorm):
