@@ -109,14 +109,48 @@ def _timeout(ctx: _Ctx, ms: str | int) -> str:
     )
 
 
+_A, _REF, _C = "actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic"
+_OOM_IN_PASS = {
+    # phase -> (micro-batch key, its token budget under use_dynamic_bsz, recompute key or None)
+    "update_actor": (
+        f"{_A}.ppo_micro_batch_size_per_gpu",
+        f"{_A}.ppo_max_token_len_per_gpu",
+        "actor_rollout_ref.model.enable_gradient_checkpointing",
+    ),
+    "update_critic": (
+        f"{_C}.ppo_micro_batch_size_per_gpu",
+        f"{_C}.ppo_max_token_len_per_gpu",
+        f"{_C}.model.enable_gradient_checkpointing",
+    ),
+    "old_log_prob": (
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+        None,
+    ),
+    "ref": (f"{_REF}.log_prob_micro_batch_size_per_gpu", f"{_REF}.log_prob_max_token_len_per_gpu", None),
+    "values": (f"{_C}.ppo_micro_batch_size_per_gpu", f"{_C}.forward_max_token_len_per_gpu", None),
+}
+"""The trainer's passes: every model's state is on the GPU there (the *_offload keys park state for
+generation only: roles/models.park_for_generation), so smaller micro-batches, recompute or more model
+parallelism is what helps."""
+
+
 def _oom(ctx: _Ctx, m: re.Match) -> str:
     sizes = ""
     if m["want"]:
         sizes = f" (wanted {m['want']}" + (f", {m['free']} free of {m['total']}" if m["free"] else "") + ")"
     phase = f" in phase {m['phase']}" if m["phase"] else ""
-    return (
-        f"{_rank(ctx)} ran out of GPU memory{phase}{sizes}: lower "
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu / *.log_prob_micro_batch_size_per_gpu or "
+    head = f"{_rank(ctx)} ran out of GPU memory{phase}{sizes}: "
+    if m["phase"] in _OOM_IN_PASS:
+        micro, tokens, recompute = _OOM_IN_PASS[m["phase"]]
+        return head + (
+            f"lower {micro} ({tokens} under use_dynamic_bsz)"
+            + (f", set {recompute}=true" if recompute else "")
+            + " or raise *.megatron.tensor_model_parallel_size (every model's); the *_offload keys free "
+            "memory for generation only."
+        )
+    return head + (
+        "lower actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu / *.log_prob_micro_batch_size_per_gpu or "
         "actor_rollout_ref.rollout.gpu_memory_utilization; keep rollout.free_cache_engine=True and turn on "
         "*.megatron.param_offload / grad_offload / optimizer_offload; or raise "
         "actor_rollout_ref.actor.megatron.tensor_model_parallel_size."

@@ -168,6 +168,17 @@ def test_gpu_oom_names_phase_sizes_and_keys():
     assert "ran out of GPU memory in phase inner (wanted 2.32 GiB, 1.07 GiB free of 139.81 GiB)" in msg
     assert "ppo_micro_batch_size_per_gpu" in msg and "optimizer_offload" in msg, msg
     assert "in phase" not in _one_line(ex.explain(torch.OutOfMemoryError("CUDA out of memory.")))
+    # In a trainer pass the offload keys cannot help (state is parked for generation only): the line
+    # names that pass's own micro-batch, token budget and recompute keys instead.
+    with pytest.raises(torch.OutOfMemoryError) as e, timer("update_critic"):
+        raise torch.OutOfMemoryError(text)
+    msg = _one_line(ex.explain(e.value))
+    assert "in phase update_critic" in msg and "critic.ppo_max_token_len_per_gpu" in msg, msg
+    assert "critic.model.enable_gradient_checkpointing=true" in msg and "optimizer_offload" not in msg, msg
+    with pytest.raises(torch.OutOfMemoryError) as e, timer("ref"):
+        raise torch.OutOfMemoryError(text)
+    msg = _one_line(ex.explain(e.value))
+    assert "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu" in msg and "checkpointing" not in msg
 
 
 def test_port_checks():
