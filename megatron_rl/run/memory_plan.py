@@ -232,7 +232,8 @@ def generation_need(cfg: Config, available: int, total: int, margin: int | None 
         margin += rollout.update_weights_bucket_megabytes << 20  # a weight-sync bucket in flight
     need = max(0, engine + margin - available)
     how = (
-        f"{available / GB:.2f} GB available, engine {engine / GB:.2f} GB + margin {margin / GB:.2f} GB"
+        f"{available / GB:.2f} GB available (the training passes' activations have this), "
+        f"engine {engine / GB:.2f} GB + margin {margin / GB:.2f} GB"
         f" -> {need / GB:.2f} GB to free"
     )
     return need, how
