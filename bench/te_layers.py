@@ -16,7 +16,10 @@ speed-up. Needs a CUDA GPU and, for the TE run, Transformer Engine (launch/build
 which imports it when it can), so that the local layers' pass can be timed with and without TE merely
 installed: run the script once with it and once without, in fresh processes. ``--profile`` adds a
 table of the pass's heaviest CUDA kernels; each run records the cuDNN that torch uses and the cuDNN
-libraries the process has loaded (TE loads its own on import).
+libraries the process has loaded. ``--te-first`` imports Transformer Engine before the trainer starts,
+as a process that imports it first does: TE then loads the first cuDNN it finds (a CUDA toolkit's, say)
+before torch loads its own, and torch, finding a cuDNN other than its own, runs without cuDNN
+(``te_spec.load_torch_cudnn`` is the trainer's guard against that).
 """
 
 from __future__ import annotations
@@ -116,9 +119,16 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--hide-te", action="store_true", help="Transformer Engine unimportable here")
     ap.add_argument("--profile", action="store_true", help="a table of the pass's heaviest CUDA kernels")
+    ap.add_argument(
+        "--te-first",
+        action="store_true",
+        help="import Transformer Engine before the trainer starts (TE's cuDNN loads before torch's)",
+    )
     a = ap.parse_args()
     if a.hide_te:  # None in sys.modules: "import transformer_engine" raises ImportError
         sys.modules.update(dict.fromkeys(("transformer_engine", "transformer_engine_torch"), None))
+    if a.te_first:
+        import transformer_engine.pytorch  # noqa: F401
 
     from transformers import Qwen2Config
 
@@ -137,7 +147,10 @@ def main() -> None:
     impls = [te_spec.LOCAL] + ([te_spec.TRANSFORMER_ENGINE] if te_spec.te_import_error() is None else [])
     res = {"peak_tflops": peak, "batch": a.batch, "seq": a.seq, "gpu": torch.cuda.get_device_name()}
     res["te_importable"] = te_spec.te_import_error() is None
-    res["cudnn"] = torch.backends.cudnn.version()
+    try:
+        res["cudnn"] = torch.backends.cudnn.version()
+    except RuntimeError as e:  # torch refused the cuDNN loaded first (--te-first)
+        res["cudnn"] = str(e).splitlines()[0]
     with open("/proc/self/maps") as maps:  # the cuDNN libraries loaded, whoever loaded them
         res["cudnn_libraries"] = sorted({ln.split()[-1] for ln in maps if "libcudnn" in ln})
     print(f"TE importable: {res['te_importable']}; cuDNN {res['cudnn']} from {res['cudnn_libraries'][:2]}")

@@ -205,6 +205,9 @@ def init_parallel(
     """
     dev = resolve_device(device)
     silence_known_notices(announce=dev.type == "cuda" and int(os.environ.get("RANK", 0)) == 0)
+    from megatron_rl.models.te_spec import load_torch_cudnn
+
+    load_torch_cudnn()  # before megatron-core imports Transformer Engine (which loads a cuDNN of its own)
     from megatron.core import parallel_state as mps
 
     from megatron_rl import cpu_bridge

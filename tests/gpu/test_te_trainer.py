@@ -5,6 +5,7 @@ left-padded row; an MoE model with both routers replaying the same experts, whic
 alike whatever the rounding); the reshard stream to the engine bit-identical; torch_dist checkpoints
 saved on one implementation load bit-exactly on the other, and read by ckpt_tools' reader. Negative
 control: one fused norm weight scaled on the TE side moves the logits far outside the tolerance.
+The process holds one cuDNN, torch's, with TE imported.
 Packed passes (``*.megatron.use_remove_padding``) give the padded passes' log-probs on both (fp32, with
 a leaking packing as the negative control); FP8 training (``override_transformer_config.fp8``) runs a
 forward and backward close to bf16's.
@@ -98,6 +99,19 @@ def _pass(model, ids, keep, routed=None):
     if routed is not None:
         assert all(int(r.recorded) > 0 for r in replays)  # every router took the replayed experts
     return logits.detach(), {n: p.grad for n, p in _params(model).items() if p.grad is not None}
+
+
+def test_one_cudnn_in_the_process_torchs(ps):
+    """Transformer Engine, imported once the trainer has started, runs on torch's cuDNN and brings no
+    second one (``te_spec.load_torch_cudnn``); torch's cuDNN stays usable. With TE's search finding the
+    system's cuDNN first, torch refuses it or runs on it and its attention falls back to unfused fp32."""
+    import transformer_engine.pytorch  # noqa: F401
+
+    with open("/proc/self/maps") as maps:
+        files = {ln.split()[-1] for ln in maps if "/libcudnn" in ln}
+    dirs_ = {f.rsplit("/", 1)[0] for f in files}
+    assert len(dirs_) == 1, f"cuDNN libraries from more than one place: {sorted(files)}"
+    assert torch.backends.cudnn.version() >= 91200
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
