@@ -19,7 +19,7 @@ table of the pass's heaviest CUDA kernels; each run records the cuDNN that torch
 libraries the process has loaded. ``--te-first`` imports Transformer Engine before the trainer starts,
 as a process that imports it first does: TE then loads the first cuDNN it finds (a CUDA toolkit's, say)
 before torch loads its own, and torch, finding a cuDNN other than its own, runs without cuDNN
-(``te_spec.load_torch_cudnn`` is the trainer's guard against that).
+(``parallel.load_torch_cudnn`` is the trainer's guard against that).
 """
 
 from __future__ import annotations

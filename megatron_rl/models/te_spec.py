@@ -10,13 +10,8 @@ implementation runs, and why. Transformer Engine itself: ``launch/build_te.sh`` 
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import glob
-import os
 import re
-import sys
-import warnings
 from collections.abc import Container, Mapping
 from typing import Any
 
@@ -41,61 +36,11 @@ EXTRA_STATE = "._extra_state"
 """TE modules add one such entry per module to the state dict (quantization metadata, empty in bf16)."""
 
 
-def load_torch_cudnn() -> None:
-    """Make Transformer Engine use the cuDNN torch was built with; call it before Transformer Engine (or
-    megatron-core, which imports it) is imported. A no-op without TE, CUDA or cuDNN, or once TE is
-    imported.
-
-    TE's import loads the first cuDNN it finds under ``CUDNN_HOME``, ``CUDNN_PATH``, ``CUDA_HOME`` or
-    ``/usr/local/cuda`` (the system's, say) into the process's global namespace, and its core library
-    pulls cuDNN's sub-libraries (``libcudnn_heuristic`` ...) from the system's library path; torch
-    loads its own bundled cuDNN only on first use, by name. Where the two differ torch gets TE's, and
-    refuses it or runs on it (measured: megatron-core's local layers 1.6x slower a pass); with torch's
-    loaded first, the two versions' sub-libraries mix and TE's core fails to load. So torch's cuDNN,
-    every sub-library of it, is loaded here, and TE is pointed at its directory (``CUDNN_HOME``, unless
-    that or ``CUDNN_PATH`` is set already): one cuDNN in the process, torch's (TE needs 9.12 or later)."""
-    import importlib.util
-
-    import torch
-
-    if (
-        "transformer_engine" in sys.modules
-        or importlib.util.find_spec("transformer_engine") is None
-        or not (torch.cuda.is_available() and torch.backends.cudnn.is_available())
-    ):
-        return
-    try:
-        torch.backends.cudnn.version()  # loads torch's libcudnn.so
-    except RuntimeError as e:  # another cuDNN was loaded before: nothing to steer any more
-        warnings.warn(
-            f"megatron-rl: torch runs without cuDNN ({str(e).splitlines()[0][:160]}): a cuDNN other than "
-            "torch's was loaded before it (set CUDNN_HOME to torch's cuDNN directory)",
-            stacklevel=2,
-        )
-        return
-    with open("/proc/self/maps") as maps:
-        loaded = {ln.split()[-1] for ln in maps if "/libcudnn.so" in ln}
-    if len(loaded) != 1:
-        return
-    lib_dir = os.path.dirname(loaded.pop())
-    pending = sorted(glob.glob(os.path.join(lib_dir, "libcudnn*.so*")))
-    for _ in range(len(pending)):  # a library whose dependencies are not loaded yet waits a round
-        failed = []
-        for path in pending:
-            try:
-                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-            except OSError:
-                failed.append(path)
-        if not failed or len(failed) == len(pending):
-            break
-        pending = failed
-    if not (os.environ.get("CUDNN_HOME") or os.environ.get("CUDNN_PATH")):
-        os.environ["CUDNN_HOME"] = lib_dir
-
-
 @functools.lru_cache(maxsize=1)
 def te_import_error() -> str | None:
     """None where ``transformer_engine.pytorch`` imports, else why not (one line)."""
+    from megatron_rl.parallel import load_torch_cudnn
+
     load_torch_cudnn()
     try:
         import transformer_engine.pytorch  # noqa: F401

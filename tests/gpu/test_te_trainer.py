@@ -103,7 +103,7 @@ def _pass(model, ids, keep, routed=None):
 
 def test_one_cudnn_in_the_process_torchs(ps):
     """Transformer Engine, imported once the trainer has started, runs on torch's cuDNN and brings no
-    second one (``te_spec.load_torch_cudnn``); torch's cuDNN stays usable. With TE's search finding the
+    second one (``parallel.load_torch_cudnn``); torch's cuDNN stays usable. With TE's search finding the
     system's cuDNN first, torch refuses it or runs on it and its attention falls back to unfused fp32."""
     import transformer_engine.pytorch  # noqa: F401
 
