@@ -135,7 +135,7 @@ def main() -> None:
     from megatron_rl.model_args import load_model_args
     from megatron_rl.models import te_spec
     from megatron_rl.models.random_hf import QWEN25_1_5B
-    from megatron_rl.parallel import destroy_parallel, init_parallel
+    from megatron_rl.parallel import cudnn_libraries, destroy_parallel, init_parallel
 
     with tempfile.TemporaryDirectory() as d:
         Qwen2Config(**QWEN25_1_5B, architectures=["Qwen2ForCausalLM"]).save_pretrained(
@@ -151,8 +151,7 @@ def main() -> None:
         res["cudnn"] = torch.backends.cudnn.version()
     except RuntimeError as e:  # torch refused the cuDNN loaded first (--te-first)
         res["cudnn"] = str(e).splitlines()[0]
-    with open("/proc/self/maps") as maps:  # the cuDNN libraries loaded, whoever loaded them
-        res["cudnn_libraries"] = sorted({ln.split()[-1] for ln in maps if "libcudnn" in ln})
+    res["cudnn_libraries"] = sorted(cudnn_libraries())
     print(f"TE importable: {res['te_importable']}; cuDNN {res['cudnn']} from {res['cudnn_libraries'][:2]}")
     for impl in impls:
         r = run(impl, args, ps, a.batch, a.seq, a.steps, a.profile)

@@ -158,6 +158,12 @@ def te_notice() -> str | None:
     )
 
 
+def cudnn_libraries() -> set[str]:
+    """Paths of the cuDNN libraries mapped into this process, whoever loaded them (Linux)."""
+    with open("/proc/self/maps") as maps:
+        return {ln.split()[-1] for ln in maps if "/libcudnn" in ln}
+
+
 def load_torch_cudnn() -> None:
     """Make Transformer Engine use the cuDNN torch was built with; call it before Transformer Engine (or
     megatron-core, which imports it) is imported. A no-op without TE, CUDA or cuDNN, or once TE is
@@ -174,9 +180,9 @@ def load_torch_cudnn() -> None:
     import importlib.util
 
     if (
-        "transformer_engine" in sys.modules
+        not (torch.cuda.is_available() and torch.backends.cudnn.is_available())
+        or "transformer_engine" in sys.modules
         or importlib.util.find_spec("transformer_engine") is None
-        or not (torch.cuda.is_available() and torch.backends.cudnn.is_available())
     ):
         return
     try:
@@ -188,20 +194,22 @@ def load_torch_cudnn() -> None:
             stacklevel=2,
         )
         return
-    with open("/proc/self/maps") as maps:
-        loaded = {ln.split()[-1] for ln in maps if "/libcudnn.so" in ln}
+    loaded = {f for f in cudnn_libraries() if os.path.basename(f).startswith("libcudnn.so")}
     if len(loaded) != 1:
         return
     lib_dir = os.path.dirname(loaded.pop())
+
+    def dlopen(path: str) -> bool:
+        try:
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        except OSError:
+            return False
+        return True
+
     pending = sorted(glob.glob(os.path.join(lib_dir, "libcudnn*.so*")))
-    for _ in range(len(pending)):  # a library whose dependencies are not loaded yet waits a round
-        failed = []
-        for path in pending:
-            try:
-                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-            except OSError:
-                failed.append(path)
-        if not failed or len(failed) == len(pending):
+    while pending:  # a library whose dependencies are not loaded yet waits for the next round
+        failed = [path for path in pending if not dlopen(path)]
+        if len(failed) == len(pending):
             break
         pending = failed
     if not (os.environ.get("CUDNN_HOME") or os.environ.get("CUDNN_PATH")):

@@ -107,8 +107,9 @@ def test_one_cudnn_in_the_process_torchs(ps):
     system's cuDNN first, torch refuses it or runs on it and its attention falls back to unfused fp32."""
     import transformer_engine.pytorch  # noqa: F401
 
-    with open("/proc/self/maps") as maps:
-        files = {ln.split()[-1] for ln in maps if "/libcudnn" in ln}
+    from megatron_rl.parallel import cudnn_libraries
+
+    files = cudnn_libraries()
     dirs_ = {f.rsplit("/", 1)[0] for f in files}
     assert len(dirs_) == 1, f"cuDNN libraries from more than one place: {sorted(files)}"
     assert torch.backends.cudnn.version() >= 91200
