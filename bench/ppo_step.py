@@ -10,6 +10,7 @@
         --compare-dynamic --out bench_out/dynamic   # padded vs token-budget micro-batches
     python bench/ppo_step.py --model qwen2.5-1.5b --response-len 1024 --response-spread 32 1024 \
         --compare-packed --out bench_out/packed   # token-budget micro-batches: padded rows vs packed
+    python bench/ppo_step.py --model qwen2.5-1.5b --compare-impl --out bench_out/te   # TE vs local layers
     python bench/ppo_step.py --model qwen2.5-1.5b --nproc 2 --compare-placement --out bench_out/placement
     python bench/ppo_step.py --model qwen2.5-1.5b --nproc 2 --compare-critic-placement --out bench_out/critic
 
@@ -46,6 +47,9 @@ GPUs' idle shares and the step time over max(generation, training). With --compa
 (2 GPUs) the runs are colocated on both GPUs, then actor + reference + engine on GPU 0 with the critic
 alone on GPU 1 (trainer.placement.critic=[1]); the second reports the critic's busy time
 (perf/critic_busy_s) against the actor's wait for it (timing_s/values + timing_s/update_critic).
+With --compare-impl the runs are both colocated, every model on Transformer Engine's layers ("te"), then
+on megatron-core's local ones ("local"; ``*.megatron.override_transformer_config.transformer_impl``):
+the summary gives the training passes' speed-up; it needs Transformer Engine (launch/build_te.sh).
 """
 
 from __future__ import annotations
@@ -185,6 +189,12 @@ def packing(on: bool) -> dict:
     """``*.megatron.use_remove_padding`` of the trained models (the reference and reward models follow
     the actor)."""
     return {f"{m}.megatron.use_remove_padding": on for m in ("actor_rollout_ref.actor", "critic")}
+
+
+def transformer_impl(impl: str) -> dict:
+    """``*.megatron.override_transformer_config.transformer_impl`` of the actor, reference and critic."""
+    models = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")
+    return {f"{m}.megatron.override_transformer_config.transformer_impl": impl for m in models}
 
 
 def run(
@@ -400,6 +410,8 @@ def main() -> None:
             "placed_s0",
             "placed_s1",
             "critic_placed",
+            "te",
+            "local",
         ],
         help="run one of the two configurations",
     )
@@ -431,6 +443,11 @@ def main() -> None:
         action="store_true",
         help="--nproc 2: colocated on both GPUs, then the critic alone on GPU 1",
     )
+    ap.add_argument(
+        "--compare-impl",
+        action="store_true",
+        help="colocated runs on Transformer Engine's layers, then on megatron-core's local ones",
+    )
     ap.add_argument("--out", required=True)
     ap.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="any other trainer key (repeatable)"
@@ -455,6 +472,8 @@ def main() -> None:
         "critic_placed": {"trainer.placement.critic": f"[{a.nproc - 1}]"},
         **{name: packing(False) for name in ("padded", "dynamic")},
         "packed": packing(True),
+        "te": transformer_impl("transformer_engine"),
+        "local": transformer_impl("local"),
     }
     if a.compare_placement:
         if a.nproc != 2 or a.tp != 1:
@@ -468,6 +487,8 @@ def main() -> None:
         runs = (("padded", True, False), ("dynamic", True, True))
     elif a.compare_packed:
         runs = (("dynamic", True, True), ("packed", True, True))
+    elif a.compare_impl:
+        runs = (("te", True, False), ("local", True, False))
     else:
         runs = (("colocated", True, False), ("separate", False, False))[: 1 if a.no_compare else 2]
     for name, colocate, dynamic in [r for r in runs if a.only in (None, r[0])]:
@@ -487,6 +508,8 @@ def main() -> None:
     )
     result["training_passes_speedup_dynamic_vs_padded"] = padded / dyn if padded and dyn else None
     result["training_passes_speedup_packed_vs_dynamic"] = dyn / packed if dyn and packed else None
+    te, local = (result.get(n, {}).get("training_passes_s") for n in ("te", "local"))
+    result["training_passes_speedup_te_vs_local"] = local / te if te and local else None
     with open(os.path.join(a.out, "summary.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps(result, indent=1))

@@ -15,7 +15,8 @@ speed-up. Needs a CUDA GPU and, for the TE run, Transformer Engine (launch/build
 ``--hide-te`` makes Transformer Engine unimportable in this process (before megatron-core is imported,
 which imports it when it can), so that the local layers' pass can be timed with and without TE merely
 installed: run the script once with it and once without, in fresh processes. ``--profile`` adds a
-table of the pass's heaviest CUDA kernels; each run records the cuDNN that torch uses and the cuDNN
+table of the pass's heaviest CUDA kernels and the GPU's busy time by kind (attention, GEMM, other)
+against the pass's wall time; each run records the cuDNN that torch uses and the cuDNN
 libraries the process has loaded. ``--te-first`` imports Transformer Engine before the trainer starts,
 as a process that imports it first does: TE then loads the first cuDNN it finds (a CUDA toolkit's, say)
 before torch loads its own, and torch, finding a cuDNN other than its own, runs without cuDNN
@@ -95,20 +96,40 @@ def run(impl: str, args, ps, batch: int, seq: int, steps: int, profile: bool = F
     return out
 
 
-def kernel_table(step, top: int = 15) -> list[list]:
-    """[[CUDA kernel, total ms, calls]] of one pass, the heaviest ``top`` first (printed too)."""
+KERNEL_KINDS = (
+    ("attention", ("sdpa", "flash", "fmha", "attn")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma")),
+)
+"""Kernel-name fragments of the two kinds a pass's time is split into (the first match wins); the rest
+is "other": norms, activations, adds, casts, the log-prob head's softmax, copies."""
+
+
+def kernel_table(step, top: int = 15) -> dict:
+    """One pass under the profiler: its heaviest ``top`` CUDA kernels ([[name, total ms, calls]]), the
+    GPU's busy milliseconds by kind (attention, GEMM, other) and the pass's wall time; wall minus busy
+    is time the GPU waited on the host (printed too)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
         step()
         torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - t) * 1e3
     rows = [
         [e.key, e.device_time_total / 1e3, e.count] for e in prof.key_averages() if e.device_time_total > 0
     ]
     rows.sort(key=lambda r: -r[1])
+    busy = {"attention": 0.0, "gemm": 0.0, "other": 0.0}
+    for name, total_ms, _ in rows:
+        low = name.lower()
+        kind = next((k for k, frags in KERNEL_KINDS if any(f in low for f in frags)), "other")
+        busy[kind] += total_ms
     for name, total_ms, calls in rows[:top]:
         print(f"  {total_ms:9.2f} ms  {calls:5d}x  {name[:100]}")
-    return rows[:top]
+    total = sum(busy.values())
+    split = ", ".join(f"{k} {v:.1f}" for k, v in busy.items())
+    print(f"  GPU busy {total:.1f} ms ({split}) of {wall_ms:.1f} ms wall (profiler on)")
+    return {"top": rows[:top], "busy_ms": busy, "wall_ms": wall_ms}
 
 
 def main() -> None:
