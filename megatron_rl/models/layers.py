@@ -10,6 +10,13 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# The kernels of packed segments. Ragged sequences give every micro-batch new segment lengths, and
+# cuDNN's attention (torch's first choice on Hopper with cuDNN >= 9.15) builds an execution plan for
+# each new shape and layout before it runs; flash and memory-efficient attention run any length as it
+# comes. Math is the fallback where neither applies (fp32 on CPU, say). Padded rows keep torch's choice.
+PACKED_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class SDPAttention(nn.Module):
@@ -51,26 +58,29 @@ class SDPAttention(nn.Module):
 
     def _segments(self, query, key, value, bounds: tuple[int, ...]) -> torch.Tensor:
         """Packed sequences (models/packing.py): query [T, heads, d], key/value [T, kv_groups, d], each
-        segment ``bounds[i]:bounds[i + 1]`` causal on its own -> [T, heads * d_v]. One fused (flash)
-        call per segment length: no mask, no attention across segments, no padding."""
+        segment ``bounds[i]:bounds[i + 1]`` causal on its own -> [T, heads * d_v]. One fused call per
+        segment length (PACKED_BACKENDS): no mask, no attention across segments, no padding."""
         groups, order = _length_groups(bounds, query.device)
-        outs = []
-        for length, starts, index in groups:
-            if len(starts) == 1:  # a view of the segment: [1, L, heads, d]
-                q, k, v = (x[None, starts[0] : starts[0] + length] for x in (query, key, value))
-            else:  # the segments of this length side by side: [n, L, heads, d]
-                q, k, v = (x[index].view(len(starts), length, *x.shape[1:]) for x in (query, key, value))
-            o = F.scaled_dot_product_attention(
-                q.transpose(1, 2),
-                k.transpose(1, 2),
-                v.transpose(1, 2),
-                is_causal=True,
-                scale=self.scale,
-                enable_gqa=q.shape[2] != k.shape[2],
-            )  # [n, heads, L, d_v]
-            outs.append(o.transpose(1, 2).reshape(-1, o.shape[1] * o.shape[3]))
+        with sdpa_kernel(PACKED_BACKENDS):
+            outs = [self._group(query, key, value, *group) for group in groups]
         out = torch.cat(outs)  # [T, heads * d_v] in the groups' token order
         return out if order is None else out[order]
+
+    def _group(self, query, key, value, length: int, starts: tuple[int, ...], index) -> torch.Tensor:
+        """The segments of one length -> [n * L, heads * d_v] (``index``: their token positions)."""
+        if len(starts) == 1:  # a view of the segment: [1, L, heads, d]
+            q, k, v = (x[None, starts[0] : starts[0] + length] for x in (query, key, value))
+        else:  # the segments of this length side by side: [n, L, heads, d]
+            q, k, v = (x[index].view(len(starts), length, *x.shape[1:]) for x in (query, key, value))
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            is_causal=True,
+            scale=self.scale,
+            enable_gqa=q.shape[2] != k.shape[2],
+        )  # [n, heads, L, d_v]
+        return o.transpose(1, 2).reshape(-1, o.shape[1] * o.shape[3])
 
 
 @functools.lru_cache(maxsize=8)

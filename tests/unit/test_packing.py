@@ -112,6 +112,35 @@ def test_segment_attention_matches_a_hand_computation(kv_heads, v_dim, bounds):
     assert (leaked.double() - _oracle(q, k, v, bounds, scale)).abs().max() > 0.1
 
 
+def test_packed_segments_keep_off_cudnns_attention_and_padded_rows_keep_torchs_choice(monkeypatch):
+    """cuDNN's attention builds a plan for every new shape, and ragged packed segments bring new ones in
+    every micro-batch: their calls run with it switched off (flash / memory-efficient / math), while
+    padded rows (fixed shapes within a pass) and the caller's settings afterwards are left as they were."""
+    import megatron_rl.models.layers as layers
+
+    seen = []
+    sdpa = layers.F.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(layers.F, "scaled_dot_product_attention", recording)
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    attn = SDPAttention(None, 1, None, None)
+    q, kv = torch.randn(16, 4, 8), torch.randn(16, 2, 8)
+
+    class Params:
+        bounds = (0, 5, 6, 13, 16)
+
+    attn(q, kv, kv, None, packed_seq_params=Params())
+    assert seen == [False] * 4  # four lengths (5, 1, 7, 3), four calls, none on cuDNN
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    seen.clear()
+    attn(q[:, None], kv[:, None], kv[:, None], None)  # padded rows [s, b, heads, d]
+    assert seen == [before]
+
+
 def test_packed_token_budget_counts_real_tokens():
     lengths = [10, 3, 9, 2, 4, 8]
     padded = token_budget_groups(lengths, 20, 1, "k")
