@@ -18,6 +18,7 @@ between the two arms' outputs on one micro-batch.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import time
@@ -50,6 +51,20 @@ def micro_batch(a: argparse.Namespace, rng: random.Random, dtype: torch.dtype):
     return q, kv, packed.params.bounds
 
 
+@contextlib.contextmanager
+def packed_backends(backends: list):
+    """SDPAttention's packed path on ``backends`` for the block (models.layers.PACKED_BACKENDS, which
+    its packed calls read when they run), the trainer's again after it."""
+    import megatron_rl.models.layers as layers
+
+    trainer = layers.PACKED_BACKENDS
+    layers.PACKED_BACKENDS = backends
+    try:
+        yield
+    finally:
+        layers.PACKED_BACKENDS = trainer
+
+
 def one_pass(attn, batches, grad: bool, device: str) -> float:
     """Seconds for every micro-batch's packed attention (forward, and backward with ``grad``)."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -80,8 +95,7 @@ def main() -> None:
 
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
     attn = layers.SDPAttention(None, 1, None, None)
-    trainer_backends = layers.PACKED_BACKENDS
-    arms = {"trainer": trainer_backends, "torch": TORCH_CHOICE}
+    arms = {"trainer": layers.PACKED_BACKENDS, "torch": TORCH_CHOICE}
     result: dict = {
         "args": vars(a),
         "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
@@ -91,21 +105,17 @@ def main() -> None:
     for seed, (arm, backends) in enumerate(arms.items()):
         rng = random.Random(seed)
         batches = [micro_batch(a, rng, dtype) for _ in range(a.micro_batches)]
-        layers.PACKED_BACKENDS = backends
-        try:
-            result[arm] = {}
+        result[arm] = {}
+        with packed_backends(backends):
             for grad, kind in ((False, "forward"), (True, "forward_backward")):
                 for name in ("first", "repeat"):
                     result[arm][f"{kind}_{name}_s"] = one_pass(attn, batches, grad, a.device)
-        finally:
-            layers.PACKED_BACKENDS = trainer_backends
         print(arm, {k: round(v, 4) for k, v in result[arm].items()}, flush=True)
     q, kv, bounds = micro_batch(a, random.Random(len(arms)), dtype)
     outs = []
     for backends in arms.values():
-        layers.PACKED_BACKENDS = backends
-        outs.append(attn._segments(q, kv, kv, bounds).float())
-    layers.PACKED_BACKENDS = trainer_backends
+        with packed_backends(backends):
+            outs.append(attn._segments(q, kv, kv, bounds).float())
     result["max_abs_diff"] = (outs[0] - outs[1]).abs().max().item()
     print(f"max |trainer - torch| on one micro-batch: {result['max_abs_diff']:.3g}")
     with open(a.out, "w") as f:
