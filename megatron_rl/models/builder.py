@@ -207,7 +207,7 @@ def transformer_config(
         **({"overlap_p2p_comm": True, "batch_p2p_comm": False} if vpp else {}),
     )
     if impl == te_spec.TRANSFORMER_ENGINE:
-        fields.update(te_spec.te_config_kwargs(args.is_moe, options.moe_grouped_gemm))
+        fields.update(te_spec.te_config_kwargs())
     fields.update((k, v) for k, v in options.transformer_overrides if k != "transformer_impl")
     return config_class(**fields)
 
@@ -248,11 +248,12 @@ def build_model(
 
     def layer_spec(num_experts: int | None):
         mla = args.mla is not None
-        if impl == te_spec.TRANSFORMER_ENGINE:  # TE's norms, linears and experts; the core attention ours
+        grouped = ModuleSpec(module=GroupedExperts) if options.moe_grouped_gemm else None
+        if impl == te_spec.TRANSFORMER_ENGINE:  # TE's norms and linears; the core attention and experts ours
             from megatron.core.transformer.dot_product_attention import DotProductAttention
 
             core = SDPAttention if sdpa else DotProductAttention
-            return te_spec.te_layer(num_experts, args.qk_norm, options.moe_grouped_gemm, core)
+            return te_spec.te_layer(num_experts, args.qk_norm, grouped, core)
         layer = get_gpt_layer_local_spec(
             num_experts=num_experts,
             moe_grouped_gemm=False,
@@ -270,8 +271,8 @@ def build_model(
             attn.q_layernorm = attn.k_layernorm = RMSNorm
         if sdpa or mla:  # megatron's local DotProductAttention has no separate value width (MLA's)
             sub.self_attention.submodules.core_attention = SDPAttention
-        if num_experts and options.moe_grouped_gemm:
-            sub.mlp.submodules.experts = ModuleSpec(module=GroupedExperts)
+        if num_experts and grouped is not None:
+            sub.mlp.submodules.experts = grouped
         return layer
 
     dense = layer_spec(None)

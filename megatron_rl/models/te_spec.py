@@ -3,7 +3,8 @@
 
 ``transformer_engine`` (the default wherever ``transformer_engine.pytorch`` imports) builds each layer
 from megatron-core's TE spec: RMSNorm fused into the next linear (the input norm's weight lives in
-``linear_qkv``, the pre-MLP norm's in ``linear_fc1``), cuDNN attention, TE's grouped experts.
+``linear_qkv``, the pre-MLP norm's in ``linear_fc1``), fused RoPE and SwiGLU; the core attention and
+grouped experts stay the trainer's own (:func:`te_layer`).
 ``local`` builds megatron-core's local spec, which needs nothing beyond torch. One line says which
 implementation runs, and why. Transformer Engine itself: ``launch/build_te.sh`` (docs/gpu.md).
 """
@@ -126,21 +127,25 @@ TE_FUSIONS = dict(apply_rope_fusion=True, bias_activation_fusion=True, bias_drop
 TE's fused RoPE, the SwiGLU and the residual add fused by megatron's jit kernels."""
 
 
-def te_config_kwargs(moe: bool, grouped: bool) -> dict[str, Any]:
+def te_config_kwargs() -> dict[str, Any]:
     """TransformerConfig fields of a model built on Transformer Engine's layers (TE builds its
-    modules on the GPU directly; grouped experts are TE's GroupedLinear)."""
-    out: dict[str, Any] = dict(TE_FUSIONS, use_cpu_initialization=False, transformer_impl=TRANSFORMER_ENGINE)
-    if moe:
-        out["moe_grouped_gemm"] = grouped
-    return out
+    modules on the GPU directly)."""
+    return dict(TE_FUSIONS, use_cpu_initialization=False, transformer_impl=TRANSFORMER_ENGINE)
 
 
-def te_layer(num_experts: int | None, qk_layernorm: bool, grouped: bool, core_attention: Any) -> Any:
+def te_layer(num_experts: int | None, qk_layernorm: bool, experts: Any, core_attention: Any) -> Any:
     """One layer's TE spec with ``core_attention`` (a module class of megatron's core-attention
     signature) in place of TE's: the trainer's masks are arbitrary (left-padded prompts, padded
-    responses), which TE's causal attention type does not read."""
-    layer = te_layer_spec(num_experts, qk_layernorm=qk_layernorm, moe_grouped_gemm=grouped)
+    responses), which TE's causal attention type does not read.
+
+    ``experts`` (a mixture-of-experts layer's expert module; None: the TE spec's SequentialMLP of TE
+    linears): the trainer passes its grouped-matmul experts (``models.experts.GroupedExperts``), not
+    TE's ``TEGroupedMLP``, whose GroupedLinear runs one GEMM per expert unless cuBLASLt has grouped
+    GEMMs (13.4 on Hopper); docs/benchmarks.md measures the two in a PPO step."""
+    layer = te_layer_spec(num_experts, qk_layernorm=qk_layernorm, moe_grouped_gemm=False)
     layer.submodules.self_attention.submodules.core_attention = core_attention
+    if num_experts and experts is not None:
+        layer.submodules.mlp.submodules.experts = experts
     return layer
 
 

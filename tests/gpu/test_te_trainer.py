@@ -60,7 +60,8 @@ def _build(
     from megatron_rl.models.builder import TrainingOptions, build_model, load_hf_weights
 
     args = load_model_args(path)
-    # the local MoE model runs megatron's SequentialMLP: one parameter (and gradient) per expert
+    # the local MoE model runs megatron's SequentialMLP (one parameter per expert), the TE one the
+    # trainer's grouped experts (one per projection): two expert modules checked against each other
     options = TrainingOptions(
         transformer_overrides=(("transformer_impl", impl), *overrides), moe_grouped_gemm=impl == TE
     )
@@ -85,6 +86,20 @@ def _batch(vocab: int):
     return ids, keep
 
 
+def _grads(model) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient under the tables' names (a grouped expert's: its slice of the stack)."""
+    params = list(model.parameters())
+    assert all(p.grad is not None for p in params)
+    data = [p.data for p in params]
+    for p in params:
+        p.data = p.grad
+    try:
+        return {n: g.detach().clone() for n, g in _params(model).items()}
+    finally:
+        for p, d in zip(params, data, strict=True):
+            p.data = d
+
+
 def _pass(model, ids, keep, routed=None):
     """Logits and the gradients of the mean next-token log-prob, under the tables' names."""
     from megatron_rl.models import routing
@@ -98,7 +113,7 @@ def _pass(model, ids, keep, routed=None):
     (logp * keep[:, 1:]).sum().div(keep[:, 1:].sum()).backward()
     if routed is not None:
         assert all(int(r.recorded) > 0 for r in replays)  # every router took the replayed experts
-    return logits.detach(), {n: p.grad for n, p in _params(model).items() if p.grad is not None}
+    return logits.detach(), _grads(model)
 
 
 def test_one_cudnn_in_the_process_torchs(ps):
@@ -121,7 +136,8 @@ def test_logits_and_gradients_match_the_local_layers(ps, dirs, kind):
 
     local, te_model = _build(dirs[kind], ps, LOCAL), _build(dirs[kind], ps, TE)
     names = {type(m).__name__ for m in te_model.modules()}
-    assert "TELayerNormColumnParallelLinear" in names and ("TEGroupedMLP" in names) == (kind == "moe")
+    assert "TELayerNormColumnParallelLinear" in names and ("GroupedExperts" in names) == (kind == "moe")
+    assert "TEGroupedMLP" not in names  # one GEMM per expert (docs/gpu.md)
     lp, tp = _params(local), _params(te_model)
     assert set(lp) == set(tp)
     assert all(torch.equal(lp[n], tp[n]) for n in lp), "the same HF weights must load bit-identically"
