@@ -39,10 +39,8 @@ EXTRA_STATE = "._extra_state"
 
 @functools.lru_cache(maxsize=1)
 def te_import_error() -> str | None:
-    """None where ``transformer_engine.pytorch`` imports, else why not (one line)."""
-    from megatron_rl.parallel import load_torch_cudnn
-
-    load_torch_cudnn()
+    """None where ``transformer_engine.pytorch`` imports, else why not (one line). Torch's cuDNN is
+    loaded first by the package's import (``megatron_rl.models``)."""
     try:
         import transformer_engine.pytorch  # noqa: F401
     except Exception as e:  # noqa: BLE001 (any failure of an optional import means: not usable)

@@ -86,24 +86,11 @@ def _batch(vocab: int):
     return ids, keep
 
 
-def _grads(model) -> dict[str, torch.Tensor]:
-    """Every parameter's gradient under the tables' names (a grouped expert's: its slice of the stack)."""
-    params = list(model.parameters())
-    assert all(p.grad is not None for p in params)
-    data = [p.data for p in params]
-    for p in params:
-        p.data = p.grad
-    try:
-        return {n: g.detach().clone() for n, g in _params(model).items()}
-    finally:
-        for p, d in zip(params, data, strict=True):
-            p.data = d
-
-
 def _pass(model, ids, keep, routed=None):
     """Logits and the gradients of the mean next-token log-prob, under the tables' names."""
     from megatron_rl.models import routing
     from megatron_rl.models.forward import causal_padding_mask
+    from tests.distributed.workers.grouped_experts import global_grads
 
     if routed is not None:
         replays = routing.enable_replay(model)
@@ -113,7 +100,8 @@ def _pass(model, ids, keep, routed=None):
     (logp * keep[:, 1:]).sum().div(keep[:, 1:].sum()).backward()
     if routed is not None:
         assert all(int(r.recorded) > 0 for r in replays)  # every router took the replayed experts
-    return logits.detach(), _grads(model)
+    assert all(p.grad is not None for p in model.parameters())
+    return logits.detach(), global_grads(model)
 
 
 def test_one_cudnn_in_the_process_torchs(ps):
